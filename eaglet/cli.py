@@ -1,0 +1,72 @@
+"""The `eaglet` command.
+
+    eaglet run CONFIG [--set section.key=value ...]     every stage in order, skipping those up to date
+    eaglet prepare|extract|vocab CONFIG [--set ...]     one stage
+    eaglet config [CONFIG] [--defaults]                 the resolved config, or every key with its doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, describe_defaults, dump_config, load_config
+from .pipeline import STAGE_NAMES, run_all, run_stage
+
+STAGE_HELP = {
+    "prepare": "Render conversations with the target's chat template; tokens and assistant loss masks.",
+    "extract": "Run the target and store its captured hidden states and teacher state in checksummed shards.",
+    "vocab": "Build the draft vocabulary and the d2t/t2d maps from masked-token frequency.",
+}
+
+
+def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+    p.add_argument("config", nargs=None if config_required else "?", help="Run config (YAML).")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="Override one config key (repeatable); the value is read as YAML, e.g. --set extract.batch_tokens=16384.",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models for Hugging Face targets.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="Run the stages in order, skipping those whose inputs have not changed.")
+    _add_common(p)
+    p.add_argument("--until", choices=STAGE_NAMES, help="Stop after this stage.")
+    p.add_argument("--force", action="store_true", help="Rerun every stage even if up to date.")
+
+    for name in STAGE_NAMES:
+        p = sub.add_parser(name, help=STAGE_HELP[name])
+        _add_common(p)
+        p.add_argument("--force", action="store_true", help="Rerun the stage even if its manifest is up to date.")
+
+    p = sub.add_parser("config", help="Print the resolved config, or every key with its default and doc.")
+    _add_common(p, config_required=False)
+    p.add_argument("--defaults", action="store_true", help="Print every key with its type, default and doc.")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            if args.defaults:
+                print(describe_defaults())
+            else:
+                print(dump_config(load_config(args.config, args.overrides)), end="")
+            return 0
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "run":
+            run_all(cfg, upto=args.until, force=args.force)
+        else:
+            run_stage(cfg, args.command, force=args.force)
+    except ConfigError as e:
+        print(f"eaglet: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The one typed run config.
+
+Every knob of every stage lives here, as a dataclass field with a default and a doc string
+(the ``doc`` metadata). A run is configured by a YAML file plus ``--set section.key=value``
+overrides; unknown keys and wrong types are errors that name the key and suggest the
+closest valid one. ``eaglet config --defaults`` prints every key with its default and doc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid. The message names the key."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclass
+class RunSection:
+    dir: str = _f("runs/default", "Run directory: every stage writes into a subfolder of it.")
+    seed: int = _f(0, "Seed for every random choice (data order, init, sampling).")
+
+
+@dataclass
+class TargetSection:
+    path: str = _f("", "Target model: a local Hugging Face model folder (or hub id already in the local cache).")
+    gguf_file: str | None = _f(None, "GGUF file name inside `path` (or an absolute path) to load a GGUF target.")
+    tokenizer: str | None = _f(None, "Tokenizer folder, if not the target's own `path`.")
+    chat_template: str | None = _f(None, "Path to a Jinja chat template file that replaces the tokenizer's own.")
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = _f(
+        "bfloat16", "Dtype the target is loaded in ('auto' keeps the checkpoint's)."
+    )
+    device: str = _f("auto", "Device for the target: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1'.")
+    device_map: str | None = _f(None, "transformers device_map (e.g. 'auto') to spread a large target over GPUs.")
+    attn_implementation: str | None = _f(None, "transformers attn_implementation (e.g. 'sdpa', 'eager'); default: transformers' choice.")
+    trust_remote_code: bool = _f(False, "Run the model repo's own Python code. Off by default: only for repos you trust.")
+    revision: str | None = _f(None, "Model revision (branch, tag or commit) when loading from the hub cache.")
+
+
+@dataclass
+class PrepareSection:
+    data: list[str] = _f([], "Input files: .jsonl, .json (a JSON array, streamed) or .parquet; ShareGPT or OpenAI records.")
+    format: Literal["auto", "sharegpt", "openai"] = _f("auto", "Record format; 'auto' decides per record.")
+    max_length: int = _f(2048, "Longest sample in tokens, after rendering with the chat template.")
+    overflow: Literal["truncate", "drop"] = _f("truncate", "What to do with a sample longer than max_length.")
+    max_records: int | None = _f(None, "Read at most this many records per file (None: all). For quick runs.")
+    num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).")
+    shard_samples: int = _f(50000, "Samples per prepared-data shard.")
+    report_examples: int = _f(20, "Bad records quoted by name in the report (all are counted).")
+    min_loss_tokens: int = _f(1, "A sample with fewer loss-masked tokens than this is skipped (reason 'no_assistant_tokens').")
+
+
+@dataclass
+class ExtractSection:
+    backend: Literal["hf"] = _f("hf", "Engine that runs the target: 'hf' (transformers).")
+    layers: list[int] | None = _f(
+        None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3]."
+    )
+    batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).")
+    max_batch_size: int = _f(64, "Most samples in one forward batch.")
+    shard_mb: float = _f(1024.0, "Target size of one store shard in MiB.")
+    store_dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the stored hidden states.")
+    writer_queue: int = _f(2, "Shards waiting for the background writer before the forward loop waits.")
+    fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
+
+
+@dataclass
+class VocabSection:
+    size: int = _f(32000, "Draft vocabulary size (capped at the target's vocabulary).")
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    target: TargetSection = field(default_factory=TargetSection)
+    prepare: PrepareSection = field(default_factory=PrepareSection)
+    extract: ExtractSection = field(default_factory=ExtractSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
+
+    # ---- access -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dataclasses.asdict(getattr(self, name))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _closest(name: str, options: list[str]) -> str:
+    near = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean '{near[0]}'?)" if near else f" (valid: {', '.join(options)})"
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected None, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: expected one of {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a field type this validator does not know is a bug here
+        raise TypeError(f"config field {key} has unsupported type {tp}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _apply(cfg: Config, updates: dict[str, Any], origin: str) -> None:
+    sections = _sections()
+    for sname, values in updates.items():
+        if sname not in sections:
+            raise ConfigError(f"{origin}: unknown section '{sname}'{_closest(sname, list(sections))}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section '{sname}' must be a mapping, got {values!r}")
+        obj = getattr(cfg, sname)
+        hints = typing.get_type_hints(type(obj))
+        names = [f.name for f in dataclasses.fields(obj)]
+        for key, value in values.items():
+            if key not in names:
+                full = [f"{sname}.{n}" for n in names]
+                raise ConfigError(
+                    f"{origin}: unknown key '{sname}.{key}'{_closest(f'{sname}.{key}', all_keys() or full)}"
+                )
+            setattr(obj, key, _coerce(f"{sname}.{key}", value, hints[key]))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'section.key=value' -> (section, key, value); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set {text!r}: the key must be section.key{_closest(path.strip(), all_keys())}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {path}: value {raw!r} is not valid YAML: {e}") from None
+    return parts[0], parts[1], value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults) and apply `--set` overrides.
+
+    Relative paths in the file (target.path, prepare.data, run.dir, ...) are kept as written:
+    they resolve against the working directory, as every CLI path does.
+    """
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        _apply(cfg, data, str(path))
+    for text in overrides or []:
+        sname, key, value = parse_override(text)
+        _apply(cfg, {sname: {key: value}}, f"--set {sname}.{key}")
+    return cfg
+
+
+def describe_defaults() -> str:
+    """Every key with its type, default and doc, as commented YAML."""
+    lines = []
+    for sname, cls in _sections().items():
+        lines.append(f"{sname}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"  # {f.metadata.get('doc', '')}  [{_type_name(hints[f.name])}]")
+            lines.append(f"  {f.name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,170 @@
+"""Stages, manifests and `eaglet run`.
+
+Each stage writes into `<run.dir>/<stage>/` and, when it finishes, a `manifest.json` there:
+the resolved config, the hash of the stage's inputs, library versions, timings and stats.
+A stage's inputs are its own config sections, the fingerprints of files it reads, and the
+input hash of the stage before it, so a change anywhere reruns that stage and all after it.
+`eaglet run` skips a stage whose manifest is complete with the same input hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import Config
+from .utils import atomic_write_text, file_fingerprint, log
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class StageContext:
+    """What a stage function receives besides the config."""
+
+    name: str
+    out_dir: Path  # this stage's folder (exists)
+    run_dir: Path
+    input_hash: str
+    upstream: dict[str, Path] = field(default_factory=dict)  # earlier stages' folders by name
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    sections: tuple[str, ...]  # config sections that are this stage's inputs
+    entry: str  # "module:function", imported only when the stage runs
+    input_files: Callable[[Config], list[str]] = lambda cfg: []
+
+    def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
+        mod, fn = self.entry.split(":")
+        return getattr(importlib.import_module(mod), fn)
+
+
+def _target_files(cfg: Config) -> list[str]:
+    files = []
+    if cfg.target.chat_template:
+        files.append(cfg.target.chat_template)
+    return files
+
+
+STAGES: list[Stage] = [
+    Stage("prepare", ("target", "prepare"), "eaglet.prepare:run_prepare",
+          lambda cfg: list(cfg.prepare.data) + _target_files(cfg)),
+    Stage("extract", ("target", "extract"), "eaglet.extract:run_extract"),
+    Stage("vocab", ("vocab",), "eaglet.vocab:run_vocab"),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("eaglet", "torch", "transformers", "safetensors", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[str, Any]:
+    """Everything the stage's output depends on, as a JSON-able dict."""
+    cache = cfg.run_dir / ".fingerprints.json"
+    return {
+        "stage": stage.name,
+        "config": {s: cfg.section(s) for s in stage.sections},
+        "files": {p: file_fingerprint(p, cache) for p in stage.input_files(cfg)},
+        "previous": previous_hash,
+        "seed": cfg.run.seed,
+    }
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    path = stage_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]]]:
+    plan, previous = [], None
+    for stage in STAGES:
+        inputs = stage_inputs(cfg, stage, previous)
+        h = _hash_json(inputs)
+        plan.append((stage, h, inputs))
+        previous = h
+        if stage.name == upto:
+            break
+    return plan
+
+
+def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True) -> dict[str, Any]:
+    """Run one stage (if it is not up to date) and return its manifest."""
+    plan = _stage_plan(cfg, name)
+    run_dir = cfg.run_dir
+    upstream = {}
+    for stage, h, inputs in plan[:-1]:
+        m = read_manifest(run_dir / stage.name)
+        if check_upstream and (m is None or m.get("input_hash") != h):
+            raise RuntimeError(
+                f"stage '{name}' needs stage '{stage.name}' up to date in {run_dir / stage.name}; "
+                f"run `eaglet {stage.name}` (or `eaglet run`) first"
+            )
+        upstream[stage.name] = run_dir / stage.name
+    stage, h, inputs = plan[-1]
+    return _execute(cfg, stage, h, inputs, upstream, force)
+
+
+def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool) -> dict[str, Any]:
+    out_dir = cfg.run_dir / stage.name
+    old = read_manifest(out_dir)
+    if not force and old is not None and old.get("input_hash") == h and old.get("status") == "complete":
+        log(f"[{stage.name}] up to date ({out_dir}), skipped")
+        return old
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
+    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream)
+    log(f"[{stage.name}] running -> {out_dir}")
+    t0 = time.time()
+    stats = stage.function()(cfg, ctx)
+    manifest = {
+        "stage": stage.name,
+        "status": "complete",
+        "input_hash": h,
+        "inputs": inputs,
+        "config": cfg.to_dict(),
+        "versions": library_versions(),
+        "host": platform.node(),
+        "pid": os.getpid(),
+        "started": t0,
+        "seconds": round(time.time() - t0, 3),
+        "stats": stats,
+    }
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
+    log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")
+    return manifest
+
+
+def run_all(cfg: Config, upto: str | None = None, force: bool = False) -> list[dict[str, Any]]:
+    """`eaglet run`: every stage in order, skipping those up to date."""
+    manifests, upstream = [], {}
+    for stage, h, inputs in _stage_plan(cfg, upto or STAGE_NAMES[-1]):
+        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force))
+        upstream[stage.name] = cfg.run_dir / stage.name
+    return manifests

@@ -1,0 +1,83 @@
+"""Small shared helpers: atomic writes, file hashing, logging."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes | memoryview, fsync: bool = True) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str, fsync: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), fsync=fsync)
+
+
+def atomic_write_json(path: str | Path, obj: Any, fsync: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, default=str), fsync=fsync)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_fingerprint(path: str | Path, cache_file: Path | None = None) -> str:
+    """Content hash of a file, cached by (path, size, mtime) so large inputs hash once."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"input file not found: {p}")
+    st = p.stat()
+    key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    cache: dict[str, str] = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text())
+        except json.JSONDecodeError:
+            cache = {}
+    if key in cache:
+        return cache[key]
+    digest = sha256_file(p)
+    if cache_file is not None:
+        cache[key] = digest
+        atomic_write_json(cache_file, cache, fsync=False)
+    return digest
