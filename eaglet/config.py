@@ -134,12 +134,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in typing.get_args(tp):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(arms) < len(typing.get_args(tp)):
+            return None
+        if len(arms) == 1:  # Optional[X]: X's own message says more than the union's
+            return _coerce(key, value, arms[0])
+        for arm in arms:
             try:
                 return _coerce(key, value, arm)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:
