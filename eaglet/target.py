@@ -1,0 +1,192 @@
+"""Loading the target model and finding the parts extraction hooks into.
+
+`load_target` turns the `target` config section into a transformers model in eval mode.
+`TargetParts` names the pieces of a Llama/Qwen-style causal LM that the rest of eaglet
+uses: the decoder stack (the base model without the LM head), its layer list, the final
+norm, the LM head and the token embedding. Multimodal wrappers whose text decoder sits
+under `language_model` (Llava, Qwen-VL, Kimi-K2.5, ...) are found too.
+
+Layer ids follow the EAGLE-3 convention (see EAGLE3_FACTS.md): id i is the hidden state
+*entering* decoder layer i, which is `output_hidden_states[i]` in transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import TargetSection
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when present, else cpu; anything else as torch reads it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _is_unmapped_config(err: Exception) -> bool:
+    return "Unrecognized configuration class" in str(err)
+
+
+def load_target(tcfg: TargetSection) -> tuple[nn.Module, dict[str, Any]]:
+    """Load the target named by `tcfg` in eval mode; returns (model, info).
+
+    Only the from_pretrained options that are set are passed. Without `device_map` the model
+    is placed on `tcfg.device`: straight onto it when `accelerate` is installed (a large
+    target never sits in host memory whole), else loaded on the CPU and moved.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not tcfg.path:
+        raise ValueError("target.path is empty: set it to a local Hugging Face model folder")
+    kwargs: dict[str, Any] = {"dtype": "auto" if tcfg.dtype == "auto" else _DTYPES[tcfg.dtype]}
+    for key in ("attn_implementation", "revision", "gguf_file"):
+        value = getattr(tcfg, key)
+        if value is not None:
+            kwargs[key] = value
+    if tcfg.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    device = resolve_device(tcfg.device)
+    move_after = False
+    if tcfg.device_map is not None:
+        kwargs["device_map"] = tcfg.device_map
+    elif device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        kwargs["device_map"] = str(device)  # transformers needs accelerate for any device_map
+    else:
+        move_after = device.type != "cpu"
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tcfg.path, **kwargs)
+    except ValueError as e:
+        if not _is_unmapped_config(e):
+            raise
+        # A multimodal checkpoint (e.g. Kimi-K2.5) is not a CausalLM class in transformers;
+        # its image-text-to-text class holds the same text decoder and LM head.
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(tcfg.path, **kwargs)
+    if move_after:
+        model = model.to(device)
+    model.eval()
+    parts = TargetParts.of(model)
+    text_cfg = model.config.get_text_config()
+    info = {
+        "class": type(model).__name__,
+        "model_type": getattr(text_cfg, "model_type", None),
+        "num_layers": parts.num_layers,
+        "hidden_size": parts.hidden_size,
+        "vocab_size": getattr(text_cfg, "vocab_size", None),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(parts.input_device),
+        "device_map": getattr(model, "hf_device_map", None),
+        "path": tcfg.path,
+    }
+    return model, info
+
+
+@dataclass
+class TargetParts:
+    """The pieces of a causal LM that extraction (and later training) touch."""
+
+    decoder: nn.Module  # base model: embeddings -> layers -> final norm, no LM head
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module
+    embed_tokens: nn.Module
+    num_layers: int
+    hidden_size: int
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where input ids go (the embedding's device, also under a device_map)."""
+        return self.embed_tokens.weight.device
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "TargetParts":
+        decoder = _find_decoder(model)
+        if decoder is None:
+            raise ValueError(
+                f"cannot find the decoder layers of {type(model).__name__}: looked for a module with "
+                "`layers` (a ModuleList) and `norm` at get_decoder(), .model, .model.language_model, "
+                ".language_model and .language_model.model"
+            )
+        lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if lm_head is None:
+            lm_head = getattr(model, "lm_head", None)
+        if lm_head is None:
+            raise ValueError(f"cannot find the LM head of {type(model).__name__} (get_output_embeddings() is None)")
+        embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
+        if embed is None:
+            embed = model.get_input_embeddings()
+        text_cfg = model.config.get_text_config() if hasattr(model, "config") else None
+        num_layers = len(decoder.layers)
+        declared = getattr(text_cfg, "num_hidden_layers", None)
+        if isinstance(declared, int) and 0 < declared <= num_layers:
+            num_layers = declared  # decoders run layers[:num_hidden_layers]; extra ones (MTP) never run
+        hidden = getattr(text_cfg, "hidden_size", None) or embed.weight.shape[-1]
+        return cls(decoder, decoder.layers, decoder.norm, lm_head, embed, num_layers, int(hidden))
+
+
+def _has_parts(m: Any) -> bool:
+    return isinstance(m, nn.Module) and isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(
+        getattr(m, "norm", None), nn.Module
+    )
+
+
+def _find_decoder(model: nn.Module) -> nn.Module | None:
+    candidates: list[Any] = []
+    if hasattr(model, "get_decoder"):
+        try:
+            candidates.append(model.get_decoder())
+        except (AttributeError, NotImplementedError, ValueError):
+            pass
+    inner = getattr(model, "model", None)
+    lang = getattr(model, "language_model", None)
+    candidates += [
+        inner,
+        getattr(inner, "language_model", None),
+        lang,
+        getattr(lang, "model", None),
+        getattr(getattr(inner, "language_model", None), "model", None),
+    ]
+    for cand in candidates:
+        if _has_parts(cand):
+            return cand
+    return None
+
+
+def default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high states: inputs of layers 2, L//2, L-3 (sorted, duplicates dropped).
+
+    A target with fewer than 6 layers gives fewer than three distinct ids (L=6 gives [2, 3]).
+    """
+    ids = sorted({2, num_layers // 2, num_layers - 3})
+    return validate_layers(ids, num_layers, default=True)
+
+
+def validate_layers(layers: list[int], num_layers: int, default: bool = False) -> list[int]:
+    """Check that every id is the input of an existing decoder layer (0 <= i < L), once each."""
+    what = f"default extract.layers {layers}" if default else f"extract.layers {layers}"
+    if not layers:
+        raise ValueError(f"{what}: needs at least one layer id")
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"{what}: id(s) {bad} out of range for a target with L={num_layers} decoder layers "
+            f"(valid 0..{num_layers - 1}; id i is the state entering layer i)"
+        )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{what}: duplicate layer ids")
+    return list(layers)
+
+
+def resolve_layers(layers: list[int] | None, num_layers: int) -> list[int]:
+    """The configured ids (validated) or the EAGLE-3 default."""
+    return default_layers(num_layers) if layers is None else validate_layers(list(layers), num_layers)
