@@ -47,9 +47,12 @@ class RecordError(Exception):
     """A record that cannot become a sample; `reason` is one of the fixed reason strings."""
 
     def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
+        super().__init__(reason, detail)  # both in args, so it survives pickling to and from workers
         self.reason = reason
         self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
 
 
 # ---- readers ----------------------------------------------------------------------------------

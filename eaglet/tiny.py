@@ -46,7 +46,7 @@ INST_TEMPLATE = (
 # ChatML with generation markers, so transformers can return the assistant mask itself.
 CHATML_GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
-    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

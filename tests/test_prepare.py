@@ -1,0 +1,396 @@
+"""The prepare stage: readers, record normalisation, bad-record accounting, overflow and
+the stage end to end through eaglet.pipeline, read back with PreparedData."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eaglet.config import Config, ConfigError
+from eaglet.data import RecordError, iter_records, normalize_record, read_json_array, read_jsonl, read_parquet
+from eaglet.pipeline import StageContext, read_manifest, run_stage
+from eaglet.prepare import run_prepare
+from eaglet.prepared import PreparedData
+from eaglet.tiny import CHATML_TEMPLATE, build_tokenizer, make_conversations, save_target, write_jsonl
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory) -> Path:
+    """A tokenizer folder (no model) with the ChatML template."""
+    out = tmp_path_factory.mktemp("tok_chatml")
+    build_tokenizer("chatml").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chatml_tok(chatml_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chatml_dir)
+
+
+def make_cfg(tmp_path: Path, tokenizer_dir: Path, data: list[Path], **prepare) -> Config:
+    cfg = Config()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.target.path = str(tokenizer_dir)
+    cfg.prepare.data = [str(d) for d in data]
+    for k, v in prepare.items():
+        setattr(cfg.prepare, k, v)
+    return cfg
+
+
+def prepare(cfg: Config) -> tuple[dict, Path]:
+    out = Path(cfg.run.dir) / "prepare"
+    out.mkdir(parents=True, exist_ok=True)
+    return run_prepare(cfg, StageContext("prepare", out, Path(cfg.run.dir), "test")), out
+
+
+def read_skipped(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+
+
+def to_messages(record: dict) -> list[dict]:
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    return [{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]]
+
+
+def good(q: str = "What is a draft model?", a: str = "A small model that guesses tokens.") -> dict:
+    return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+# ---- readers --------------------------------------------------------------------------------------
+
+
+def test_jsonl_reader_rows_and_malformed_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": 2\n\n{"a": 3}\n\xff\xfe{"a": 4}\n[1, 2]\n')
+    rows = list(read_jsonl(path))
+    assert [r for r, _ in rows] == [1, 2, 4, 5, 6]  # 1-based line numbers; the blank line 3 is no record
+    assert rows[0][1] == {"a": 1} and rows[2][1] == {"a": 3} and rows[4][1] == [1, 2]
+    for bad in (rows[1][1], rows[3][1]):  # bad JSON, bad UTF-8
+        assert isinstance(bad, RecordError) and bad.reason == "malformed_json"
+
+
+def test_parquet_reader_in_batches(tmp_path):
+    records = [{"id": f"r{i}", "conversations": to_sharegpt(i)} for i in range(7)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=3)
+    rows = list(read_parquet(path, batch_size=2))
+    assert [r for r, _ in rows] == list(range(7))
+    assert [rec for _, rec in rows] == records
+
+
+def to_sharegpt(i: int) -> list[dict]:
+    return [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]
+
+
+JSON_ARRAY = (
+    ' \n[ {"conversations": [{"from": "human", "value": "a \\"quoted\\" \\u00e9 \\\\ [x] {y}"}]},\n'
+    '  12345678901234567890, -1.5e+10, true, null, "str]ing,", [], {},\n'
+    '  {"nested": {"deep": [1, [2, [3]]], "text": "' + "long " * 40 + '"}}, 7 ]\n'
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 13, 64, 1 << 20])
+def test_json_array_streamed_equals_json_load(tmp_path, chunk):
+    path = tmp_path / "d.json"
+    path.write_text(JSON_ARRAY)
+    rows = list(read_json_array(path, chunk_chars=chunk))
+    assert [r for r, _ in rows] == list(range(len(json.loads(JSON_ARRAY))))
+    assert [v for _, v in rows] == json.loads(JSON_ARRAY)
+
+
+def test_json_array_large_file_with_small_chunks(tmp_path):
+    records = make_conversations(200, seed=5)
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(records, indent=2))
+    assert [v for _, v in read_json_array(path, chunk_chars=97)] == records
+    path.write_text("[]")
+    assert list(read_json_array(path, chunk_chars=1)) == []
+
+
+@pytest.mark.parametrize(
+    "text,good_rows,why",
+    [
+        ('[{"a": 1}, {"a": 2}, {"a": 3', 2, "Expecting"),  # file cut inside element 2
+        ('[{"a": 1}, {"a": 2},', 2, "Expecting value"),  # cut after a comma
+        ('[{"a": 1} {"a": 2}]', 1, "expected ',' or ']'"),  # missing comma
+        ('[{"a": 1}, {"a": 2}', 2, "end of file"),  # no closing bracket
+        ('[{"a": 1}, {"a": }, {"a": 3}]', 1, "Expecting value"),  # bad element in the middle
+        ('[{"a": 1}, ]', 1, "trailing comma"),
+        ('[{"a": 1}] x', 1, "after the closing"),
+    ],
+)
+def test_broken_json_array_counts_the_rest_as_one_bad_record_and_stops(tmp_path, text, good_rows, why):
+    path = tmp_path / "d.json"
+    path.write_text(text)
+    for chunk in (3, 1 << 20):
+        rows = list(read_json_array(path, chunk_chars=chunk))
+        assert [r for r, _ in rows[:-1]] == list(range(good_rows))
+        assert all(isinstance(v, dict) for _, v in rows[:-1])
+        row, err = rows[-1]
+        assert isinstance(err, RecordError) and err.reason == "malformed_json"
+        assert row == good_rows and why in err.detail and "rest of file not read" in err.detail
+
+
+def test_file_kinds_and_errors(tmp_path):
+    (tmp_path / "d.txt").write_text("{}")
+    with pytest.raises(ConfigError, match=r"d\.txt.*unknown file type"):
+        iter_records(tmp_path / "d.txt")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        iter_records(tmp_path / "missing.jsonl")
+    (tmp_path / "lines.json").write_text('{"a": 1}\n{"a": 2}\n')
+    with pytest.raises(ConfigError, match=r"lines\.json.*one JSON array.*\.jsonl"):
+        list(iter_records(tmp_path / "lines.json"))
+    write_jsonl(tmp_path / "d.jsonl", [{"i": i} for i in range(10)])
+    assert [r for r, _ in iter_records(tmp_path / "d.jsonl", max_records=4)] == [1, 2, 3, 4]
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+
+def test_normalize_sharegpt_and_openai():
+    sharegpt = {"conversations": [
+        {"from": "system", "value": "S"}, {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"},
+        {"from": "user", "value": "Q2"}, {"from": "chatgpt", "value": "A2"}, {"from": "assistant", "value": "A3"},
+    ]}
+    assert [m["role"] for m in normalize_record(sharegpt)] == ["system", "user", "assistant", "user", "assistant", "assistant"]
+    openai = {"messages": [{"role": "user", "content": "Q", "name": "x"}, {"role": "assistant", "content": "A"}]}
+    assert normalize_record(openai) == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    assert normalize_record(openai, "openai") == normalize_record(openai)
+    with pytest.raises(RecordError) as e:
+        normalize_record(openai, "sharegpt")  # a forced format does not fall back
+    assert e.value.reason == "not_a_conversation"
+
+
+@pytest.mark.parametrize(
+    "record,reason",
+    [
+        ([1, 2], "not_a_conversation"),
+        ({"text": "hi"}, "not_a_conversation"),
+        ({"conversations": "hi"}, "not_a_conversation"),
+        ({"conversations": []}, "not_a_conversation"),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown_role"),
+        ({"messages": [{"role": "human", "content": "x"}]}, "unknown_role"),  # ShareGPT role in OpenAI shape
+        ({"messages": [{"role": "tool", "content": "x"}]}, "unknown_role"),
+        ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}, "empty_content"),
+        ({"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "a"}]}, "empty_content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}, "empty_content"),
+        ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]}, "no_assistant_turn"),
+    ],
+)
+def test_normalize_bad_records(record, reason):
+    with pytest.raises(RecordError) as e:
+        normalize_record(record)
+    assert e.value.reason == reason
+
+
+# ---- the stage ------------------------------------------------------------------------------------
+
+# ChatML that raises on a turn containing RAISE and rewrites a SHIFT turn once it is history.
+TRICKY_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{{ m['content'] }}",
+    "{% if 'RAISE' in m['content'] %}{{ raise_exception('turn says RAISE') }}{% endif %}"
+    "{% if 'SHIFT' in m['content'] and not loop.last %}[old] {% endif %}{{ m['content'] }}",
+)
+
+BAD_LINES = {  # line number in the file -> (text of the line, reason)
+    2: ('{"conversations": [', "malformed_json"),
+    3: (json.dumps({"text": "no turns"}), "not_a_conversation"),
+    5: (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "unknown_role"),
+    6: (json.dumps({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "a"}]}), "empty_content"),
+    7: (json.dumps({"conversations": [{"from": "human", "value": "hello"}]}), "no_assistant_turn"),
+    8: (json.dumps(good(q="RAISE now")), "template_error"),
+    10: (json.dumps(good(q="word " * 300)), "too_long"),
+    11: (json.dumps(good(a="a")), "no_assistant_tokens"),  # "a<|im_end|>" is 2 tokens < min_loss_tokens=3
+    12: (json.dumps({"conversations": good(a="SHIFT it")["conversations"] + good()["conversations"]}), "mask_mismatch"),
+}
+GOOD_LINES = (1, 4, 9, 13)
+
+
+def write_mixed(path: Path) -> Path:
+    lines = [BAD_LINES[n][0] if n in BAD_LINES else json.dumps(good(q=f"Question {n}?")) for n in range(1, 14)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_every_bad_reason_counted_with_file_and_row(tmp_path, chatml_dir, capsys):
+    data = write_mixed(tmp_path / "mixed.jsonl")
+    template = tmp_path / "tricky.jinja"
+    template.write_text(TRICKY_TEMPLATE)
+    cfg = make_cfg(tmp_path, chatml_dir, [data], overflow="drop", max_length=200, min_loss_tokens=3, report_examples=2)
+    cfg.target.chat_template = str(template)
+    stats, out = prepare(cfg)
+
+    expected = {reason: 1 for _, reason in BAD_LINES.values()}
+    assert stats["skipped"] == expected and len(expected) == 9
+    assert stats["records"] == 13 and stats["samples"] == len(GOOD_LINES)
+    assert stats["records"] == stats["samples"] + sum(stats["skipped"].values())
+    assert stats["files"] == [{"path": str(data), "records": 13, "samples": 4, "skipped": expected}]
+    assert stats["mask_method"] == "prefix"
+
+    skipped = read_skipped(out)
+    assert {(s["file"], s["row"], s["reason"]) for s in skipped} == {(str(data), n, r) for n, (_, r) in BAD_LINES.items()}
+    assert all(s["detail"] for s in skipped)
+    assert [int(s.source_row) for s in PreparedData(out)] == list(GOOD_LINES)
+
+    err = capsys.readouterr().err
+    assert f"{data}:line 2: malformed_json" in err and f"{data}:line 3: not_a_conversation" in err
+    assert f"{data}:line 5" not in err  # only report_examples=2 are quoted
+    assert "7 more skipped records" in err
+
+
+def test_file_without_usable_record_raises(tmp_path, chatml_dir):
+    good_file = write_jsonl(tmp_path / "good.jsonl", [good()] * 3)
+    bad_file = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}, {"conversations": [{"from": "human", "value": "q"}]}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl: no usable record \(2 read; skipped: no_assistant_turn=1, not_a_conversation=1\)"):
+        prepare(make_cfg(tmp_path, chatml_dir, [good_file, bad_file]))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no usable record \(0 read"):
+        prepare(make_cfg(tmp_path, chatml_dir, [tmp_path / "empty.jsonl"]))
+
+
+def test_input_files_checked_before_any_is_read(tmp_path, chatml_dir):
+    good_file = write_jsonl(tmp_path / "good.jsonl", [good()])
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        prepare(make_cfg(tmp_path, chatml_dir, [good_file, tmp_path / "nope.jsonl"]))
+    with pytest.raises(ConfigError, match=r"data\.csv"):
+        prepare(make_cfg(tmp_path, chatml_dir, [good_file, tmp_path / "data.csv"]))
+    assert not (tmp_path / "run" / "prepare" / "skipped.jsonl").exists()
+
+
+def test_tokenizer_without_chat_template(tmp_path):
+    tok = build_tokenizer("chatml")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "d.jsonl", [good()])
+    with pytest.raises(ConfigError, match="target.chat_template"):
+        prepare(make_cfg(tmp_path, tmp_path / "tok", [data]))
+    assert not (tmp_path / "run" / "prepare" / "skipped.jsonl").exists()  # failed before reading data
+    (tmp_path / "t.jinja").write_text(CHATML_TEMPLATE)
+    cfg = make_cfg(tmp_path, tmp_path / "tok", [data])
+    cfg.target.chat_template = str(tmp_path / "t.jinja")
+    stats, _ = prepare(cfg)
+    assert stats["samples"] == 1
+
+
+def test_truncate_vs_drop(tmp_path, chatml_dir, chatml_tok):
+    records = make_conversations(30, seed=2)
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    full = [chatml_tok.apply_chat_template(to_messages(r), tokenize=True, return_dict=False) for r in records]
+    limit = int(np.median([len(f) for f in full]))
+    longer = sum(len(f) > limit for f in full)
+    assert 0 < longer < len(records)
+
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data], max_length=limit, overflow="truncate"))
+    assert stats["samples"] == 30 and stats["truncated"] == longer and stats["skipped"] == {}
+    prepared = PreparedData(out)
+    for s in prepared:
+        assert s.input_ids.tolist() == full[s.source_row - 1][:limit]
+    assert stats["tokens"] == sum(min(len(f), limit) for f in full) == int(prepared.lengths.sum())
+    assert stats["loss_tokens"] == sum(int(s.loss_mask.sum()) for s in prepared)
+
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data], max_length=limit, overflow="drop"))
+    assert stats["samples"] == 30 - longer and stats["skipped"] == {"too_long": longer} and stats["truncated"] == 0
+    kept = [s.source_row for s in PreparedData(out)]
+    assert kept == [i + 1 for i, f in enumerate(full) if len(f) <= limit]
+
+
+def test_truncation_that_cuts_every_answer_is_no_assistant_tokens(tmp_path, chatml_dir, chatml_tok):
+    data = write_jsonl(tmp_path / "d.jsonl", [good(q="word " * 50), good()])
+    fits = len(chatml_tok.apply_chat_template(to_messages(good()), tokenize=True, return_dict=False))
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data], max_length=fits))
+    assert stats["skipped"] == {"no_assistant_tokens": 1} and stats["samples"] == 1
+    assert "after truncation" in read_skipped(out)[0]["detail"]
+
+
+def test_many_files_formats_and_max_records(tmp_path, chatml_dir, chatml_tok):
+    sharegpt = make_conversations(12, seed=3)
+    openai = [{"messages": to_messages(r)} for r in make_conversations(9, seed=4)]
+    files = [
+        write_jsonl(tmp_path / "a.jsonl", sharegpt),
+        tmp_path / "b.json",
+        tmp_path / "c.parquet",
+    ]
+    files[1].write_text(json.dumps(openai))
+    pq.write_table(pa.Table.from_pylist(sharegpt[:6]), files[2])
+
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, files, max_records=8))
+    assert [f["records"] for f in stats["files"]] == [8, 8, 6]
+    data = PreparedData(out)
+    assert len(data) == stats["samples"] == 22
+    assert [(s.source_file, s.source_row) for s in data] == (
+        [(0, r) for r in range(1, 9)] + [(1, r) for r in range(8)] + [(2, r) for r in range(6)]
+    )
+    expected = [[to_messages(r) for r in sharegpt], [r["messages"] for r in openai], [to_messages(r) for r in sharegpt]]
+    for s in data:
+        msgs = expected[s.source_file][s.source_row - 1 if s.source_file == 0 else s.source_row]  # JSONL rows are 1-based
+        assert s.input_ids.tolist() == chatml_tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+
+
+
+def test_workers_give_the_same_output_in_the_same_order(tmp_path, chatml_dir):
+    # several tasks of prepare.CHUNK records per worker, and a bad record among them
+    records = make_conversations(150, seed=6)
+    records[7] = {"text": "not a conversation"}
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    runs = []
+    for workers in (0, 2):
+        cfg = make_cfg(tmp_path, chatml_dir, [data], num_workers=workers)
+        cfg.run.dir = str(tmp_path / f"run{workers}")
+        stats, out = prepare(cfg)
+        runs.append((stats, [(s.source_row, s.input_ids.tolist(), s.loss_mask.tolist()) for s in PreparedData(out)], read_skipped(out)))
+    assert runs[0] == runs[1]
+    assert [row for row, _, _ in runs[0][1]] == [n for n in range(1, 151) if n != 8]
+    assert runs[0][2][0]["row"] == 8
+
+
+def test_generation_marker_template_reported(tmp_path):
+    tok_dir = tmp_path / "tok"
+    build_tokenizer("chatml_generation").save_pretrained(tok_dir)
+    data = write_jsonl(tmp_path / "d.jsonl", make_conversations(5))
+    stats, _ = prepare(make_cfg(tmp_path, tok_dir, [data]))
+    assert stats["mask_method"] == "generation_markers" and stats["samples"] == 5 and stats["loss_tokens"] > 0
+
+
+def test_end_to_end_through_pipeline(tmp_path):
+    target = save_target(tmp_path / "target", template="default_system")
+    records = make_conversations(40, seed=1)
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    cfg = Config()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.target.path = str(target)
+    cfg.prepare.data = [str(data)]
+    cfg.prepare.shard_samples = 16
+
+    manifest = run_stage(cfg, "prepare")
+    assert manifest["status"] == "complete" and read_manifest(tmp_path / "run" / "prepare") == manifest
+    stats = manifest["stats"]
+    assert stats["records"] == 40 and stats["samples"] == 40 and stats["skipped"] == {} and stats["shards"] == 3
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    data_out = PreparedData(tmp_path / "run" / "prepare")
+    assert len(data_out) == 40 and data_out.files == [str(data)]
+    assert data_out.sample_ids.tolist() == list(range(40))
+    assert stats["tokens"] == int(data_out.lengths.sum())
+    for s in data_out:
+        msgs = to_messages(records[s.source_row - 1])
+        assert s.input_ids.tolist() == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+        masked = tok.decode(s.input_ids[s.loss_mask == 1].tolist(), skip_special_tokens=False)
+        assert masked == "".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")
+        injected = "You are a helpful AI assistant named Tiny." in tok.decode(s.input_ids.tolist())
+        assert injected == (msgs[0]["role"] != "system")  # the template's default system prompt, unmasked
+
+    # a second run with the same inputs is skipped; a changed option reruns
+    assert run_stage(cfg, "prepare")["started"] == manifest["started"]
+    cfg.prepare.max_records = 10
+    assert run_stage(cfg, "prepare")["stats"]["samples"] == 10
