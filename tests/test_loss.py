@@ -1,0 +1,172 @@
+"""Teacher targets, the shifted TTT loss (mask moves with the target), accuracies and the
+simulated acceptance length, against hand computations and an explicit loop reference."""
+
+import math
+
+import pytest
+import torch
+
+from eaglet.loss import simulated_acceptance_length, step_mask, teacher_targets, ttt_loss
+from eaglet.model import DraftConfig, Eagle3Draft
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def vocab_maps(used: list[int], V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d2t = torch.tensor(used) - torch.arange(len(used))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+# ---- teacher ------------------------------------------------------------------------------
+
+
+def test_teacher_restricts_renormalises_and_flags_out_of_vocab_by_hand():
+    V, used = 6, [1, 3, 4]
+    d2t, t2d = vocab_maps(used, V)
+    W = torch.eye(V, dtype=torch.float64)  # logits = the final state itself
+    final = torch.tensor([[[0.0, 2.0, 0.0, 1.0, 0.0, 0.0],    # argmax 1: a draft token
+                           [5.0, 0.0, 0.0, 0.0, 1.0, 0.0]]],  # argmax 0: not a draft token
+                         dtype=torch.float64)
+    probs, in_vocab = teacher_targets(final, W, t2d, d2t)
+
+    def softmax(z):
+        e = [math.exp(v) for v in z]
+        return [v / sum(e) for v in e]
+
+    torch.testing.assert_close(probs[0, 0], torch.tensor(softmax([2.0, 1.0, 0.0]), dtype=torch.float64))
+    torch.testing.assert_close(probs[0, 1], torch.tensor(softmax([0.0, 0.0, 1.0]), dtype=torch.float64))
+    assert in_vocab.tolist() == [[True, False]]
+
+
+def test_teacher_chunked_equals_unchunked():
+    g = torch.Generator().manual_seed(0)
+    V, H = 50, 16
+    used = sorted(torch.randperm(V, generator=g)[:20].tolist())
+    d2t, t2d = vocab_maps(used, V)
+    final = torch.randn(3, 7, H, generator=g)
+    W = torch.randn(V, H, generator=g)
+    whole = teacher_targets(final, W, t2d, d2t, chunk=10_000)
+    for chunk in (1, 4, 5):
+        part = teacher_targets(final, W, t2d, d2t, chunk=chunk)
+        torch.testing.assert_close(part[0], whole[0])  # fp32 matmuls of other shapes round differently
+        assert torch.equal(part[1], whole[1])
+    # against the direct full-vocabulary formula
+    logits = final @ W.T
+    torch.testing.assert_close(whole[0], logits[..., used].softmax(-1))
+    assert torch.equal(whole[1], t2d[logits.argmax(-1)])
+    assert 0 < whole[1].sum() < whole[1].numel()  # both cases occur
+
+
+def test_teacher_prenorm_flag_applies_the_final_rmsnorm():
+    g = torch.Generator().manual_seed(1)
+    V, H, eps = 30, 8, 1e-5
+    d2t, t2d = vocab_maps(list(range(0, 30, 3)), V)
+    final = 5 * torch.randn(2, 4, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64)
+    w = 1 + torch.rand(H, generator=g, dtype=torch.float64)
+    normed = w * final / torch.sqrt(final.pow(2).mean(-1, keepdim=True) + eps)
+    want = teacher_targets(normed, W, t2d, d2t)
+    got = teacher_targets(final, W, t2d, d2t, norm_weight_H=w, norm_eps=eps, chunk=3)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    assert (teacher_targets(final, W, t2d, d2t)[0] - want[0]).abs().max() > 1e-3
+
+
+# ---- which (row, step) pairs count ---------------------------------------------------------
+
+
+def counted(loss_mask, in_vocab, doc_ids, steps):
+    """The (row, step) pairs of sample 0 that count."""
+    return {
+        (t, j) for j in range(steps) for t in step_mask(loss_mask, in_vocab, doc_ids, j)[0].nonzero().flatten().tolist()
+    }
+
+
+def test_loss_mask_shifts_with_the_target():
+    """Only tokens 4 and 7 are trained. Step j at row t predicts token t+2+j, so token 4 is
+    predicted by rows 2,1,0 at steps 0,1,2 and token 7 by rows 5,4,3,2 at steps 0..3. A loss
+    that shifts the target but not the mask (EAGLE issue 317) would count rows 2 and 5 at
+    every step."""
+    T = 10
+    loss_mask = torch.zeros(1, T, dtype=torch.bool)
+    loss_mask[0, [4, 7]] = True
+    in_vocab = torch.ones(1, T, dtype=torch.bool)
+    assert counted(loss_mask, in_vocab, None, 4) == {(2, 0), (5, 0), (1, 1), (4, 1), (0, 2), (3, 2), (2, 3)}
+    # the teacher at position t+1+j is out of the draft vocab: that pair drops, nothing else
+    in_vocab[0, 6] = False  # the teacher predicting token 7
+    assert counted(loss_mask, in_vocab, None, 4) == {(2, 0), (1, 1), (0, 2)}
+
+
+def test_packed_documents_do_not_predict_across_the_boundary():
+    T = 10
+    doc = torch.tensor([[0] * 5 + [1] * 5])
+    ones = torch.ones(1, T, dtype=torch.bool)
+    got = counted(ones, ones, doc, 2)
+    assert {t for t, j in got if j == 0} == {0, 1, 2, 5, 6, 7}  # row 3 -> token 5 is doc 1
+    assert {t for t, j in got if j == 1} == {0, 1, 5, 6}
+
+
+def reference_loss(logits_steps, teacher, in_vocab, loss_mask, gamma):
+    """Loop over (row, step) with the alignment written out; -sum p log_softmax(z)."""
+    B, T, _ = teacher.shape
+    losses, accs = [], []
+    for j, logits in enumerate(logits_steps):
+        ce, hits, n = 0.0, 0, 0
+        for b in range(B):
+            for t in range(T):
+                if t + 2 + j < T and loss_mask[b, t + 2 + j] and in_vocab[b, t + 1 + j]:
+                    p = teacher[b, t + 1 + j]
+                    ce += float(-(p * logits[b, t].detach().log_softmax(-1)).sum())
+                    hits += int(logits[b, t].argmax() == p.argmax())
+                    n += 1
+        losses.append(ce / max(n, 1))
+        accs.append(hits / max(n, 1))
+    return sum(gamma**j * x for j, x in enumerate(losses)), losses, accs
+
+
+def test_ttt_loss_matches_the_loop_reference_and_gradients_stay_on_counted_rows():
+    g = torch.Generator().manual_seed(2)
+    B, T, N, steps = 2, 12, 7, 3
+    teacher = torch.randn(B, T, N, generator=g, dtype=torch.float64).softmax(-1)
+    in_vocab = torch.rand(B, T, generator=g) > 0.2
+    loss_mask = torch.rand(B, T, generator=g) > 0.3
+    logits = [torch.randn(B, T, N, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    # plant agreement on some rows so the accuracy is not trivially zero
+    with torch.no_grad():
+        for j, lg in enumerate(logits):
+            lg[:, : T // 2 - j] += 10 * teacher[:, 1 + j : 1 + j + T // 2 - j]
+    out = ttt_loss(iter(logits), teacher, in_vocab, loss_mask, gamma=0.8)
+    want_total, want_losses, want_accs = reference_loss(logits, teacher, in_vocab, loss_mask, 0.8)
+    assert float(out.total.detach()) == pytest.approx(want_total, rel=1e-12)
+    assert [float(x.detach()) for x in out.losses] == pytest.approx(want_losses, rel=1e-12)
+    assert [float(a) for a in out.accs()] == pytest.approx(want_accs, rel=1e-6)
+    assert 0 < min(want_accs) and max(want_accs) < 1
+    out.total.backward()
+    for j, lg in enumerate(logits):
+        live = torch.zeros(B, T, dtype=torch.bool)
+        live[:, : T - 2 - j] = step_mask(loss_mask, in_vocab, None, j)
+        assert torch.all(lg.grad[~live] == 0) and torch.all(lg.grad[live].abs().sum(-1) > 0)
+
+
+def test_ttt_loss_consumes_the_draft_generator():
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=16, target_hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=8, intermediate_size=32, vocab_size=40, draft_vocab_size=20)
+    m = Eagle3Draft(cfg)
+    B, T = 2, 9
+    aux, ids = torch.randn(B, T, 48), torch.randint(0, 40, (B, T))
+    teacher = torch.randn(B, T, 20).softmax(-1)
+    ones = torch.ones(B, T, dtype=torch.bool)
+    out = ttt_loss(m.ttt_steps(aux, ids, num_steps=3), teacher, ones, ones)
+    assert [int(n) for n in out.counts] == [B * (T - 2), B * (T - 3), B * (T - 4)]
+    out.total.backward()
+    assert m.fc.weight.grad is not None and m.embed_tokens.weight.grad is None
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([]) == 1.0
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
+    assert simulated_acceptance_length([0.8, 0.5, 0.0, 0.9]) == pytest.approx(1 + 0.8 + 0.4)
