@@ -74,7 +74,8 @@ class ExtractSection:
     max_batch_size: int = _f(64, "Most samples in one forward batch.")
     shard_mb: float = _f(1024.0, "Target size of one store shard in MiB.")
     store_dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the stored hidden states.")
-    writer_queue: int = _f(2, "Shards waiting for the background writer before the forward loop waits.")
+    writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.")
+    writer_threads: int = _f(4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).")
     fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
 
 
@@ -84,12 +85,55 @@ class VocabSection:
 
 
 @dataclass
+class TrainSection:
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).")
+    epochs: int = _f(1, "Passes over the training split.")
+    max_tokens: int = _f(8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.")
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of lr.")
+    grad_clip: float = _f(0.5, "Clip the gradient norm to this (0: off).")
+    ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).")
+    gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.")
+    attn_impl: Literal["auto", "flex", "chunked", "naive"] = _f(
+        "auto", "TTT attention: 'flex' (GPU), 'chunked' (any device), 'naive' (dense mask, tests); auto picks."
+    )
+    precision: Literal["auto", "bf16", "fp32"] = _f("auto", "bf16 autocast with fp32 master weights (auto: on GPU), or fp32.")
+    device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
+    draft_layers: int = _f(1, "Decoder layers in the draft.")
+    fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
+    norm_output: bool = _f(False, "EAGLE-3.1: feed the post-norm state to the next TTT step.")
+    init_from: str | None = _f(None, "Start from an existing EAGLE-3 draft (eaglet export folder, speculators or SGLang format).")
+    eval_fraction: float = _f(0.05, "Share of samples held out for evaluation (fixed by run.seed).")
+    eval_max_samples: int = _f(256, "At most this many held-out samples are used per evaluation.")
+    eval_every: int = _f(200, "Evaluate every N optimizer steps (and at the end); 0: only at the end.")
+    log_every: int = _f(10, "Log metrics every N optimizer steps (the only host syncs of the loop).")
+    ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.")
+    teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.")
+    tensorboard: bool = _f(True, "Also log to TensorBoard (when the tensorboard package is installed).")
+
+
+@dataclass
+class ExportSection:
+    formats: list[str] = _f(["vllm", "sglang"], "Formats written by export: 'vllm' (speculators) and/or 'sglang'.")
+    dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the exported weights.")
+    speculative_tokens: int = _f(3, "Draft tokens per step written into the vLLM config's proposal method.")
+    include_embed: bool = _f(False, "Also export the (frozen, target-copied) token embedding.")
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     target: TargetSection = field(default_factory=TargetSection)
     prepare: PrepareSection = field(default_factory=PrepareSection)
     extract: ExtractSection = field(default_factory=ExtractSection)
     vocab: VocabSection = field(default_factory=VocabSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    export: ExportSection = field(default_factory=ExportSection)
 
     # ---- access -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

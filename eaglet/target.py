@@ -163,11 +163,16 @@ def _find_decoder(model: nn.Module) -> nn.Module | None:
 
 
 def default_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high states: inputs of layers 2, L//2, L-3 (sorted, duplicates dropped).
+    """EAGLE-3's low/mid/high states: the inputs of layers 2, L//2 and L-3.
 
-    A target with fewer than 6 layers gives fewer than three distinct ids (L=6 gives [2, 3]).
+    A target with fewer than 7 layers has no three distinct such ids: set extract.layers.
     """
-    ids = sorted({2, num_layers // 2, num_layers - 3})
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) < 3 or not ids[0] < ids[1] < ids[2]:
+        raise ValueError(
+            f"the default extract.layers [2, L//2, L-3] = {ids} for L={num_layers} decoder layers are not three "
+            "distinct increasing ids; set extract.layers explicitly"
+        )
     return validate_layers(ids, num_layers, default=True)
 
 

@@ -140,7 +140,7 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides: Any):
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         tie_word_embeddings=False,
     )

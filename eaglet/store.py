@@ -1,0 +1,485 @@
+"""The hidden-state store: what `extract` writes and training reads.
+
+A store folder holds
+
+    store.json                      format, input hash, hidden size, layer ids, dtype: what
+                                    the shards mean (a store made for other inputs is cleared)
+    shard-r{rank}-{k:06d}.safetensors
+        aux        [N, n_aux*H]  store dtype  states entering the `layers`, concatenated low..high
+        final      [N, H]        store dtype  the final *normed* state (what the LM head sees)
+        input_ids  [N]           int32
+        loss_mask  [N]           uint8
+        offsets    [S+1]         int64        sample s is rows offsets[s]:offsets[s+1]
+        sample_id  [S]           int64        prepared-data sample ids
+    shard-r{rank}-{k:06d}.json      sidecar: file, sha256, samples, tokens, sample_ids, lengths, bytes
+    index.json                      written last, when extraction completed: all shards, totals
+                                    and the samples set aside (with reasons)
+
+Crash safety: a shard is written to a temporary file, fsynced and renamed; only then is its
+sidecar written (atomically). A shard counts as done only when its sidecar exists, so a
+process killed at any instant leaves done shards plus debris (tmp files, a shard without a
+sidecar) that the next `StoreWriter` deletes; their samples are extracted again.
+
+Writing overlaps the forward: `StoreWriter.add` buffers samples and hands each full shard to
+background writer threads through a bounded queue (the forward loop waits when it is full).
+A shard is streamed from the samples' own tensors into the file and its checksum, in the
+layout safetensors.torch.save writes, without first being concatenated in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import struct
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .utils import atomic_write_json, fsync_dir, log, sha256_file
+
+FORMAT = "eaglet-store-v1"
+STORE_META = "store.json"
+INDEX = "index.json"
+_SHARD_RE = re.compile(r"^shard-r(\d+)-(\d{6})\.safetensors$")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_STATE_KEYS = ("aux", "final")
+
+
+class CorruptShardError(RuntimeError):
+    """A shard does not match its sidecar (checksum, size or contents). The message names the file."""
+
+
+def shard_stem(rank: int, k: int) -> str:
+    return f"shard-r{rank}-{k:06d}"
+
+
+def _is_store_file(name: str) -> bool:
+    """Files the store owns (and may delete); anything else in the folder is left alone."""
+    if name in (STORE_META, INDEX) or name.startswith("shard-r"):
+        return True
+    # atomic_write_bytes temporaries: ".<name>.<random>.tmp"
+    return name.endswith(".tmp") and (name.startswith(".shard-r") or name.startswith(f".{INDEX}.")
+                                      or name.startswith(f".{STORE_META}."))
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tensor], list[int]]],
+                      metadata: dict[str, str], fsync: bool = True) -> tuple[str, int]:
+    """Write a safetensors file atomically from tensors given in row pieces; returns (sha256, bytes).
+
+    `tensors[name] = (pieces, shape)`: the pieces (CPU, one dtype) concatenated along dim 0
+    make a tensor of `shape`. They are streamed to the file and the hash without being
+    concatenated in memory first (a shard is ~1 GiB). The layout is the one
+    safetensors.torch.save writes: 8-byte header length, JSON header padded with spaces to
+    a multiple of 8, then the data ordered by dtype size (largest first) and name.
+    """
+    path = Path(path)
+    order = sorted(tensors, key=lambda n: (-tensors[n][0][0].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        pieces, shape = tensors[name]
+        dtype = pieces[0].dtype
+        if any(p.dtype != dtype for p in pieces) or sum(p.numel() for p in pieces) != int(np.prod(shape)):
+            raise ValueError(f"{path.name}: pieces of tensor {name!r} do not make one {dtype} tensor of shape {shape}")
+        nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in (struct.pack("<Q", len(head)), head):
+                digest.update(block)
+                f.write(block)
+            for name in order:
+                for piece in tensors[name][0]:
+                    block = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    digest.update(block)  # hashlib and file writes release the GIL for large blocks
+                    f.write(block)
+            size = f.tell()
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest.hexdigest(), size
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# ---- writer ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Piece:
+    sample_id: int
+    aux: torch.Tensor  # [T, n_aux*H]
+    final: torch.Tensor  # [T, H]
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+
+
+class StoreWriter:
+    """Appends samples to a store folder; resumes a store left by an interrupted run.
+
+    `meta` describes the states (input_hash, hidden_size, n_aux, layers, dtype, final_state);
+    if the folder's store.json differs, the old store is deleted first.
+    """
+
+    def __init__(self, folder: str | Path, meta: dict[str, Any], shard_bytes: int,
+                 queue_size: int = 2, fsync: bool = True, rank: int = 0, threads: int = 4):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.meta = {"format": FORMAT, **meta}
+        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.hidden = int(self.meta["hidden_size"])
+        self.aux_width = int(self.meta["n_aux"]) * self.hidden
+        self.shard_bytes = max(1, int(shard_bytes))
+        self.fsync = fsync
+        self.rank = rank
+        self._records: dict[str, dict[str, Any]] = {}  # file -> sidecar of every done shard
+        self._done: set[int] = set()
+        self._open_folder()
+        self.resumed_shards = len(self._records)
+        self._next_k = 1 + max((int(_SHARD_RE.match(f).group(2)) for f in self._records
+                                if int(_SHARD_RE.match(f).group(1)) == rank), default=-1)
+        self._buf: list[_Piece] = []
+        self._buf_bytes = 0
+        self._set_aside: list[dict[str, Any]] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        # Writer threads (hashing and file writes release the GIL, so several overlap). Daemons:
+        # a process that dies mid-write leaves only debris that the next open removes.
+        self._threads = [threading.Thread(target=self._work, name=f"eaglet-store-writer-{t}", daemon=True)
+                         for t in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    # ---- resume ------------------------------------------------------------------------------
+    def _open_folder(self) -> None:
+        old = _read_json(self.folder / STORE_META)
+        files = [p for p in self.folder.iterdir() if _is_store_file(p.name)]
+        if old != self.meta and files:
+            if isinstance(old, dict) and old.get("input_hash") != self.meta.get("input_hash"):
+                why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(self.meta.get('input_hash'))[:12]}"
+            elif isinstance(old, dict):
+                why = "changed " + ", ".join(k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k))
+            else:
+                why = f"no readable {STORE_META}"
+            log(f"[extract] store in {self.folder} was made for other inputs ({why}); clearing {len(files)} files")
+            for p in files:
+                p.unlink(missing_ok=True)
+            files = []
+        if old != self.meta:
+            atomic_write_json(self.folder / STORE_META, self.meta, fsync=self.fsync)
+        (self.folder / INDEX).unlink(missing_ok=True)  # valid again only when this run completes
+
+        removed = 0
+        for p in sorted(self.folder.iterdir()):
+            if p.name.endswith(".tmp") and _is_store_file(p.name):
+                p.unlink(missing_ok=True)
+                removed += 1
+        for p in sorted(self.folder.glob("shard-r*.safetensors")):
+            if not _SHARD_RE.match(p.name):
+                continue
+            side = _read_json(p.with_suffix(".json"))
+            if not isinstance(side, dict) or side.get("file") != p.name or side.get("bytes") != p.stat().st_size:
+                p.unlink()
+                p.with_suffix(".json").unlink(missing_ok=True)
+                removed += 1
+                continue
+            ids = [int(i) for i in side["sample_ids"]]
+            dup = self._done.intersection(ids)
+            if dup:
+                raise CorruptShardError(f"{p.name}: sample ids {sorted(dup)[:5]} are also in another shard of {self.folder}")
+            self._done.update(ids)
+            self._records[p.name] = side
+        for side in sorted(self.folder.glob("shard-r*.json")):
+            if side.with_suffix(".safetensors").name not in self._records:
+                side.unlink()
+                removed += 1
+        if self._records or removed:
+            log(f"[extract] resuming store {self.folder}: {len(self._records)} shards / {len(self._done)} samples done, "
+                f"{removed} unfinished files removed")
+
+    def done_ids(self) -> set[int]:
+        """Sample ids already stored in finished shards (skip them on resume)."""
+        return set(self._done)
+
+    # ---- adding ------------------------------------------------------------------------------
+    def add(self, sample_id: int, aux: torch.Tensor, final: torch.Tensor,
+            input_ids: torch.Tensor | np.ndarray, loss_mask: torch.Tensor | np.ndarray) -> None:
+        """Buffer one sample (CPU tensors: aux [T, n_aux*H], final [T, H] in the store dtype)."""
+        self._raise_if_failed()
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
+        sample_id = int(sample_id)
+        if sample_id in self._done:
+            raise ValueError(f"sample {sample_id} is already in the store")
+        ids = torch.as_tensor(input_ids).to(torch.int32).reshape(-1)
+        mask = torch.as_tensor(loss_mask).to(torch.uint8).reshape(-1)
+        n = ids.shape[0]
+        if tuple(aux.shape) != (n, self.aux_width) or tuple(final.shape) != (n, self.hidden) or mask.shape[0] != n:
+            raise ValueError(
+                f"sample {sample_id}: shapes aux {tuple(aux.shape)}, final {tuple(final.shape)}, ids {n}, "
+                f"mask {mask.shape[0]} do not match T={n}, n_aux*H={self.aux_width}, H={self.hidden}"
+            )
+        if aux.dtype != self.dtype or final.dtype != self.dtype:
+            raise ValueError(f"sample {sample_id}: states are {aux.dtype}/{final.dtype}, the store holds {self.dtype}")
+        if aux.device.type != "cpu" or final.device.type != "cpu":
+            raise ValueError(f"sample {sample_id}: states must be on the CPU")
+        self._done.add(sample_id)
+        self._buf.append(_Piece(sample_id, aux, final, ids, mask))
+        self._buf_bytes += aux.nbytes + final.nbytes + 5 * n
+        if self._buf_bytes >= self.shard_bytes:
+            self._flush()
+
+    def set_aside(self, sample_id: int, reason: str) -> None:
+        """Record a sample that is not stored (listed in index.json; retried by a resumed run)."""
+        self._set_aside.append({"sample_id": int(sample_id), "reason": reason})
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        item = (self._next_k, self._buf)
+        self._next_k += 1
+        self._buf, self._buf_bytes = [], 0
+        while True:  # wait for room, but notice a writer thread that has failed
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"store writer thread failed: {self._error!r}") from self._error
+
+    # ---- background thread ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks on a dead consumer
+            try:
+                record = self._write_shard(*item)
+                with self._lock:
+                    self._records[record["file"]] = record
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                self._error = e
+
+    def _write_shard(self, k: int, pieces: list[_Piece]) -> dict[str, Any]:
+        lengths = [p.input_ids.shape[0] for p in pieces]
+        tokens = int(sum(lengths))
+        parts = {  # name -> (pieces, shape); written straight from the pieces, never concatenated
+            "aux": ([p.aux for p in pieces], [tokens, self.aux_width]),
+            "final": ([p.final for p in pieces], [tokens, self.hidden]),
+            "input_ids": ([p.input_ids for p in pieces], [tokens]),
+            "loss_mask": ([p.loss_mask for p in pieces], [tokens]),
+            "offsets": ([torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)], [len(pieces) + 1]),
+            "sample_id": ([torch.tensor([p.sample_id for p in pieces], dtype=torch.int64)], [len(pieces)]),
+        }
+        stem = shard_stem(self.rank, k)
+        name = f"{stem}.safetensors"
+        digest, size = write_safetensors(self.folder / name, parts, {"format": FORMAT}, fsync=self.fsync)
+        record = {
+            "file": name,
+            "sha256": digest,
+            "samples": len(pieces),
+            "tokens": tokens,
+            "bytes": size,
+            "sample_ids": [p.sample_id for p in pieces],
+            "lengths": [int(n) for n in lengths],
+        }
+        atomic_write_json(self.folder / f"{stem}.json", record, fsync=self.fsync)
+        return record
+
+    # ---- finishing --------------------------------------------------------------------------------
+    def close(self) -> dict[str, Any]:
+        """Write the last shard, wait for the writer, write index.json; returns the index."""
+        self._raise_if_failed()
+        self._flush()
+        self._stop()
+        self._raise_if_failed()
+        with self._lock:
+            records = [self._records[f] for f in sorted(self._records)]
+        shards = [{k: r[k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for r in records]
+        index = {
+            "format": FORMAT,
+            "meta": self.meta,
+            "shards": shards,
+            "num_shards": len(shards),
+            "num_samples": sum(s["samples"] for s in shards),
+            "num_tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "set_aside_counts": dict(Counter(s["reason"] for s in self._set_aside)),
+            "set_aside": sorted(self._set_aside, key=lambda s: s["sample_id"]),
+        }
+        atomic_write_json(self.folder / INDEX, index, fsync=self.fsync)
+        return index
+
+    def abort(self) -> None:
+        """Stop after the shards already queued (they are complete and count on resume);
+        the partly filled buffer is dropped and no index is written."""
+        self._buf, self._buf_bytes = [], 0
+        self._stop()
+        if self._error is not None:
+            log(f"[extract] store writer had failed: {self._error!r}")
+
+    def _stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:  # one stop signal per thread, each after the shards queued before it
+            while any(t.is_alive() for t in self._threads):
+                try:
+                    self._queue.put(None, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        for t in self._threads:
+            t.join()
+
+
+# ---- reader ---------------------------------------------------------------------------------------
+
+class StoreReader:
+    """Random access to a finished store by sample id; shards are memory-mapped.
+
+    Each shard's size and sha256 are checked against its sidecar the first time it is opened
+    (`verify=False` skips the checksum, e.g. in data-loader workers after one `verify_all`).
+    """
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        self.folder = Path(folder)
+        index = _read_json(self.folder / INDEX)
+        if not isinstance(index, dict):
+            raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
+        self.index = index
+        self.meta: dict[str, Any] = index["meta"]
+        self.layers: list[int] = list(self.meta["layers"])
+        self.hidden_size = int(self.meta["hidden_size"])
+        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.verify = verify
+        self.shards: list[dict[str, Any]] = []
+        ids, shard_of, row, lengths = [], [], [], []
+        for k, sh in enumerate(index["shards"]):
+            side = _read_json(self.folder / sh["file"].replace(".safetensors", ".json"))
+            if not isinstance(side, dict) or side.get("sha256") != sh["sha256"]:
+                raise CorruptShardError(f"{sh['file']}: sidecar missing or not matching {INDEX} in {self.folder}")
+            self.shards.append(side)
+            n = len(side["sample_ids"])
+            ids.append(np.asarray(side["sample_ids"], dtype=np.int64))
+            lengths.append(np.asarray(side["lengths"], dtype=np.int64))
+            shard_of.append(np.full(n, k, dtype=np.int32))
+            row.append(np.arange(n, dtype=np.int64))
+        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
+        all_ids, all_len = cat(ids, np.int64), cat(lengths, np.int64)
+        order = np.argsort(all_ids, kind="stable")
+        self.sample_ids = all_ids[order]  # ascending
+        self.lengths = all_len[order]  # aligned with sample_ids
+        self._shard_of = cat(shard_of, np.int32)[order]
+        self._row = cat(row, np.int64)[order]
+        if len(self.sample_ids) > 1 and (np.diff(self.sample_ids) == 0).any():
+            dup = self.sample_ids[1:][np.diff(self.sample_ids) == 0]
+            raise CorruptShardError(f"store {self.folder}: sample ids stored twice: {dup[:5].tolist()}")
+        self._offsets = [np.concatenate([[0], np.cumsum(np.asarray(s["lengths"], dtype=np.int64))]) for s in self.shards]
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layers)
+
+    def __contains__(self, sample_id: int) -> bool:
+        i = int(np.searchsorted(self.sample_ids, sample_id))
+        return i < len(self) and int(self.sample_ids[i]) == int(sample_id)
+
+    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
+        """aux [T, n_aux*H], final [T, H] (store dtype), input_ids int32 [T], loss_mask uint8 [T]."""
+        i = int(np.searchsorted(self.sample_ids, sample_id))
+        if i >= len(self) or int(self.sample_ids[i]) != int(sample_id):
+            raise KeyError(f"sample {sample_id} is not in the store {self.folder}")
+        k, j = int(self._shard_of[i]), int(self._row[i])
+        handle = self._open(k)
+        a, b = int(self._offsets[k][j]), int(self._offsets[k][j + 1])
+        return {name: handle.get_slice(name)[a:b] for name in ("aux", "final", "input_ids", "loss_mask")}
+
+    def _open(self, k: int) -> Any:
+        if k not in self._handles:
+            self._check(k, checksum=self.verify)
+            self._handles[k] = safe_open(str(self.folder / self.shards[k]["file"]), framework="pt")
+        return self._handles[k]
+
+    def _check(self, k: int, checksum: bool = True) -> None:
+        """Raise CorruptShardError unless shard k matches its sidecar."""
+        side = self.shards[k]
+        name = side["file"]
+        path = self.folder / name
+        if not path.is_file():
+            raise CorruptShardError(f"{name}: shard file missing from {self.folder}")
+        size = path.stat().st_size
+        if size != side["bytes"]:
+            raise CorruptShardError(f"{name}: {size} bytes, sidecar says {side['bytes']} (truncated or overwritten)")
+        if checksum:
+            digest = sha256_file(path)
+            if digest != side["sha256"]:
+                raise CorruptShardError(f"{name}: sha256 {digest[:16]}... does not match sidecar {side['sha256'][:16]}...")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                sid = f.get_tensor("sample_id")
+                off = f.get_tensor("offsets")
+                aux_shape, final_shape = f.get_slice("aux").get_shape(), f.get_slice("final").get_shape()
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+            raise CorruptShardError(f"{name}: not a readable safetensors file ({e})") from e
+        tokens = side["tokens"]
+        if (sid.tolist() != side["sample_ids"] or off.tolist() != self._offsets[k].tolist()
+                or aux_shape != [tokens, self.n_aux * self.hidden_size] or final_shape != [tokens, self.hidden_size]):
+            raise CorruptShardError(f"{name}: contents do not match its sidecar")
+
+    def verify_all(self) -> dict[str, Any]:
+        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}."""
+        bad = []
+        for k, side in enumerate(self.shards):
+            try:
+                self._check(k, checksum=True)
+            except CorruptShardError as e:
+                bad.append({"file": side["file"], "error": str(e)})
+        return {
+            "shards": len(self.shards),
+            "ok": len(self.shards) - len(bad),
+            "bad": bad,
+            "samples": len(self),
+            "tokens": int(self.lengths.sum()),
+        }

@@ -1,0 +1,204 @@
+"""The hidden-state store on synthetic tensors: round trip, corruption, resume debris, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from eaglet.store import INDEX, CorruptShardError, StoreReader, StoreWriter, write_safetensors
+
+H, N_AUX = 8, 3
+
+
+def _meta(dtype: str = "float32", input_hash: str = "h1") -> dict:
+    return {"input_hash": input_hash, "hidden_size": H, "n_aux": N_AUX, "layers": [2, 4, 5],
+            "dtype": dtype, "final_state": "post_norm"}
+
+
+def _samples(n: int, dtype: torch.dtype = torch.float32, seed: int = 0, first_id: int = 0) -> dict[int, dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k in range(n):
+        T = int(torch.randint(1, 30, (1,), generator=g))
+        out[first_id + 3 * k] = {  # sparse, non-contiguous ids
+            "aux": torch.randn(T, N_AUX * H, generator=g).to(dtype),
+            "final": torch.randn(T, H, generator=g).to(dtype),
+            "input_ids": torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32),
+            "loss_mask": torch.randint(0, 2, (T,), generator=g, dtype=torch.uint8),
+        }
+    return out
+
+
+def _write(folder, samples: dict[int, dict], dtype: str = "float32", shard_bytes: int = 4000, **kw) -> dict:
+    w = StoreWriter(folder, _meta(dtype, **kw), shard_bytes=shard_bytes, queue_size=1, fsync=False)
+    for sid, s in samples.items():
+        w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    return w.close()
+
+
+def _assert_same(reader: StoreReader, samples: dict[int, dict]) -> None:
+    assert sorted(reader.sample_ids.tolist()) == sorted(samples)
+    for sid, s in samples.items():
+        got = reader.get(sid)
+        for key in ("aux", "final", "input_ids", "loss_mask"):
+            assert got[key].dtype == s[key].dtype, key
+            assert torch.equal(got[key], s[key]), (sid, key)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip(tmp_path, dtype):
+    samples = _samples(25, getattr(torch, dtype))
+    index = _write(tmp_path, samples, dtype)
+    assert index["num_shards"] > 3  # several shards, so lookups cross shard boundaries
+    assert index["num_samples"] == 25
+    assert index["num_tokens"] == sum(s["input_ids"].shape[0] for s in samples.values())
+    reader = StoreReader(tmp_path)
+    assert len(reader) == 25
+    assert reader.sample_ids.tolist() == sorted(samples)
+    assert reader.lengths.tolist() == [samples[i]["input_ids"].shape[0] for i in sorted(samples)]
+    _assert_same(reader, samples)
+    report = reader.verify_all()
+    assert report["ok"] == report["shards"] == index["num_shards"] and report["bad"] == []
+    side = json.loads((tmp_path / "shard-r0-000000.json").read_text())
+    assert side["file"] == "shard-r0-000000.safetensors"
+    assert side["bytes"] == (tmp_path / side["file"]).stat().st_size
+    with pytest.raises(KeyError):
+        reader.get(1)  # ids are multiples of 3
+
+
+def test_corrupted_shard_is_named(tmp_path):
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    reader = StoreReader(tmp_path)
+    bad = reader.shards[1]
+    path = tmp_path / bad["file"]
+    data = bytearray(path.read_bytes())
+    data[-20:-10] = bytes(b ^ 0xFF for b in data[-20:-10])  # flip payload bytes, size unchanged
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match=bad["file"]):
+        reader.get(bad["sample_ids"][0])
+    good = reader.shards[0]["sample_ids"][0]
+    assert torch.equal(reader.get(good)["aux"], samples[good]["aux"])
+    report = StoreReader(tmp_path).verify_all()
+    assert [b["file"] for b in report["bad"]] == [bad["file"]]
+    assert report["ok"] == report["shards"] - 1
+
+
+def test_truncated_shard_is_named(tmp_path):
+    _write(tmp_path, _samples(25))
+    reader = StoreReader(tmp_path, verify=False)  # the size check runs even without checksums
+    bad = reader.shards[2]
+    path = tmp_path / bad["file"]
+    path.write_bytes(path.read_bytes()[: bad["bytes"] // 2])
+    with pytest.raises(CorruptShardError, match=f"{bad['file']}.*truncated"):
+        reader.get(bad["sample_ids"][-1])
+    assert [b["file"] for b in reader.verify_all()["bad"]] == [bad["file"]]
+
+
+def test_reader_needs_finished_store(tmp_path):
+    _write(tmp_path, _samples(5))
+    (tmp_path / INDEX).unlink()
+    with pytest.raises(FileNotFoundError, match=INDEX):
+        StoreReader(tmp_path)
+
+
+def test_resume_removes_debris_and_completes(tmp_path):
+    samples = _samples(30)
+    ref = tmp_path / "ref"
+    _write(ref, samples)
+    folder = tmp_path / "store"
+    _write(folder, samples)
+    # Make it look like a run killed mid-way: no index, the last shard written but its sidecar
+    # not yet, a stray temporary, and a sidecar whose shard vanished.
+    (folder / INDEX).unlink()
+    shards = sorted(folder.glob("shard-r0-*.safetensors"))
+    orphan = shards[-1]
+    orphan.with_suffix(".json").unlink()
+    lost = shards[-2]
+    lost.unlink()
+    tmp = folder / ".shard-r0-000099.safetensors.x1y2.tmp"
+    tmp.write_bytes(b"partial")
+    unrelated = folder / "manifest.json.notes"
+    unrelated.write_text("keep me")
+
+    w = StoreWriter(folder, _meta(), shard_bytes=4000, queue_size=1, fsync=False)
+    done = w.done_ids()
+    kept = [json.loads(p.with_suffix(".json").read_text()) for p in shards[:-2]]
+    assert done == {i for side in kept for i in side["sample_ids"]}
+    assert 0 < len(done) < len(samples)
+    assert not orphan.exists() and not tmp.exists() and not lost.with_suffix(".json").exists()
+    assert unrelated.exists()
+    for sid, s in samples.items():
+        if sid not in done:
+            w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    with pytest.raises(ValueError, match="already in the store"):
+        sid = next(iter(done))
+        w.add(sid, samples[sid]["aux"], samples[sid]["final"], samples[sid]["input_ids"], samples[sid]["loss_mask"])
+    index = w.close()
+    assert index["num_samples"] == len(samples)
+    reader = StoreReader(folder)
+    assert len(reader) == len(samples)  # no duplicates (the reader also refuses them)
+    _assert_same(reader, samples)
+    assert reader.verify_all()["bad"] == []
+
+
+def test_other_input_hash_clears_store(tmp_path):
+    _write(tmp_path, _samples(10))
+    (tmp_path / "manifest.json").write_text("{}")  # not the store's: must survive
+    w = StoreWriter(tmp_path, _meta(input_hash="h2"), shard_bytes=4000, fsync=False)
+    assert w.done_ids() == set()
+    assert list(tmp_path.glob("shard-*")) == [] and not (tmp_path / INDEX).exists()
+    assert (tmp_path / "manifest.json").exists()
+    assert json.loads((tmp_path / "store.json").read_text())["input_hash"] == "h2"
+    new = _samples(3, seed=5)
+    for sid, s in new.items():
+        w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    w.close()
+    _assert_same(StoreReader(tmp_path), new)
+
+
+def test_add_checks_shapes_and_dtype(tmp_path):
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=1 << 20, fsync=False)
+    s = _samples(1)[0]
+    with pytest.raises(ValueError, match="shapes"):
+        w.add(0, s["aux"][:, :H], s["final"], s["input_ids"], s["loss_mask"])
+    with pytest.raises(ValueError, match="store holds"):
+        w.add(0, s["aux"].half(), s["final"].half(), s["input_ids"], s["loss_mask"])
+    w.add(0, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    w.close()
+
+
+def test_writer_thread_error_reaches_caller(tmp_path, monkeypatch):
+    def fail(self, k, pieces):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(StoreWriter, "_write_shard", fail)
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=100, queue_size=1, fsync=False)
+    with pytest.raises(RuntimeError, match="disk full") as info:
+        for sid, s in _samples(50).items():  # far more shards than the queue holds: must not hang
+            w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+        w.close()
+    assert isinstance(info.value.__cause__, OSError)
+    assert not (tmp_path / INDEX).exists()
+    w.abort()  # safe after a failure
+
+
+def test_streamed_shard_is_byte_identical_to_safetensors_save(tmp_path):
+    """The writer streams pieces into the file; the bytes must be what safetensors itself writes."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(1)
+    aux = [torch.randn(n, 6, generator=g).bfloat16() for n in (3, 1, 4)]
+    ids = [torch.randint(0, 99, (n,), generator=g, dtype=torch.int32) for n in (3, 1, 4)]
+    tensors = {"aux": (aux, [8, 6]), "input_ids": (ids, [8]), "offsets": ([torch.tensor([0, 3, 4, 8])], [4]),
+               "loss_mask": ([torch.ones(8, dtype=torch.uint8)], [8]), "final": ([torch.randn(8, 2, generator=g)], [8, 2])}
+    digest, size = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "f"}, fsync=False)
+    expected = save({k: torch.cat(v[0]) for k, v in tensors.items()}, metadata={"format": "f"})
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert data == expected and size == len(data) and digest == hashlib.sha256(data).hexdigest()
+    assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left
+    with pytest.raises(ValueError, match="aux"):
+        write_safetensors(tmp_path / "y.safetensors", {"aux": (aux, [9, 6])}, {}, fsync=False)
