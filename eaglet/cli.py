@@ -17,6 +17,7 @@ STAGE_HELP = {
     "prepare": "Render conversations with the target's chat template; tokens and assistant loss masks.",
     "extract": "Run the target and store its captured hidden states and teacher state in checksummed shards.",
     "vocab": "Build the draft vocabulary and the d2t/t2d maps from masked-token frequency.",
+    "train": "Train the EAGLE-3 draft with training-time test; resumes from its last checkpoint.",
 }
 
 

@@ -60,6 +60,8 @@ STAGES: list[Stage] = [
           lambda cfg: list(cfg.prepare.data) + _target_files(cfg)),
     Stage("extract", ("target", "extract"), "eaglet.extract:run_extract"),
     Stage("vocab", ("vocab",), "eaglet.vocab:run_vocab"),
+    Stage("train", ("train",), "eaglet.train:run_train",
+          lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else []),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
