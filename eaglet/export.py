@@ -290,7 +290,7 @@ def load_draft(path: str | Path) -> tuple[DraftConfig, dict[str, Tensor], dict[s
         cfg, meta = _from_speculators(config, weights)
     else:
         cfg, meta = _from_sglang(config, weights)
-    state, missing = _map_back(cfg, weights, folder)
+    state, missing = _map_back(cfg, weights, fmt, folder)
     meta.update(format=fmt, missing=missing, dtype=_stored_dtype(weights))
     return cfg, state, meta
 
@@ -430,9 +430,12 @@ def _num_aux(weights: dict[str, Tensor], target_hidden: int, ids: list[int] | No
     return n
 
 
-def _map_back(cfg: DraftConfig, weights: dict[str, Tensor], folder: Path) -> tuple[dict[str, Tensor], list[str]]:
+def _map_back(
+    cfg: DraftConfig, weights: dict[str, Tensor], fmt: str, folder: Path
+) -> tuple[dict[str, Tensor], list[str]]:
     """Rename checkpoint tensors to eaglet's names (either format's spelling of layer 0: vLLM's
-    loader also reads `midlayer.`), checking names and shapes against Eagle3Draft(cfg)."""
+    loader also reads `midlayer.`), checking names and shapes against Eagle3Draft(cfg).
+    Errors name tensors as `fmt` names them."""
     shapes = _draft_shapes(cfg)
     ours = {CHECKPOINT_NAME[fmt](name): name for fmt in FORMATS for name in shapes}
     unexpected = sorted(k for k in weights if k not in ours)
@@ -441,8 +444,10 @@ def _map_back(cfg: DraftConfig, weights: dict[str, Tensor], folder: Path) -> tup
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
     missing = [n for n in shapes if n not in state]
-    required = [n for n in missing if n != "embed_tokens.weight"]
-    wrong = [f"{n} {tuple(t.shape)} (expected {shapes[n]})" for n, t in state.items() if tuple(t.shape) != shapes[n]]
+    rename = CHECKPOINT_NAME[fmt]
+    required = [rename(n) for n in missing if n != "embed_tokens.weight"]
+    wrong = [f"{rename(n)} {tuple(t.shape)} (expected {shapes[n]})"
+             for n, t in state.items() if tuple(t.shape) != shapes[n]]
     if required or unexpected or wrong:
         parts = [f"missing {required}" if required else "", f"unexpected {unexpected}" if unexpected else "",
                  f"wrong shapes {wrong}" if wrong else ""]
