@@ -118,6 +118,24 @@ class TrainSection:
 
 
 @dataclass
+class EvalSection:
+    method: Literal["chain", "tree"] = _f("chain", "Drafting: a chain of `chain_tokens`, or the EAGLE-2 dynamic tree.")
+    chain_tokens: int = _f(7, "Draft tokens per cycle for method 'chain' (tau <= chain_tokens + 1).")
+    tree_top_k: int = _f(10, "Tree: children expanded per node and nodes kept per depth.")
+    tree_depth: int = _f(6, "Tree: draft depth (longest path).")
+    tree_total_tokens: int = _f(60, "Tree: draft tokens kept after reranking, verified in one target forward.")
+    temperature: float = _f(0.0, "0: greedy (with the lossless check); > 0: sampling with rejection sampling.")
+    max_new_tokens: int = _f(256, "Tokens generated per prompt.")
+    num_prompts: int = _f(20, "Held-out prompts evaluated (from the train split's held-out part).")
+    baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
+    lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
+    device: str = _f("auto", "Device for target and draft during eval.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+        "auto", "Dtype of target and draft in eval (auto: float32 on CPU, which the lossless check needs; bfloat16 on GPU)."
+    )
+
+
+@dataclass
 class ExportSection:
     formats: list[str] = _f(["vllm", "sglang"], "Formats written by export: 'vllm' (speculators) and/or 'sglang'.")
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the exported weights.")
@@ -134,6 +152,7 @@ class Config:
     vocab: VocabSection = field(default_factory=VocabSection)
     train: TrainSection = field(default_factory=TrainSection)
     export: ExportSection = field(default_factory=ExportSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     # ---- access -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
