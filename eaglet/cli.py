@@ -18,6 +18,7 @@ STAGE_HELP = {
     "extract": "Run the target and store its captured hidden states and teacher state in checksummed shards.",
     "vocab": "Build the draft vocabulary and the d2t/t2d maps from masked-token frequency.",
     "train": "Train the EAGLE-3 draft with training-time test; resumes from its last checkpoint.",
+    "export": "Write the trained draft in the formats vLLM (speculators) and SGLang load, and check each by reloading it.",
 }
 
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=STAGE_HELP[name])
         _add_common(p)
         p.add_argument("--force", action="store_true", help="Rerun the stage even if its manifest is up to date.")
+        if name == "export":
+            p.add_argument("--format", dest="formats", action="append", choices=["vllm", "sglang"],
+                           help="Format to write (repeatable); default: export.formats.")
 
     p = sub.add_parser("config", help="Print the resolved config, or every key with its default and doc.")
     _add_common(p, config_required=False)
@@ -58,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(dump_config(load_config(args.config, args.overrides)), end="")
             return 0
-        cfg = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if getattr(args, "formats", None):
+            overrides.append(f"export.formats={list(args.formats)}")
+        cfg = load_config(args.config, overrides)
         if args.command == "run":
             run_all(cfg, upto=args.until, force=args.force)
         else:

@@ -71,7 +71,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from .model import DraftConfig, Eagle3Draft, _target_rope, rope_type
-from .utils import atomic_write_bytes, atomic_write_json
+from .utils import atomic_write_bytes, atomic_write_json, log
 
 FORMATS = ("vllm", "sglang")
 CONFIG_FILE = "config.json"
@@ -459,3 +459,49 @@ def _map_back(
 def _stored_dtype(weights: dict[str, Tensor]) -> str | None:
     floats = {str(t.dtype).removeprefix("torch.") for t in weights.values() if t.is_floating_point()}
     return floats.pop() if len(floats) == 1 else None
+
+
+# ---- the stage --------------------------------------------------------------------------------
+
+def run_export(cfg: Any, ctx: Any) -> dict[str, Any]:
+    """Stage `export`: write every format of `export.formats` into `<run>/export/<format>/`,
+    then read each back with `load_draft` and check that it gives the trained draft's logits."""
+    import json as _json
+
+    from .extract import TARGET_CONFIG
+    from .model import Eagle3Draft
+    from .train import load_final
+
+    model, aux_layers = load_final(ctx.upstream["train"] / "final")
+    model.eval()
+    target_cfg = _json.loads((ctx.upstream["extract"] / TARGET_CONFIG).read_text())
+    architectures = target_cfg.get("architectures") or []
+    out: dict[str, Any] = {}
+    for fmt in cfg.export.formats:
+        folder = export_draft(
+            model, ctx.out_dir / fmt, fmt, aux_layer_ids=aux_layers, verifier_name_or_path=cfg.target.path,
+            verifier_architectures=architectures, num_speculative_tokens=cfg.export.speculative_tokens,
+            include_embed=cfg.export.include_embed, dtype=cfg.export.dtype,
+        )
+        dcfg, state, meta = load_draft(folder)
+        back = Eagle3Draft(dcfg)
+        back.load_state_dict({**state, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
+        err = _reload_error(model, back.eval())
+        tol = 1e-4 if cfg.export.dtype == "float32" else 0.1
+        if err > tol:
+            raise RuntimeError(f"export {fmt}: the reloaded draft's logits differ from the trained draft's by {err:.3g}")
+        out[fmt] = {"path": str(folder), "reload_max_logit_error": err, "dtype": meta.get("dtype")}
+        log(f"[export] {fmt}: {folder} (reloaded; max logit error {err:.2e})")
+    return out
+
+
+@torch.no_grad()
+def _reload_error(a: Any, b: Any) -> float:
+    """Max |logit difference| of two drafts on one random input, compared in fp32."""
+    g = torch.Generator().manual_seed(0)
+    c = a.config
+    aux = torch.randn(1, 16, c.num_aux * c.target_hidden_size, generator=g)
+    ids = torch.randint(0, c.vocab_size, (1, 16), generator=g)
+    la = a.float().ttt_forward(aux, ids, num_steps=2, attn_impl="naive")
+    lb = b.float().ttt_forward(aux, ids, num_steps=2, attn_impl="naive")
+    return max(float((x - y).abs().max()) for x, y in zip(la, lb))

@@ -62,6 +62,7 @@ STAGES: list[Stage] = [
     Stage("vocab", ("vocab",), "eaglet.vocab:run_vocab"),
     Stage("train", ("train",), "eaglet.train:run_train",
           lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else []),
+    Stage("export", ("export", "target"), "eaglet.export:run_export"),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 
