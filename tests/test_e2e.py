@@ -1,0 +1,56 @@
+"""`eaglet run` end to end on a tiny target: every stage, skip on rerun, and training that
+starts from an exported EAGLE-3 checkpoint of either format."""
+
+import json
+
+import pytest
+import torch
+
+from eaglet import cli, pipeline, tiny, train
+from eaglet.config import load_config
+from eaglet.export import load_draft
+from eaglet.store import StoreReader
+from eaglet.vocab import load_vocab
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    target = tiny.save_target(root / "target", family="qwen3", template="chatml")
+    data = tiny.write_jsonl(root / "data.jsonl", tiny.make_conversations(60, seed=5))
+    sets = [f"run.dir={root / 'run'}", f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]",
+            "vocab.size=200", "train.max_steps=3", "train.max_tokens=256", "train.ttt_steps=2",
+            "train.log_every=1", "train.tensorboard=false", "eval.num_prompts=2", "eval.max_new_tokens=8"]
+    cfg_path = root / "config.yaml"
+    cfg_path.write_text("{}\n")
+    assert cli.main(["run", str(cfg_path), *sum((["--set", s] for s in sets), [])]) == 0
+    return root, cfg_path, sets
+
+
+def test_every_stage_has_a_manifest_and_reruns_are_skipped(finished_run):
+    root, cfg_path, sets = finished_run
+    started = {}
+    for name in pipeline.STAGE_NAMES:
+        m = json.loads((root / "run" / name / "manifest.json").read_text())
+        assert m["status"] == "complete"
+        started[name] = m["started"]
+    for fmt in ("vllm", "sglang"):
+        assert (root / "run" / "export" / fmt / "config.json").is_file()
+    assert cli.main(["run", str(cfg_path), *sum((["--set", s] for s in sets), [])]) == 0
+    for name in pipeline.STAGE_NAMES:
+        assert json.loads((root / "run" / name / "manifest.json").read_text())["started"] == started[name]
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_training_starts_from_an_exported_checkpoint(finished_run, fmt):
+    root, _, sets = finished_run
+    export = root / "run" / "export" / fmt
+    cfg = load_config(None, [*sets, f"train.init_from={export}"])
+    store = StoreReader(root / "run" / "extract")
+    d2t, t2d = load_vocab(root / "run" / "vocab")
+    head = train.load_head(store, torch.device("cpu"))
+    model = train.build_draft(cfg, store, d2t, t2d, head)
+    _, state, _ = load_draft(export)
+    for k, v in state.items():
+        assert torch.equal(model.state_dict()[k], v.to(model.state_dict()[k].dtype)), k
+    assert torch.equal(model.embed_tokens.weight, head.embed)
