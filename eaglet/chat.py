@@ -126,16 +126,39 @@ def assistant_spans(tokenizer: Any, template: str, messages: list[Message], full
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _apply(tokenizer, template, messages[:i], tokenize=False, add_generation_prompt=True)
         through = _apply(tokenizer, template, messages[: i + 1], tokenize=False)
-        if not through.startswith(before):
-            raise MaskMismatch(f"assistant turn {i}: the prompt rendered with add_generation_prompt is not a prefix of the turn's render")
+        start = _turn_start(tokenizer, template, messages, i, through)
         if not full.startswith(through):
             raise MaskMismatch(f"assistant turn {i}: the conversation up to this turn does not render as a prefix of the whole")
         end = len(through.rstrip())
-        if end > len(before):
-            spans.append((len(before), end))
+        if end > start:
+            spans.append((start, end))
     return spans
+
+
+SENTINEL = "\u2063eaglet-assistant-turn\u2063"  # invisible separators: text no real turn contains
+
+
+def _turn_start(tokenizer: Any, template: str, messages: list[Message], i: int, through: str) -> int:
+    """Where assistant turn i's own text starts in `through` (the render of messages[:i+1]).
+
+    Normally the end of the prompt rendered with add_generation_prompt. Some renders are not
+    prefixes of each other, e.g. a template that injects a default system prompt only into a
+    non-empty conversation, when the assistant speaks first (ShareGPT's split conversations
+    often do). Then the turn is rendered with a sentinel as its content, and the text before
+    the sentinel, which must be a prefix of `through`, locates the turn.
+    """
+    before = _apply(tokenizer, template, messages[:i], tokenize=False, add_generation_prompt=True)
+    if through.startswith(before):
+        return len(before)
+    probe = _apply(tokenizer, template, messages[:i] + [{**messages[i], "content": SENTINEL}], tokenize=False)
+    k = probe.find(SENTINEL)
+    if k < 0 or not through.startswith(probe[:k]):
+        raise MaskMismatch(
+            f"assistant turn {i}: neither the prompt rendered with add_generation_prompt nor a sentinel render "
+            "lines up with the turn's render"
+        )
+    return k
 
 
 def spans_to_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from .config import Config
 from .pipeline import StageContext
 from .prepared import PreparedData
-from .store import StoreWriter
+from .selfcheck import run_selfcheck
+from .store import StoreReader, StoreWriter
 from .target import TargetParts, load_target, resolve_layers
 from .utils import atomic_write_bytes, atomic_write_json, log
 
@@ -174,7 +175,8 @@ def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path) -
         "lm_head": parts.lm_head.weight,
         "norm": parts.norm.weight,
     }
-    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}))
+    # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
+    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone() for k, v in tensors.items()}))
     text_cfg = model.config.get_text_config()
     atomic_write_json(folder / TARGET_CONFIG, text_cfg.to_dict())
 
@@ -217,6 +219,12 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
+    # Before the manifest: a store that disagrees with the model's own forward never reaches train.
+    check = run_selfcheck(model, parts, StoreReader(ctx.out_dir, verify=False), layers, ecfg.selfcheck_samples,
+                          ecfg.selfcheck_min_cosine, ecfg.selfcheck_min_top1, seed=cfg.run.seed)
+    if check["samples"]:
+        log(f"[extract] self-check ok on {len(check['samples'])} samples: top-1 {check['top1_agreement']:.2%}, "
+            f"least cosine {min(s['cosine'] for s in check['states'].values()):.6f}")
     seconds = time.time() - t0
     return {
         "samples": index["num_samples"],
@@ -230,6 +238,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
         "layers": layers,
         "hidden_size": parts.hidden_size,
+        "selfcheck": check,
     }
 
 

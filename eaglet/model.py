@@ -472,6 +472,7 @@ class Eagle3Draft(nn.Module):
         input_ids_BT: Tensor,
         position_ids_BT: Tensor,
         kv_cache: KVCache | None = None,
+        attn_mask_TS: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Inference step over T new rows, causal among them and over everything cached.
 
@@ -479,12 +480,16 @@ class Eagle3Draft(nn.Module):
         (row s gets token s+1, at the position of token s+1). Each later chain step: one row
         whose hidden is the previous call's hidden output at its last row, whose token is the
         previous draft token, at the next position.
+
+        attn_mask_TS: optional bool [T, S] (True = attend) over all S = cached + T keys; it
+        replaces the causal pattern, e.g. for the rows of an EAGLE-2 draft tree, which see
+        the prefix and their own ancestors only.
         """
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if kv_cache is not None:
                 k, v = kv_cache.append(layer, k, v)
-            return cached_attention(q, k, v)
+            return cached_attention(q, k, v, attn_mask_TS)
 
         out = self.step(hidden_BTH, input_ids_BT, position_ids_BT, attend)
         if kv_cache is not None:
@@ -517,10 +522,16 @@ class KVCache:
         self.v = [None if v is None else v[:, :, :length] for v in self.v]
 
 
-def cached_attention(q_BHnD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor) -> Tensor:
-    """The n new queries are the last n of S rows; query i sees keys 0 .. S-n+i."""
+def cached_attention(q_BHnD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_nS: Tensor | None = None) -> Tensor:
+    """The n new queries are the last n of S rows; query i sees keys 0 .. S-n+i, or the
+    keys that the bool mask `allowed_nS` [n, S] marks."""
     n, S = q_BHnD.shape[2], k_BKSD.shape[2]
-    allowed = torch.arange(S, device=q_BHnD.device)[None, :] <= torch.arange(S - n, S, device=q_BHnD.device)[:, None]
+    if allowed_nS is None:
+        allowed = torch.arange(S, device=q_BHnD.device)[None, :] <= torch.arange(S - n, S, device=q_BHnD.device)[:, None]
+    elif tuple(allowed_nS.shape) != (n, S):
+        raise ValueError(f"attention mask of shape {tuple(allowed_nS.shape)}, expected {(n, S)}")
+    else:
+        allowed = allowed_nS.to(device=q_BHnD.device, dtype=torch.bool)
     return F.scaled_dot_product_attention(
         q_BHnD, k_BKSD, v_BKSD, attn_mask=allowed, enable_gqa=q_BHnD.shape[1] != k_BKSD.shape[1]
     )

@@ -63,8 +63,10 @@ STAGES: list[Stage] = [
     Stage("train", ("train",), "eaglet.train:run_train",
           lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else []),
     Stage("export", ("export", "target"), "eaglet.export:run_export"),
+    Stage("eval", ("eval",), "eaglet.evaluate:run_eval"),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
+PREFLIGHT_STAGES = ("extract", "train")  # stages that load large things: the doctor's cheap checks run first
 
 
 def library_versions() -> dict[str, str]:
@@ -117,8 +119,10 @@ def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]
     return plan
 
 
-def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True) -> dict[str, Any]:
-    """Run one stage (if it is not up to date) and return its manifest."""
+def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
+              preflight: bool = True) -> dict[str, Any]:
+    """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
+    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/doctor.py)."""
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
     upstream = {}
@@ -131,15 +135,20 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
             )
         upstream[stage.name] = run_dir / stage.name
     stage, h, inputs = plan[-1]
-    return _execute(cfg, stage, h, inputs, upstream, force)
+    return _execute(cfg, stage, h, inputs, upstream, force, preflight)
 
 
-def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool) -> dict[str, Any]:
+def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool,
+             preflight: bool = True) -> dict[str, Any]:
     out_dir = cfg.run_dir / stage.name
     old = read_manifest(out_dir)
     if not force and old is not None and old.get("input_hash") == h and old.get("status") == "complete":
         log(f"[{stage.name}] up to date ({out_dir}), skipped")
         return old
+    if preflight and stage.name in PREFLIGHT_STAGES:
+        from .doctor import preflight as run_preflight
+
+        run_preflight(cfg, stage.name)  # raises PreflightError before any weights load
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
     ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream)
@@ -164,10 +173,10 @@ def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream
     return manifest
 
 
-def run_all(cfg: Config, upto: str | None = None, force: bool = False) -> list[dict[str, Any]]:
+def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight: bool = True) -> list[dict[str, Any]]:
     """`eaglet run`: every stage in order, skipping those up to date."""
     manifests, upstream = [], {}
     for stage, h, inputs in _stage_plan(cfg, upto or STAGE_NAMES[-1]):
-        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force))
+        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight))
         upstream[stage.name] = cfg.run_dir / stage.name
     return manifests

@@ -209,11 +209,23 @@ def test_template_error(tok):
         render_with_mask(t, [CONV[0], CONV[0], CONV[1]], chat_template=ALTERNATING)
 
 
-def test_mask_mismatch_when_generation_prompt_differs(tok):
-    # The generation prompt opens a <think> block the rendered history does not have.
+def test_generation_prompt_absent_from_history_falls_back_to_sentinel(tok):
+    # The generation prompt opens a <think> block the rendered history does not have: the
+    # turn is located by a sentinel render instead, and the mask is still exactly the turn.
     template = CHATML_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>{% endif %}")
-    with pytest.raises(MaskMismatch, match="turn 1"):
-        render_with_mask(tok("chatml"), CONV, chat_template=template)
+    t = tok("chatml")
+    ids, mask = render_with_mask(t, CONV, chat_template=template)
+    assert mask == expected_mask(t, ids, chatml_pieces(CONV))
+
+
+def test_assistant_first_with_injected_default_system_prompt(tok):
+    # ShareGPT's split conversations often open with the assistant; a template that injects
+    # its default system prompt only into a non-empty conversation renders the empty prompt
+    # without it, so the generation-prompt render is no prefix of the turn's render.
+    t = tok("default_system")
+    messages = [{"role": "assistant", "content": "Continuing the answer."}] + CONV
+    ids, mask = render_with_mask(t, messages)
+    assert mask == expected_mask(t, ids, chatml_pieces(messages, default_system="You are a helpful AI assistant named Tiny."))
 
 
 def test_mask_mismatch_when_history_is_rewritten(tok):

