@@ -77,6 +77,9 @@ class ExtractSection:
     writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.")
     writer_threads: int = _f(4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).")
     fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
+    selfcheck_samples: int = _f(4, "Stored samples rerun alone through the model's own forward and compared, at the end of extract (0: off).")
+    selfcheck_min_cosine: float = _f(0.999, "Self-check: least cosine similarity of a stored state with the reference (suits bf16 stores).")
+    selfcheck_min_top1: float = _f(0.99, "Self-check: least top-1 agreement of LM head(stored final) with the model's own logits.")
 
 
 @dataclass
@@ -106,6 +109,7 @@ class TrainSection:
     draft_layers: int = _f(1, "Decoder layers in the draft.")
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
     norm_output: bool = _f(False, "EAGLE-3.1: feed the post-norm state to the next TTT step.")
+    init_head_from_target: bool = _f(False, "Start the draft's lm_head from the target's LM head rows of the draft vocabulary.")
     init_from: str | None = _f(None, "Start from an existing EAGLE-3 draft (eaglet export folder, speculators or SGLang format).")
     eval_fraction: float = _f(0.05, "Share of samples held out for evaluation (fixed by run.seed).")
     eval_max_samples: int = _f(256, "At most this many held-out samples are used per evaluation.")

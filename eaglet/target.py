@@ -23,6 +23,16 @@ from .config import TargetSection
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
+# Families whose parts TargetParts finds (a decoder with `layers` and `norm` at .model,
+# get_decoder() or under language_model); each was built small and run by the doctor's
+# shadow model in transformers 5.24. Adding a family is a change to this module only.
+SUPPORTED_FAMILIES = (
+    "Llama 2/3/4-text", "Mistral", "Mixtral", "Qwen2/2.5/3", "Qwen2/3-MoE", "Qwen3-Next", "Qwen3.5-MoE",
+    "DeepSeek-V3/V3.2", "Kimi-K2", "Kimi-Linear", "GLM-4/4-MoE", "GPT-OSS", "Gemma 2/3", "Phi-3", "MiniMax/M2",
+    "OLMo-2", "Granite-MoE", "ERNIE-4.5-MoE", "Cohere",
+    "multimodal wrappers with the text decoder under language_model: Llava, Gemma3, Qwen-VL, Kimi-K2.5",
+)
+
 
 def resolve_device(device: str) -> torch.device:
     """'auto' -> cuda when present, else cpu; anything else as torch reads it."""

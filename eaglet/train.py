@@ -154,6 +154,12 @@ def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.T
         torch.manual_seed(cfg.run.seed)
         model = Eagle3Draft(dcfg)
         model.reset_parameters()
+        if tc.init_head_from_target:
+            # The draft predicts what the target's head would from a state of the same width,
+            # so the target's head rows for the draft vocabulary are a head start over random.
+            with torch.no_grad():
+                used = torch.arange(d2t.numel()) + d2t
+                model.lm_head.weight.copy_(head.lm_head[used.to(head.lm_head.device)].to(model.lm_head.weight))
     with torch.no_grad():
         model.embed_tokens.weight.copy_(head.embed.to(model.embed_tokens.weight.dtype))
         model.d2t.copy_(d2t)

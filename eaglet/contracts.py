@@ -1,0 +1,209 @@
+"""The external APIs eaglet calls, as one table, and the check that they are still there.
+
+A library that renames a function or drops a keyword argument breaks a run only when the
+call is reached, which on a large target is after a long model load. Every such call of
+eaglet's HF backend is a row of `CONTRACTS`; `check_contracts` inspects the installed
+libraries' signatures in milliseconds, and `eaglet doctor` (and the preflight of `extract`
+and `train`) reports each broken row as one line. Adding a contract is adding one row.
+
+`where` is "module:Qualified.name", or "{role}.attr" for a class that depends on the target
+(the roles the doctor fills in from a meta-device skeleton of the target model):
+
+    {decoder_layer}   class(es) of the hooked decoder layers       (extract.capture)
+    {base_model}      the decoder stack without the LM head          (extract.capture)
+    {causal_lm}       the loaded model class                         (self-check, eval)
+    {tokenizer}       the target tokenizer's class                   (prepare, chat.py)
+
+`params` is a space-separated list of rules on the signature (self/cls not counted):
+
+    name     a parameter of that name exists
+    ^name    leading parameters, in order: "^a ^b" means the first two are a, b
+    a|b      at least one of them exists (an API that was renamed between versions)
+    name?    a parameter, or arrives through **kwargs (the signature has **kwargs)
+    ~name    read from **kwargs: the function's source mentions the string "name"
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet is tested with)"
+
+
+@dataclass(frozen=True)
+class Contract:
+    where: str
+    params: str  # rules, see the module doc; "" = the attribute only has to exist
+    why: str  # what in eaglet needs it
+    fix: str = PIN
+    stages: tuple[str, ...] = ("extract",)  # stages whose preflight checks it; the doctor checks all
+
+
+CONTRACTS: list[Contract] = [
+    # -- extract: capture with hooks on the target (eaglet/extract.py, eaglet/target.py)
+    Contract("torch.nn:Module.register_forward_pre_hook", "^hook with_kwargs",
+             "extract.capture: pre-hooks with kwargs read the state entering each captured layer"),
+    Contract("{decoder_layer}.forward", "^hidden_states",
+             "extract.capture: the hook reads hidden_states as args[0] or kwargs['hidden_states']",
+             fix="the decoder layer's first parameter must be hidden_states: pin transformers, or adapt "
+                 "extract.capture's hook for this model (eaglet/extract.py)"),
+    Contract("{base_model}.forward", "input_ids attention_mask use_cache",
+             "extract.capture: the base model runs without the LM head and without a KV cache"),
+    Contract("{causal_lm}.forward", "input_ids output_hidden_states?",
+             "extract self-check: reference states from the model's own output_hidden_states and logits"),
+    Contract("transformers:PreTrainedModel.from_pretrained", "~dtype",
+             "target.load_target passes dtype= (older transformers only knew torch_dtype=)"),
+    Contract("transformers:AutoModelForCausalLM.from_config", "",
+             "doctor: builds the target's skeleton on the meta device (no weights)"),
+    Contract("transformers:AutoModelForImageTextToText.from_pretrained", "",
+             "target.load_target: multimodal wrappers (Kimi-K2.5, Llava) are not CausalLM classes"),
+    Contract("transformers:PreTrainedConfig.get_text_config", "",
+             "target, extract, train: the text decoder's config inside a multimodal config",
+             stages=("extract", "train")),
+    Contract("safetensors:safe_open", "^filename ^framework device",
+             "store, export: reading shards and weights lazily", stages=("extract", "train")),
+    Contract("safetensors.torch:save", "^tensors", "extract.save_target_head: the target head file"),
+    # -- prepare: chat templates and loss masks (eaglet/chat.py)
+    Contract("{tokenizer}.apply_chat_template",
+             "^conversation chat_template tokenize add_generation_prompt return_dict return_assistant_tokens_mask",
+             "chat.render_with_mask: renders and, for {% generation %} templates, the assistant mask",
+             stages=("prepare",)),
+    Contract("{tokenizer}.get_chat_template", "", "chat.resolve_chat_template: the tokenizer's own template",
+             stages=("prepare",)),
+    Contract("{tokenizer}.__call__", "add_special_tokens return_offsets_mapping?",
+             "chat.mask_by_prefixes: character offsets map assistant spans to tokens", stages=("prepare",)),
+    Contract("transformers.utils.chat_template_utils:render_jinja_template",
+             "conversations chat_template add_generation_prompt",
+             "chat._render_empty: the generation prompt of an empty conversation (apply_chat_template refuses [])",
+             stages=("prepare",)),
+    # -- train: the draft's TTT attention (eaglet/model.py) and its config
+    Contract("torch.nn.attention.flex_attention:flex_attention",
+             "^query ^key ^value block_mask scale enable_gqa return_aux|return_lse",
+             "model._flex_with_lse: flex attention with its log-sum-exp (return_aux in new torch, return_lse in old)",
+             stages=("train",)),
+    Contract("torch.nn.attention.flex_attention:create_block_mask", "^mask_mod ^B ^H ^Q_LEN ^KV_LEN device",
+             "model.ttt_block_mask: the causal/document block mask of TTT step 0", stages=("train",)),
+    Contract("torch.utils.checkpoint:checkpoint", "use_reentrant?",
+             "model._chunked_causal_attention: recompute attention chunks in backward", stages=("train",)),
+    Contract("transformers:AutoConfig.for_model", "^model_type",
+             "train.build_draft: the target config rebuilt from extract's target_config.json", stages=("train",)),
+    # -- eval: speculative decoding with the target's KV cache (eaglet/specdec.py)
+    Contract("{causal_lm}.forward", "cache|past_key_values",
+             "specdec: the target's KV-cache keyword (cache in transformers 5.24, past_key_values before)",
+             stages=("eval",)),
+    Contract("transformers:DynamicCache", "", "specdec: the target's KV cache", stages=("eval",)),
+]
+
+
+@dataclass
+class ContractResult:
+    contract: Contract
+    target: str  # the resolved name that was checked
+    ok: bool
+    found: str  # the signature (or why it could not be read)
+    problem: str = ""  # what is missing, when not ok
+
+
+def _resolve_static(where: str) -> Any:
+    module, _, attr = where.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _short_sig(sig: inspect.Signature, limit: int = 160) -> str:
+    text = "(" + ", ".join(str(p).split(":")[0].split("=")[0].strip() for p in sig.parameters.values()) + ")"
+    return text if len(text) <= limit else text[: limit - 4] + "...)"
+
+
+def _check_rules(fn: Any, rules: str) -> tuple[str, str]:
+    """(found signature, problem or '') for one callable and one rule string."""
+    if not rules:
+        return "exists", ""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        return f"no signature ({e})", "its signature cannot be read"
+    params = [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
+    names = [p.name for p in params]
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    found = _short_sig(sig)
+    problems = []
+    leading = [r[1:] for r in rules.split() if r.startswith("^")]
+    if leading and named[: len(leading)] != leading:
+        problems.append(f"leading parameters {named[:len(leading)]} instead of {leading}")
+    for rule in rules.split():
+        if rule.startswith("^"):
+            continue
+        if rule.startswith("~"):
+            name = rule[1:]
+            if name in names:
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                src = ""
+            if f'"{name}"' not in src and f"'{name}'" not in src:
+                problems.append(f"does not read {name}= (not a parameter, and its source never mentions it)")
+        elif rule.endswith("?"):
+            if rule[:-1] not in names and not has_var_kw:
+                problems.append(f"no parameter {rule[:-1]} and no **kwargs")
+        elif "|" in rule:
+            if not any(a in names for a in rule.split("|")):
+                problems.append(f"none of the parameters {rule.split('|')}")
+        elif rule not in names:
+            problems.append(f"no parameter {rule}")
+    return found, "; ".join(problems)
+
+
+def describe(rules: str) -> str:
+    """A rule string in words, for the doctor's lines."""
+    if not rules:
+        return "to exist"
+    words = []
+    leading = [r[1:] for r in rules.split() if r.startswith("^")]
+    if leading:
+        words.append("first parameter(s) " + ", ".join(leading))
+    for r in rules.split():
+        if r.startswith("~"):
+            words.append(f"{r[1:]}= read from **kwargs")
+        elif r.endswith("?"):
+            words.append(f"{r[:-1]} (or **kwargs)")
+        elif "|" in r:
+            words.append(" or ".join(r.split("|")))
+        elif not r.startswith("^"):
+            words.append(r)
+    return "parameters: " + ", ".join(words)
+
+
+def check_contracts(roles: dict[str, list[type]] | None = None, stages: set[str] | None = None) -> list[ContractResult]:
+    """Check every contract (of `stages`, default all). `roles` maps a role name to the
+    classes it stands for; a role that is not given is skipped."""
+    roles = roles or {}
+    out = []
+    for c in CONTRACTS:
+        if stages is not None and not stages & set(c.stages):
+            continue
+        if c.where.startswith("{"):
+            role, _, attr = c.where[1:].partition("}.")
+            targets = [(f"{cls.__module__}.{cls.__qualname__}.{attr}", getattr(cls, attr, None))
+                       for cls in roles.get(role, [])]
+        else:
+            try:
+                targets = [(c.where.replace(":", "."), _resolve_static(c.where))]
+            except (ImportError, AttributeError) as e:
+                out.append(ContractResult(c, c.where.replace(":", "."), False, f"missing ({type(e).__name__}: {e})",
+                                          "not found"))
+                continue
+        for name, obj in targets:
+            if obj is None:
+                out.append(ContractResult(c, name, False, "missing", "not found"))
+                continue
+            found, problem = _check_rules(obj, c.params)
+            out.append(ContractResult(c, name, not problem, found, problem))
+    return out

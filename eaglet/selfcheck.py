@@ -1,0 +1,156 @@
+"""The extraction self-check: a few stored samples against the model's own reference path.
+
+`extract` captures states with hooks, in padded batches, and stores them in shards; a
+wrong layer, rows reordered by batching or a teacher state without the final norm would
+all produce a store that trains a useless draft without any error. So at the end of
+`run_extract` (before the manifest, so `train` cannot start on a bad store) a sample of
+`extract.selfcheck_samples` stored samples is run again the plain way: alone, unpadded,
+through the full CausalLM with `output_hidden_states=True`, and compared with what the
+store holds after a round trip through the shards:
+
+- each captured layer i: the stored state vs `output_hidden_states[i]` (the state entering
+  decoder layer i);
+- the teacher: the stored final state vs the tensor the model itself feeds its LM head
+  (caught by a pre-hook on the LM head, so it is right whether or not the model's last
+  `output_hidden_states` entry is normed), and the top-1 token of LM head(stored final)
+  vs the argmax of the model's own logits.
+
+Per state the cosine similarity of the whole sample, the max absolute error and the
+relative error ||stored - ref|| / ||ref|| are measured. A state fails when its cosine is
+below `extract.selfcheck_min_cosine`, or when its relative error exceeds
+sqrt(2 * (1 - min_cosine)) (the error that cosine allows, 0.045 at 0.999: catches a wrong
+scale, which cosine cannot see). The teacher also fails when top-1 agreement is below
+`extract.selfcheck_min_top1`. Causal models let the check run on a prefix of at most
+`REF_MAX_TOKENS` tokens of each sample: earlier tokens do not depend on later ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .store import StoreReader
+from .target import TargetParts
+
+REF_MAX_TOKENS = 1024
+
+
+class SelfCheckError(RuntimeError):
+    """Stored states disagree with the model's own; the message names the state and the error."""
+
+
+def pick_samples(sample_ids: np.ndarray, n: int, seed: int) -> list[int]:
+    """`n` stored sample ids chosen by the seed (all of them when there are fewer), sorted."""
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    if n >= len(ids):
+        return ids.tolist()
+    return sorted(np.random.default_rng([seed, 11]).choice(ids, size=n, replace=False).tolist())
+
+
+def compare(stored: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Cosine (whole sample flattened), max |error| and relative error, in fp32."""
+    a, b = stored.float().reshape(-1), ref.float().reshape(-1)
+    diff = a - b
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0, eps=1e-12))
+    return {
+        "cosine": cos,
+        "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0,
+        "rel_error": float(diff.norm() / b.norm().clamp_min(1e-12)),
+    }
+
+
+@torch.inference_mode()
+def reference(model: torch.nn.Module, parts: TargetParts, layers: list[int], input_ids: torch.Tensor
+              ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One sample alone, through the CausalLM: ([state entering layer i for i in layers],
+    the LM head's input [T, H], logits [T, V]), all on the CPU in fp32."""
+    seen: list[torch.Tensor] = []
+    handle = parts.lm_head.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        out = model(input_ids=input_ids[None].to(parts.input_device), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    hidden = out.hidden_states
+    if hidden is None or len(hidden) < parts.num_layers:
+        raise SelfCheckError(
+            f"{type(model).__name__} returned {0 if hidden is None else len(hidden)} output_hidden_states for "
+            f"{parts.num_layers} decoder layers; the self-check needs one per layer (set extract.selfcheck_samples=0 "
+            "to skip it)"
+        )
+    if len(seen) != 1:
+        raise SelfCheckError(f"the LM head ran {len(seen)} times in one forward (expected once)")
+    T = input_ids.shape[0]
+    states = [hidden[i][0, :T].float().cpu() for i in layers]
+    return states, seen[0][0, :T].float().cpu(), out.logits[0, :T].float().cpu()
+
+
+def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader, layers: list[int],
+                  num_samples: int, min_cosine: float, min_top1: float, seed: int = 0) -> dict[str, Any]:
+    """Compare `num_samples` stored samples with the reference path; raise SelfCheckError on
+    a mismatch, else return the measurements (for the extract stats)."""
+    if num_samples <= 0 or len(store) == 0:
+        return {"samples": []}
+    ids = pick_samples(store.sample_ids, num_samples, seed)
+    H = store.hidden_size
+    names = [f"layer {i}" for i in layers] + ["final"]
+    worst: dict[str, dict[str, Any]] = {n: {"cosine": 1.0, "max_abs_error": 0.0, "rel_error": 0.0} for n in names}
+    agree = total = 0
+    head = parts.lm_head
+    for sid in ids:
+        got = store.get(sid)
+        n = min(int(got["input_ids"].shape[0]), REF_MAX_TOKENS)
+        ids_T = got["input_ids"][:n].to(torch.int64)
+        ref_states, ref_final, ref_logits = reference(model, parts, layers, ids_T)
+        stored = [got["aux"][:n, j * H:(j + 1) * H] for j in range(len(layers))] + [got["final"][:n]]
+        for name, s, r in zip(names, stored, ref_states + [ref_final]):
+            m = compare(s, r)
+            w = worst[name]
+            if m["cosine"] < w["cosine"]:
+                w["cosine"], w["sample"] = m["cosine"], sid
+            w["max_abs_error"] = max(w["max_abs_error"], m["max_abs_error"])
+            if m["rel_error"] > w["rel_error"]:
+                w["rel_error"], w["rel_sample"] = m["rel_error"], sid
+        with torch.inference_mode():
+            w_head = head.weight
+            teacher = head(got["final"][:n].to(device=w_head.device, dtype=w_head.dtype)).float().cpu()
+        agree += int((teacher.argmax(-1) == ref_logits.argmax(-1)).sum())
+        total += n
+    top1 = agree / max(total, 1)
+    max_rel = math.sqrt(2 * max(0.0, 1 - min_cosine))
+    problems = []
+    for name, w in worst.items():
+        what = "the teacher state (LM head input)" if name == "final" else f"the state entering decoder {name}"
+        if w["cosine"] < min_cosine:
+            problems.append(f"{name}: cosine {w['cosine']:.6f} < extract.selfcheck_min_cosine {min_cosine} "
+                            f"(sample {w['sample']}; max abs error {w['max_abs_error']:.4g}, relative error "
+                            f"{w['rel_error']:.4g}) for {what}")
+        elif w["rel_error"] > max_rel:
+            problems.append(f"{name}: relative error {w['rel_error']:.4g} > {max_rel:.4g} (sample {w['rel_sample']}; "
+                            f"max abs error {w['max_abs_error']:.4g}; cosine {w['cosine']:.6f}: a wrong scale) "
+                            f"for {what}")
+    if top1 < min_top1:
+        problems.append(f"teacher top-1: LM head(stored final) agrees with the model's own logits on {top1:.2%} of "
+                        f"{total} tokens < extract.selfcheck_min_top1 {min_top1:.2%}")
+    result = {
+        "samples": ids,
+        "tokens": total,
+        "top1_agreement": top1,
+        "states": {k: {m: (round(v, 6) if isinstance(v, float) else v) for m, v in w.items()}
+                   for k, w in worst.items()},
+        "min_cosine": min_cosine,
+        "max_rel_error": max_rel,
+        "min_top1": min_top1,
+    }
+    if problems:
+        raise SelfCheckError(
+            "extract self-check failed: the stored states of samples " + str(ids) + " do not match the model's own "
+            "unbatched forward (output_hidden_states and logits):\n  " + "\n  ".join(problems) + "\n"
+            "The store is kept but the extract manifest is not written, so train cannot start on it. Likely "
+            "causes: a hook on the wrong layer, batched rows mapped to the wrong samples, a teacher state without "
+            "the final norm, a padding/attention-mask bug in the model's batched path. Thresholds: "
+            "extract.selfcheck_min_cosine / selfcheck_min_top1 (selfcheck_samples=0 turns the check off)."
+        )
+    return result

@@ -1,0 +1,251 @@
+"""The shadow run: the whole pipeline on a tiny random model of the target's own family.
+
+`eaglet doctor CONFIG --shadow` shrinks the target's config (same model_type and class,
+same layer kinds, MoE routing, attention kind and wrapper nesting; 64-wide, 8 layers,
+a few experts; the vocabulary is kept so the target's own tokenizer works), builds a random
+model from it, and runs prepare, extract (with its self-check), vocab, two train steps,
+export (which reloads every format) and, when the pipeline has it, eval, on a few of the
+user's records in a temporary run folder. Every external call eaglet makes for this
+family is reached in well under a minute on a CPU, before the real run loads its weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import Config
+
+SHADOW_LAYERS = 8  # >= 8: the default layer ids [2, L//2, L-3] are distinct
+SHADOW_RECORDS = 16  # records read per data file
+SHADOW_MAX_LENGTH = 256
+
+# Width keys set to min(value, small); each keeps the relation the model code needs
+# (heads x head_dim need not equal hidden in these families; head counts stay divisible).
+_SMALL = {
+    "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "head_dim": 16,
+    # MLA (DeepSeek-V2/V3, Kimi-K2)
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    # experts and routing
+    "n_routed_experts": 8, "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 3,
+    # linear-attention hybrids (Qwen3-Next)
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    # vision towers (shrunk when a wrapper has one)
+    "depth": 1, "out_hidden_size": 64, "projection_hidden_size": 64, "vision_hidden_size": 64,
+}
+
+
+def _shrink_level(c: dict[str, Any], num_layers: int) -> None:
+    """Shrink one config level in place."""
+    old_heads, old_kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
+    old_layers = c.get("num_hidden_layers")
+    for key, small in _SMALL.items():
+        v = c.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > small:
+            c[key] = small
+    if isinstance(old_kv, int) and isinstance(old_heads, int):
+        c["num_key_value_heads"] = c["num_attention_heads"] if old_kv == old_heads else min(old_kv, 2)
+    if isinstance(c.get("n_group"), int) and isinstance(c.get("topk_group"), int):
+        c["topk_group"] = min(c["topk_group"], c["n_group"])
+    if isinstance(old_layers, int) and old_layers > num_layers:
+        c["num_hidden_layers"] = num_layers
+        for key, v in list(c.items()):
+            if isinstance(v, list) and len(v) == old_layers:  # per-layer lists (layer_types, no_rope_layers, ...)
+                kept = v[:num_layers]
+                if all(isinstance(t, (str, int)) for t in v):  # keep every layer kind present
+                    missing = [t for t in dict.fromkeys(v) if t not in kept]
+                    for j, t in enumerate(missing[:num_layers - 1]):
+                        kept[num_layers - 1 - j] = t
+                c[key] = kept
+        for key in ("mlp_only_layers", "moe_layers", "full_attention_layers"):
+            if isinstance(c.get(key), list):
+                c[key] = [i for i in c[key] if isinstance(i, int) and i < num_layers]
+        if isinstance(c.get("max_window_layers"), int):
+            c["max_window_layers"] = min(c["max_window_layers"], num_layers)
+    for key in ("rope_parameters", "rope_scaling"):  # multimodal RoPE sections must sum to head_dim / 2
+        rope = c.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and c.get("num_attention_heads"):
+            half = (c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]) // 2
+            old = rope["mrope_section"]
+            new = [max(1, v * half // sum(old)) for v in old]
+            new[0] += half - sum(new)
+            rope["mrope_section"] = new
+
+
+def _drop_derived(c: dict[str, Any], obj: Any) -> None:
+    """Drop values a dataclass config derives itself (DeepSeek's head_dim, qk_head_dim), so
+    they are derived again from the shrunk sizes; other configs are left as they are."""
+    if dataclasses.is_dataclass(obj):
+        declared = {f.name for f in dataclasses.fields(obj)}
+        for key in [k for k in c if k not in declared and k != "model_type"]:
+            del c[key]
+
+
+def shrink_config(hf_config: Any, num_layers: int = SHADOW_LAYERS) -> Any:
+    """A config of the same class and model_type with small sizes (see module doc)."""
+    d = hf_config.to_dict()
+    text = hf_config.get_text_config()
+    sub_keys = [k for k, v in d.items() if isinstance(v, dict) and "model_type" in v]
+    text_key = next((k for k in sub_keys if getattr(hf_config, k, None) is text), None)
+    for k in sub_keys:
+        _shrink_level(d[k], num_layers if k == text_key else 1)
+        _drop_derived(d[k], getattr(hf_config, k, None))
+    top_layers = num_layers if text_key is None else 1
+    _shrink_level(d, top_layers)
+    _drop_derived(d, hf_config)
+    if text_key is not None:  # keep the wrapper's own cross-references to the text width
+        for k in ("projection_hidden_size",):
+            if k in d and d[k] is not None:
+                d[k] = d[text_key].get("hidden_size", d[k])
+    for k in ("quantization_config", "_name_or_path", "dtype", "torch_dtype"):
+        d.pop(k, None)
+    return type(hf_config).from_dict(d)
+
+
+def build_tiny_model(hf_config: Any, trust_remote_code: bool = False, seed: int = 0) -> Any:
+    """A random float32 model of the shrunk config; the final norm gets random weights so a
+    teacher state without the final norm changes the top-1 token (ones would only rescale)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .target import TargetParts, _is_unmapped_config
+
+    torch.manual_seed(seed)
+    tiny = shrink_config(hf_config)
+    kw = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
+    try:
+        model = AutoModelForCausalLM.from_config(tiny, **kw)
+    except ValueError as e:
+        if not _is_unmapped_config(e):
+            raise
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(tiny, **kw)
+    with torch.no_grad():
+        norm = TargetParts.of(model).norm
+        if getattr(norm, "weight", None) is not None:
+            norm.weight.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _scaled_layers(layers: list[int] | None, old: int, new: int) -> list[int] | None:
+    """The user's explicit layer ids moved proportionally onto `new` layers (None: default)."""
+    if layers is None or old <= new:
+        return layers
+    scaled = [min(new - 1, round(i * new / old)) for i in layers]
+    return scaled if len(set(scaled)) == len(scaled) else None
+
+
+def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: int) -> tuple[Config, list[str]]:
+    """The user's config pointed at the tiny target and made small; returns (config, notes)."""
+    from .pipeline import STAGE_NAMES
+
+    s = copy.deepcopy(cfg)
+    notes = []
+    s.run.dir = str(root / "run")
+    t = s.target
+    t.path, t.tokenizer, t.gguf_file, t.revision = str(target_dir), None, None, None
+    t.dtype, t.device, t.device_map = "float32", "cpu", None
+    if t.attn_implementation and t.attn_implementation not in ("sdpa", "eager"):
+        notes.append(f"target.attn_implementation {t.attn_implementation!r} -> 'sdpa' (CPU)")
+        t.attn_implementation = "sdpa"
+    p = s.prepare
+    p.max_records = min(p.max_records or SHADOW_RECORDS, SHADOW_RECORDS)
+    p.max_length, p.num_workers = min(p.max_length, SHADOW_MAX_LENGTH), 0
+    e = s.extract
+    e.layers = _scaled_layers(e.layers, num_target_layers, min(num_target_layers, SHADOW_LAYERS))
+    e.batch_tokens, e.shard_mb, e.writer_threads, e.fsync = min(e.batch_tokens, 2048), 1.0, 1, False
+    if e.store_dtype != "float32":
+        notes.append(f"extract.store_dtype {e.store_dtype} -> float32 (a strict self-check on a random model)")
+        e.store_dtype = "float32"
+    e.selfcheck_samples = max(e.selfcheck_samples, 4)
+    s.vocab.size = min(s.vocab.size, 1024)
+    tr = s.train
+    tr.max_steps, tr.epochs, tr.grad_accum = 2, 1, min(tr.grad_accum, 2)
+    tr.max_tokens, tr.warmup_steps, tr.log_every = min(tr.max_tokens, 512), 1, 1
+    tr.eval_every, tr.ckpt_every, tr.tensorboard, tr.device = 0, 2, False, "cpu"
+    tr.eval_max_samples = min(tr.eval_max_samples, 4)
+    if tr.attn_impl == "flex":
+        notes.append("train.attn_impl flex -> auto (CPU flex_attention has no backward)")
+        tr.attn_impl = "auto"
+    if tr.init_from:
+        notes.append(f"train.init_from {tr.init_from} not used (its sizes are the real target's)")
+        tr.init_from = None
+    if "eval" in STAGE_NAMES:
+        ev = s.eval
+        ev.num_prompts, ev.max_new_tokens, ev.device = 1, 16, "cpu"
+        ev.dtype = "auto"
+    return s, notes
+
+
+def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: int,
+               report: Callable[[str, str, str, str, str], None], keep: Path | None = None) -> None:
+    """Build the tiny target, run every stage, and `report(status, check, expected, found, fix)`
+    one line per step. `keep`: write into this folder and leave it (default: a temp folder)."""
+    import torch
+
+    from . import pipeline
+
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="eaglet-shadow-"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and immune to a busy machine
+    try:
+        t0 = time.time()
+        target_dir = root / "target"
+        try:
+            model = build_tiny_model(hf_config, cfg.target.trust_remote_code, seed=cfg.run.seed)
+            model.save_pretrained(target_dir)
+            tokenizer.save_pretrained(target_dir)
+        except Exception as e:  # noqa: BLE001 - any failure here is the finding
+            report("FAIL", "shadow: tiny model", f"a small {type(hf_config).__name__} builds from the target's config",
+                   f"{type(e).__name__}: {e}", "report it with the target's config.json; eaglet/shadow.py _SMALL "
+                   "lists the sizes it shrinks")
+            return
+        n_params = sum(p.numel() for p in model.parameters())
+        scfg, notes = shadow_config(cfg, root, target_dir, num_target_layers)
+        report("ok", "shadow: tiny model", f"{type(model).__name__} like the target",
+               f"{type(model).__name__} ({hf_config.get_text_config().model_type}), "
+               f"{model.config.get_text_config().num_hidden_layers} layers, {n_params / 1e6:.1f}M params in "
+               f"{time.time() - t0:.1f}s" + (f"; shadow settings: {'; '.join(notes)}" if notes else ""), "")
+        for name in pipeline.STAGE_NAMES:
+            t1 = time.time()
+            try:
+                m = pipeline.run_stage(scfg, name, force=True, preflight=False)
+            except Exception as e:  # noqa: BLE001
+                report("FAIL", f"shadow: {name}", f"stage {name} runs on the tiny {type(model).__name__}",
+                       f"{type(e).__name__}: {str(e)[:600]}",
+                       f"the real run would fail the same way in `eaglet {name}`")
+                return
+            report("ok", f"shadow: {name}", "completes", f"{time.time() - t1:.1f}s; {_summary(name, m['stats'])}", "")
+        if "eval" not in pipeline.STAGE_NAMES:
+            report("warn", "shadow: eval", "an eval stage in the pipeline",
+                   "none (eaglet.pipeline.STAGES has no 'eval')",
+                   "eval not exercised; run `eaglet eval` on the real run once it exists")
+        report("ok", "shadow: total", "under a minute on a CPU", f"{time.time() - t0:.1f}s", "")
+    finally:
+        torch.set_num_threads(threads)
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _summary(stage: str, stats: dict[str, Any]) -> str:
+    if stage == "prepare":
+        return f"{stats.get('samples')} samples, {stats.get('tokens')} tokens"
+    if stage == "extract":
+        sc = stats.get("selfcheck") or {}
+        return f"{stats.get('samples')} samples, self-check top-1 {sc.get('top1_agreement', float('nan')):.2%}"
+    if stage == "vocab":
+        return f"draft vocab {stats.get('draft_vocab_size')}"
+    if stage == "train":
+        return f"{stats.get('steps')} steps"
+    if stage == "export":
+        return ", ".join(f"{fmt} reloaded (max logit error {v.get('reload_max_logit_error', 0):.1e})"
+                         for fmt, v in stats.items() if isinstance(v, dict))
+    return ", ".join(f"{k}={v}" for k, v in list(stats.items())[:4])

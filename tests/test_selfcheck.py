@@ -1,0 +1,157 @@
+"""The extraction self-check, proven by planting each bug it exists for into extract.
+
+Each plant wraps `eaglet.extract.capture` (the hooked, batched path); the self-check's
+reference is the model's own unbatched forward, which the plant does not touch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import eaglet.extract as extract_mod
+from eaglet import pipeline, tiny
+from eaglet.config import Config, load_config
+from eaglet.extract import run_extract
+from eaglet.pipeline import StageContext
+from eaglet.prepared import PreparedWriter
+from eaglet.selfcheck import SelfCheckError, pick_samples
+
+LENGTHS = [23, 9, 31, 17, 5, 28, 12, 20]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; immune to a busy CI box
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny llama whose final norm has non-unit weights, so a missing norm changes top-1."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny.save_target(tmp_path_factory.mktemp("t") / "llama", family="llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        model.model.norm.weight.uniform_(0.2, 2.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prep")
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(folder, ["synthetic.jsonl"], shard_samples=100)
+    for k, n in enumerate(LENGTHS):
+        w.add(rng.integers(1, 500, n), np.ones(n, dtype=np.uint8), 0, k)
+    w.close()
+    return folder
+
+
+def _extract(tmp_path, target, prepared, **extract):
+    cfg = Config()
+    cfg.target.path, cfg.target.dtype = str(target), "float32"
+    cfg.extract.fsync, cfg.extract.store_dtype = False, "float32"
+    cfg.extract.batch_tokens, cfg.extract.max_batch_size = 4096, 8  # every sample shares a batch
+    cfg.extract.selfcheck_samples = len(LENGTHS)
+    for k, v in extract.items():
+        setattr(cfg.extract, k, v)
+    out = tmp_path / "extract"
+    out.mkdir(exist_ok=True)
+    return run_extract(cfg, StageContext("extract", out, tmp_path, "h", {"prepare": prepared}))
+
+
+def _plant(monkeypatch, transform):
+    real = extract_mod.capture
+
+    def planted(parts, layers, input_ids, attention_mask, dtype):
+        return transform(real, parts, layers, input_ids, attention_mask, dtype)
+
+    monkeypatch.setattr(extract_mod, "capture", planted)
+
+
+def test_healthy_store_passes_and_is_reported(tmp_path, target, prepared):
+    stats = _extract(tmp_path, target, prepared)
+    sc = stats["selfcheck"]
+    assert sc["samples"] == list(range(len(LENGTHS))) and sc["tokens"] == sum(LENGTHS)
+    assert sc["top1_agreement"] == 1.0
+    assert set(sc["states"]) == {"layer 2", "layer 4", "layer 5", "final"}
+    assert all(s["cosine"] > 0.99999 and s["rel_error"] < 1e-4 for s in sc["states"].values())
+
+
+def test_bf16_store_passes_default_thresholds(tmp_path, target, prepared):
+    stats = _extract(tmp_path, target, prepared, store_dtype="bfloat16")
+    assert stats["selfcheck"]["top1_agreement"] >= 0.99
+
+
+def test_off_by_one_layer_is_caught(tmp_path, target, prepared, monkeypatch):
+    _plant(monkeypatch, lambda real, parts, layers, *a: real(parts, [i + 1 for i in layers], *a))
+    with pytest.raises(SelfCheckError, match=r"layer 2: cosine 0\.\d+ < extract\.selfcheck_min_cosine") as e:
+        _extract(tmp_path, target, prepared)
+    assert "layer 4" in str(e.value) and "layer 5" in str(e.value) and "final" not in str(e.value).split("\n")[1]
+
+
+def test_pre_norm_teacher_is_caught(tmp_path, target, prepared, monkeypatch):
+    def pre_norm(real, parts, layers, input_ids, attention_mask, dtype):
+        seen = []
+        h = parts.norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        try:
+            aux, _ = real(parts, layers, input_ids, attention_mask, dtype)
+        finally:
+            h.remove()
+        return aux, seen[0].to(dtype)
+
+    _plant(monkeypatch, pre_norm)
+    with pytest.raises(SelfCheckError) as e:
+        _extract(tmp_path, target, prepared)
+    msg = str(e.value)
+    assert "final: " in msg and "teacher top-1" in msg and "layer 2:" not in msg
+
+
+def test_reordered_batch_rows_are_caught(tmp_path, target, prepared, monkeypatch):
+    def reorder(real, *args):
+        aux, final = real(*args)
+        return aux.roll(1, dims=0), final.roll(1, dims=0)  # row b gets row b-1's states
+
+    _plant(monkeypatch, reorder)
+    with pytest.raises(SelfCheckError, match=r"layer 2: cosine .*(\n.*)*final: .*(\n.*)*teacher top-1"):
+        _extract(tmp_path, target, prepared)
+
+
+def test_selfcheck_off(tmp_path, target, prepared, monkeypatch):
+    _plant(monkeypatch, lambda real, parts, layers, *a: real(parts, [i + 1 for i in layers], *a))
+    stats = _extract(tmp_path, target, prepared, selfcheck_samples=0)
+    assert stats["selfcheck"] == {"samples": []}
+
+
+def test_failed_selfcheck_leaves_no_manifest_so_train_cannot_run(tmp_path, target, monkeypatch):
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(12, seed=2))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={target}", "target.dtype=float32",
+                             f"prepare.data=[{data}]", "extract.fsync=false", "vocab.size=64"])
+    pipeline.run_stage(cfg, "prepare")
+
+    def reorder(real, *args):
+        aux, final = real(*args)
+        return aux.flip(0), final.flip(0)
+
+    _plant(monkeypatch, reorder)
+    with pytest.raises(SelfCheckError):
+        pipeline.run_stage(cfg, "extract", preflight=False)
+    assert (tmp_path / "run" / "extract" / "index.json").is_file()  # the store is kept ...
+    assert not (tmp_path / "run" / "extract" / "manifest.json").exists()  # ... but not handed on
+    with pytest.raises(RuntimeError, match="needs stage 'extract' up to date"):
+        pipeline.run_stage(cfg, "train", preflight=False)
+
+
+def test_pick_samples_is_seeded_and_bounded():
+    ids = np.arange(100, 200)
+    a = pick_samples(ids, 4, seed=0)
+    assert a == pick_samples(ids, 4, seed=0) and len(set(a)) == 4 and a == sorted(a)
+    assert pick_samples(ids, 4, seed=1) != a
+    assert pick_samples(ids[:3], 4, seed=0) == [100, 101, 102]
