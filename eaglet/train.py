@@ -359,7 +359,9 @@ class Trainer:
     def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         while True:
             plan = epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, self.cfg.run.seed, epoch)
-            usable = self.steps_per_epoch * self.tc.grad_accum
+            # Packing another permutation can give a different number of micro-batches than
+            # epoch 0's plan, from which steps_per_epoch was counted: never index past it.
+            usable = min(self.steps_per_epoch * self.tc.grad_accum, len(plan))
             for i in range(start, usable):
                 yield epoch, i, plan[i]
             epoch, start = epoch + 1, 0
