@@ -539,16 +539,21 @@ def cached_attention(q_BHnD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_nS:
 
 # ---- TTT attention ------------------------------------------------------------------------
 
-# The flex_attention callable; `compile_flex_attention()` swaps in a compiled one (needed for
+# The compiled flex_attention for CUDA inputs; `compile_flex_attention()` sets it (needed for
 # speed on GPU). Its LSE API changed: older torch takes return_lse=True, newer return_aux.
-_flex_attention: Callable[..., Any] = flex_attention
+_flex_compiled: Callable[..., Any] | None = None
 _FLEX_RETURNS_AUX = "return_aux" in inspect.signature(flex_attention).parameters
 
 
 def compile_flex_attention(**compile_kwargs: Any) -> None:
-    """Use torch.compile(flex_attention) from now on (the caller decides; CPU runs eager)."""
-    global _flex_attention
-    _flex_attention = torch.compile(flex_attention, **compile_kwargs)
+    """Use torch.compile(flex_attention) for CUDA inputs from now on (CPU inputs stay eager)."""
+    global _flex_compiled
+    _flex_compiled = torch.compile(flex_attention, **compile_kwargs)
+
+
+def _flex_attention(q: Tensor, *args: Any, **kwargs: Any) -> Any:
+    fn = _flex_compiled if (_flex_compiled is not None and q.is_cuda) else flex_attention
+    return fn(q, *args, **kwargs)
 
 
 def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import Config, TrainSection
 from .loss import simulated_acceptance_length, teacher_targets, ttt_loss
-from .model import DraftConfig, Eagle3Draft
+from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
 from .store import StoreReader
@@ -343,6 +343,8 @@ class Trainer:
         self.steps_per_epoch = max(batches // self.tc.grad_accum, 1)
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
+        if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
+            compile_flex_attention()  # flex_attention is only fast compiled (shapes vary: dynamic)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay,
                                      fused=self.device.type == "cuda")

