@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import re
 import struct
-import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .utils import atomic_write_json, fsync_dir, log, sha256_file
+from .utils import atomic_write_json, atomic_writer, log, sha256_file
 
 FORMAT = "eaglet-store-v1"
 STORE_META = "store.json"
@@ -101,27 +99,16 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tens
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for block in (struct.pack("<Q", len(head)), head):
-                digest.update(block)
+    with atomic_writer(path, fsync) as f:
+        for block in (struct.pack("<Q", len(head)), head):
+            digest.update(block)
+            f.write(block)
+        for name in order:
+            for piece in tensors[name][0]:
+                block = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+                digest.update(block)  # hashlib and file writes release the GIL for large blocks
                 f.write(block)
-            for name in order:
-                for piece in tensors[name][0]:
-                    block = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
-                    digest.update(block)  # hashlib and file writes release the GIL for large blocks
-                    f.write(block)
-            size = f.tell()
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        size = f.tell()
     return digest.hexdigest(), size
 
 

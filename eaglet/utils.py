@@ -7,8 +7,10 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def log(msg: str) -> None:
@@ -26,14 +28,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes | memoryview, fsync: bool = True) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+@contextmanager
+def atomic_writer(path: str | Path, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file that appears at `path` whole, or not at all: written to a temporary file
+    beside it, fsynced, and renamed over `path` when the block exits without an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -43,6 +47,12 @@ def atomic_write_bytes(path: str | Path, data: bytes | memoryview, fsync: bool =
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes | memoryview, fsync: bool = True) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    with atomic_writer(path, fsync) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | Path, text: str, fsync: bool = True) -> None:
