@@ -55,12 +55,9 @@ def load_tokenizer(target: TargetSection) -> Any:
     """The target's tokenizer (from `target.tokenizer`, else `target.path`)."""
     from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {"trust_remote_code": target.trust_remote_code}
-    if target.gguf_file:
-        kwargs["gguf_file"] = target.gguf_file
-    if target.revision:
-        kwargs["revision"] = target.revision
-    return AutoTokenizer.from_pretrained(target.tokenizer or target.path, **kwargs)
+    from .target import hub_kwargs
+
+    return AutoTokenizer.from_pretrained(target.tokenizer or target.path, **hub_kwargs(target))
 
 
 def resolve_chat_template(tokenizer: Any, target: TargetSection) -> str:

@@ -142,12 +142,10 @@ def check_target_config(p: Probe) -> None:
     auto_map = raw.get("auto_map") or {}
     from transformers import AutoConfig
 
-    kw: dict[str, Any] = {"trust_remote_code": t.trust_remote_code}
-    for key in ("revision", "gguf_file"):
-        if getattr(t, key):
-            kw[key] = getattr(t, key)
+    from .target import hub_kwargs
+
     try:
-        p.hf_config = AutoConfig.from_pretrained(t.path, **kw)
+        p.hf_config = AutoConfig.from_pretrained(t.path, **hub_kwargs(t))
     except Exception as e:  # noqa: BLE001 - the message is the finding
         if auto_map and not t.trust_remote_code:
             p.add("FAIL", "target config", "a config class transformers has built in",

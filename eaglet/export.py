@@ -71,6 +71,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from .model import DraftConfig, Eagle3Draft, _target_rope, rope_type
+from .store import DTYPES
 from .utils import atomic_write_bytes, atomic_write_json, log
 
 FORMATS = ("vllm", "sglang")
@@ -80,7 +81,6 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this writer was checked against
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "pytorch_model.bin.index.json")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ---- the name maps ------------------------------------------------------------------------
@@ -146,9 +146,9 @@ def export_draft(
     weights are written first, config.json last, each atomically."""
     _check_format(fmt)
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"export dtype {dtype!r}: expected one of {list(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"export dtype {dtype!r}: expected one of {list(DTYPES)}")
+        dtype = DTYPES[dtype]
     cfg = model.config
     ids = [int(i) for i in aux_layer_ids]
     problems = _export_problems(cfg, fmt, ids, num_speculative_tokens)

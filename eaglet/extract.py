@@ -36,11 +36,10 @@ from .config import Config
 from .pipeline import StageContext
 from .prepared import PreparedData
 from .selfcheck import run_selfcheck
-from .store import StoreReader, StoreWriter
+from .store import DTYPES, StoreReader, StoreWriter
 from .target import TargetParts, load_target, resolve_layers
 from .utils import atomic_write_bytes, atomic_write_json, log
 
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FINAL_STATE = "post_norm"
 
 
@@ -192,7 +191,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     model, info = load_target(cfg.target)
     parts = TargetParts.of(model)
     layers = resolve_layers(ecfg.layers, parts.num_layers)
-    dtype = STORE_DTYPES[ecfg.store_dtype]
+    dtype = DTYPES[ecfg.store_dtype]
     log(f"[extract] target {info['class']} L={parts.num_layers} H={parts.hidden_size} on {info['device']}; "
         f"layers {layers}; store {ecfg.store_dtype}")
     meta = {

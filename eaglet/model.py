@@ -450,17 +450,9 @@ class Eagle3Draft(nn.Module):
             hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend)
             yield logits
 
-    def ttt_forward(
-        self,
-        aux_BTA: Tensor,
-        input_ids_BT: Tensor,
-        position_ids_BT: Tensor | None = None,
-        doc_ids_BT: Tensor | None = None,
-        num_steps: int = 3,
-        attn_impl: str = "auto",
-    ) -> list[Tensor]:
-        """All steps' logits as a list (see `ttt_steps`)."""
-        return list(self.ttt_steps(aux_BTA, input_ids_BT, position_ids_BT, doc_ids_BT, num_steps, attn_impl))
+    def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:
+        """All steps' logits as a list; the arguments are `ttt_steps`'."""
+        return list(self.ttt_steps(*args, **kwargs))
 
     forward = ttt_forward  # module(...) is the training call (FSDP hooks run on forward)
 

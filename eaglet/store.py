@@ -49,7 +49,7 @@ FORMAT = "eaglet-store-v1"
 STORE_META = "store.json"
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"^shard-r(\d+)-(\d{6})\.safetensors$")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # config names
 _STATE_KEYS = ("aux", "final")
 
 
@@ -142,7 +142,7 @@ class StoreWriter:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.meta = {"format": FORMAT, **meta}
-        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.dtype = DTYPES[self.meta["dtype"]]
         self.hidden = int(self.meta["hidden_size"])
         self.aux_width = int(self.meta["n_aux"]) * self.hidden
         self.shard_bytes = max(1, int(shard_bytes))
@@ -375,7 +375,7 @@ class StoreReader:
         self.meta: dict[str, Any] = index["meta"]
         self.layers: list[int] = list(self.meta["layers"])
         self.hidden_size = int(self.meta["hidden_size"])
-        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.dtype = DTYPES[self.meta["dtype"]]
         self.verify = verify
         self.shards: list[dict[str, Any]] = []
         ids, shard_of, row, lengths = [], [], [], []

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .config import TargetSection
+from .store import DTYPES
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Families whose parts TargetParts finds (a decoder with `layers` and `norm` at .model,
 # get_decoder() or under language_model); each was built small and run by the doctor's
@@ -45,6 +45,17 @@ def _is_unmapped_config(err: Exception) -> bool:
     return "Unrecognized configuration class" in str(err)
 
 
+def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
+    """The from_pretrained options every read of the target's files shares (config,
+    tokenizer, weights): remote code only when opted in, a revision, a GGUF file."""
+    kwargs: dict[str, Any] = {"trust_remote_code": tcfg.trust_remote_code}
+    if tcfg.revision:
+        kwargs["revision"] = tcfg.revision
+    if tcfg.gguf_file:
+        kwargs["gguf_file"] = tcfg.gguf_file
+    return kwargs
+
+
 def load_target(tcfg: TargetSection) -> tuple[nn.Module, dict[str, Any]]:
     """Load the target named by `tcfg` in eval mode; returns (model, info).
 
@@ -56,13 +67,9 @@ def load_target(tcfg: TargetSection) -> tuple[nn.Module, dict[str, Any]]:
 
     if not tcfg.path:
         raise ValueError("target.path is empty: set it to a local Hugging Face model folder")
-    kwargs: dict[str, Any] = {"dtype": "auto" if tcfg.dtype == "auto" else _DTYPES[tcfg.dtype]}
-    for key in ("attn_implementation", "revision", "gguf_file"):
-        value = getattr(tcfg, key)
-        if value is not None:
-            kwargs[key] = value
-    if tcfg.trust_remote_code:
-        kwargs["trust_remote_code"] = True
+    kwargs: dict[str, Any] = {"dtype": "auto" if tcfg.dtype == "auto" else DTYPES[tcfg.dtype], **hub_kwargs(tcfg)}
+    if tcfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = tcfg.attn_implementation
     device = resolve_device(tcfg.device)
     move_after = False
     if tcfg.device_map is not None:

@@ -42,6 +42,7 @@ from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_att
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
 from .store import StoreReader
+from .target import resolve_device
 from .utils import atomic_write_json, fsync_dir, log
 from .vocab import load_vocab
 
@@ -251,12 +252,6 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 # ---- the loop -------------------------------------------------------------------------------------
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
 
 class MetricLog:
     """log.jsonl (+ TensorBoard when installed)."""

@@ -61,12 +61,9 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
 def target_vocab_size(cfg: Config) -> int:
     from transformers import AutoConfig
 
-    kw = {"trust_remote_code": cfg.target.trust_remote_code}
-    if cfg.target.gguf_file:
-        kw["gguf_file"] = cfg.target.gguf_file
-    if cfg.target.revision:
-        kw["revision"] = cfg.target.revision
-    tc = AutoConfig.from_pretrained(cfg.target.path, **kw)
+    from .target import hub_kwargs
+
+    tc = AutoConfig.from_pretrained(cfg.target.path, **hub_kwargs(cfg.target))
     return int(tc.get_text_config().vocab_size)
 
 

@@ -20,12 +20,7 @@ from eaglet.config import load_config
 from eaglet.doctor import PreflightError, diagnose, run_doctor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls; immune to a busy CI box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ from eaglet.selfcheck import SelfCheckError, pick_samples
 LENGTHS = [23, 9, 31, 17, 5, 28, 12, 20]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls; immune to a busy CI box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -64,13 +64,7 @@ def make_draft(target, draft_vocab: int | None = None, seed: int = 1, cls=Eagle3
     return d
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: OpenMP threads only add overhead (and stall badly on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,14 @@
+"""Shared test fixtures."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: OpenMP threads only add overhead (and stall badly on a busy 2-core box).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
