@@ -67,6 +67,10 @@ class PrepareSection:
 @dataclass
 class ExtractSection:
     backend: Literal["hf"] = _f("hf", "Engine that runs the target: 'hf' (transformers).")
+    mode: Literal["offline", "online"] = _f(
+        "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
+        "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/online.py)."
+    )
     layers: list[int] | None = _f(
         None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3]."
     )

@@ -406,6 +406,10 @@ def check_disk(p: Probe) -> None:
     store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
     per_token = (n_aux + 1) * H * store_bytes + 4 + 1  # states + int32 id + uint8 mask
     need = tokens * per_token
+    if p.cfg.extract.mode == "online":
+        p.add("ok", "disk", "online mode stores no states (the target runs in training)",
+              f"an offline store would take ~{_gib(need)} ({tokens:,} tokens x {per_token:,} B; tokens {source})")
+        return
     store = p.cfg.run_dir / "extract"
     have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() else 0
     need = max(need - have, 0)
@@ -416,8 +420,8 @@ def check_disk(p: Probe) -> None:
     found = (f"~{_gib(need)} to write ({tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x "
              f"{p.cfg.extract.store_dtype}; tokens {source})" + (f", {_gib(have)} already stored" if have else "")
              + f"; {_gib(free)} free on {where}")
-    fix = ("free space or set run.dir on a larger disk; or fewer tokens (prepare.max_records, prepare.max_length) "
-           "or a smaller store (extract.store_dtype: bfloat16)")
+    fix = ("free space or set run.dir on a larger disk; or extract.mode: online (no store, for a target that fits "
+           "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16)")
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
     p.add(status, "disk", "the hidden-state store fits on run.dir's disk", found, fix)
 

@@ -316,14 +316,14 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> tuple[list[tuple[int, 
     data = PreparedData(upstream["prepare"])
     # Split the ids that training split (the extract store's, which may lack set-aside
     # samples), so that the held-out prompts are exactly the ones training never saw.
-    split_source = data.sample_ids
+    split_ids_from = data.sample_ids
     if "extract" in upstream:
-        from .store import StoreReader
+        from .online import split_source
 
-        split_source = StoreReader(upstream["extract"], verify=False).sample_ids
+        split_ids_from = split_source(upstream)
     if cfg.train.eval_fraction <= 0:
         raise ValueError("eval needs held-out prompts: train.eval_fraction is 0")
-    named = heldout_prompts(data, split_source, cfg.train.eval_fraction, cfg.run.seed, ecfg.num_prompts)
+    named = heldout_prompts(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed, ecfg.num_prompts)
     if not named:
         raise ValueError("eval: no held-out sample has a prompt before its first assistant turn")
     draft, aux_layers = load_final(upstream["train"] / FINAL_DIR)

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from .config import Config
 from .pipeline import StageContext
 from .prepared import PreparedData
-from .selfcheck import run_selfcheck
+from .online import ONLINE
+from .selfcheck import pick_samples, run_selfcheck
 from .store import DTYPES, StoreReader, StoreWriter
 from .target import TargetParts, load_target, resolve_layers
 from .utils import atomic_write_bytes, atomic_write_json, log
@@ -204,6 +205,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "num_target_layers": parts.num_layers,
         "target_class": info["class"],
         "norm_eps": _norm_eps(parts),
+        "mode": ecfg.mode,
     }
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
     writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
@@ -213,6 +215,9 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     try:
         done = writer.done_ids()
         todo = [i for i in range(len(data)) if int(data.sample_ids[i]) not in done]
+        if ecfg.mode == ONLINE:  # only what the self-check compares; training computes the rest
+            picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
+            todo = [i for i in todo if int(data.sample_ids[i]) in picked]
         new_tokens = _extract_loop(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size)
         index = writer.close()
     except BaseException:

@@ -41,6 +41,7 @@ from .loss import simulated_acceptance_length, teacher_targets, ttt_loss
 from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
+from .online import OnlineStates, open_states
 from .store import StoreReader
 from .target import resolve_device
 from .utils import atomic_write_json, fsync_dir, log
@@ -93,8 +94,11 @@ class Batch:
     tokens: int
 
 
-def load_batch(store: StoreReader, ids: list[int], max_tokens: int, device: torch.device) -> Batch:
-    parts = [store.get(i) for i in ids]
+def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device) -> Batch:
+    if isinstance(store, OnlineStates):
+        parts = store.get_many(ids, max_tokens)  # one forward of the target for the whole micro-batch
+    else:
+        parts = [store.get(i) for i in ids]
     cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
     lens = [int(p["input_ids"].shape[0]) for p in cut]
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -464,7 +468,7 @@ def load_final(folder: str | Path) -> tuple[Eagle3Draft, list[int]]:
 
 
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
-    store = StoreReader(ctx.upstream["extract"])
+    store = open_states(ctx.upstream, cfg.target)
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
     device = resolve_device(cfg.train.device)
     head = load_head(store, device)
@@ -474,4 +478,6 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     stats = trainer.run(fp)
     save_final(ctx.out_dir / FINAL_DIR, trainer.model, store)
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if isinstance(store, OnlineStates):
+        stats["online_nonfinite_samples"] = store.nonfinite
     return stats
