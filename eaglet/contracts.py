@@ -95,6 +95,13 @@ CONTRACTS: list[Contract] = [
              "specdec: the target's KV-cache keyword (cache in transformers 5.24, past_key_values before)",
              stages=("eval",)),
     Contract("transformers:DynamicCache", "", "specdec: the target's KV cache", stages=("eval",)),
+    # -- regenerate (eaglet/regenerate.py), continuous engine
+    Contract("transformers:GenerationMixin.generate_batch", "^inputs generation_config progress_bar",
+             "regenerate --engine continuous: transformers' continuous batching", stages=("regenerate",),
+             fix="use `eaglet regenerate --engine generate`, or pip install 'transformers>=5.17'"),
+    Contract("transformers:ContinuousBatchingConfig", "num_blocks max_batch_tokens",
+             "regenerate --engine continuous on a CPU: sizes the paged KV cache to the work", stages=("regenerate",),
+             fix="use `eaglet regenerate --engine generate`, or pip install 'transformers>=5.17'"),
 ]
 
 

@@ -57,7 +57,7 @@ def test_healthy_target_passes_in_seconds(tmp_path, assets):
                   "captured layers", "vocab sizes", "draft vocab", "loss mask", "API contracts", "disk",
                   "memory (extract)", "memory (train)"):
         assert f" {check}" in text, check  # "memory (extract)" reads "GPU memory (extract)" on a GPU
-    assert "[2, 4, 5] of L=8" in text and "20 of 20 match" in text
+    assert "[2, 4, 5] of L=8" in text and "22 of 22 match" in text
 
 
 def test_decoder_layer_signature_changed(tmp_path, assets, monkeypatch):

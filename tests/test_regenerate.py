@@ -52,3 +52,34 @@ def test_regenerate_replaces_answers_and_resumes(tmp_path):
                 assert m["content"] == _greedy_reply(model, tok, msgs[:i], 6)
             else:
                 assert m["content"] == original[i]["value"]
+
+
+def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_length(tmp_path):
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    records = tiny.make_conversations(5, seed=4, max_turns=3)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "none.yaml").write_text("{}\n")
+    sets = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]"]
+    outs = {}
+    for engine in ("generate", "continuous"):
+        out = tmp_path / f"{engine}.jsonl"
+        assert cli.main(["regenerate", str(tmp_path / "none.yaml"), "--out", str(out), "--engine", engine,
+                         "--max-new-tokens", "5", *sum((["--set", s] for s in sets), [])]) == 0
+        outs[engine] = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert outs["continuous"] == outs["generate"]
+    assert any(m["role"] == "assistant" for r in outs["continuous"] for m in r["messages"])
+
+    # With a short max_length, a conversation ends at the last reply whose prompt fit.
+    from eaglet.regenerate import run_regenerate
+
+    cfg = load_config(None, [*sets, "prepare.max_length=40"])
+    stats = run_regenerate(cfg, tmp_path / "short.jsonl", max_new_tokens=5, engine="continuous")
+    assert stats["cut_at_max_length"] > 0 and stats["redone"] == 0
+    tok = load_tokenizer(cfg.target)
+    for ln in (tmp_path / "short.jsonl").read_text().splitlines():
+        msgs = json.loads(ln)["messages"]
+        if any(m["role"] == "assistant" for m in msgs):
+            assert msgs[-1]["role"] == "assistant"
+            last_prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
+            assert len(tok(last_prompt, add_special_tokens=False)["input_ids"]) < 40
