@@ -6,7 +6,8 @@ save a checkpoint that eaglet's load_draft reads and evaluate_draft runs; and on
 first micro-batch, speculators' forward of those saved weights gives eaglet's TTT logits,
 its teacher is eaglet's teacher_targets, and its per-step loss rows, accuracies and losses
 are eaglet's (KL = eaglet's soft CE - teacher entropy), for a post-norm store and for a
-pre-norm source of the same states. The target's final-norm weight is randomised so that a
+pre-norm source of the same states (also through the flex_attention path CUDA runs, on a
+padded batch). The target's final-norm weight is randomised so that a
 wrong norm choice changes the teacher.
 """
 
@@ -93,9 +94,20 @@ for case, states in (("post_norm", st.open_states(run)), ("pre_norm", PreNorm(st
         _, loss, metrics = model(**inputs, ttt_steps=cfg.train.ttt_steps, ttt_step_loss_decay=cfg.train.gamma,
                                  loss_config=loss_config)
     h1.remove(); h2.remove()
+    # The CUDA path: flex_attention BlockMasks over the batch padded to whole 128-row blocks
+    # (forward only: CPU flex_attention has no backward).
+    flex = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="simple_flex_attention")
+    flex.load_state_dict(saved, strict=False)
+    flex_logits = []
+    h3 = flex.eval().lm_head.register_forward_hook(lambda m, a, o: flex_logits.append(o.detach()))
+    with torch.no_grad():
+        flex(**st.speculators_inputs(b, cfg.train.ttt_steps, in_vocab, pad_to=512), ttt_steps=cfg.train.ttt_steps,
+             loss_config=loss_config)
+    h3.remove()
     tensors = {"aux": b.aux, "final": b.final.float(), "input_ids": b.input_ids, "loss_mask": b.loss_mask,
                "position_ids": b.position_ids, "doc_ids": b.doc_ids, "teacher": teacher[0],
                **{f"logits{j}": t for j, t in enumerate(logits)},
+               **{f"flex_logits{j}": t[:, : b.input_ids.shape[1]] for j, t in enumerate(flex_logits)},
                **{f"m.{k}": v.reshape(1).float() for k, v in metrics.items()}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(probe) / f"{case}.safetensors"))
 print("RESULT " + json.dumps(result))
@@ -183,7 +195,9 @@ def test_speculators_forward_is_eaglets_on_the_same_batch(spec_run, case):
                                    else load_file(str(spec_run["store"].folder / HEAD_FILE))["norm"], norm_eps=eps)
     T = ids.shape[1]
     for j in range(K):
-        torch.testing.assert_close(io[f"logits{j}"], steps[j], rtol=1e-4, atol=1e-4, msg=lambda s, j=j: f"step {j}: {s}")
+        for name in ("logits", "flex_logits"):
+            torch.testing.assert_close(io[f"{name}{j}"], steps[j], rtol=1e-4, atol=1e-4,
+                                       msg=lambda s, j=j, name=name: f"{name} step {j}: {s}")
     # speculators' teacher row s is eaglet's teacher at s + 1 (the last row has none).
     torch.testing.assert_close(io["teacher"][:, : T - 1].softmax(-1), probs[:, 1:], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(wrong[:, 1:], probs[:, 1:], atol=1e-3)  # the norm choice is visible
