@@ -1,0 +1,217 @@
+"""bench/speculators_train.py: speculators 0.9.0's own EAGLE-3 model trained on eaglet's data.
+
+On a tiny run (prepare, extract, vocab), in .venv-speculators (made by
+scripts/speculators_venv.sh): a few steps of train_with_speculators lower its loss and
+save a checkpoint that eaglet's load_draft reads and evaluate_draft runs; and on the run's
+first micro-batch, speculators' forward of those saved weights gives eaglet's TTT logits,
+its teacher is eaglet's teacher_targets, and its per-step loss rows, accuracies and losses
+are eaglet's (KL = eaglet's soft CE - teacher entropy), for a post-norm store and for a
+pre-norm source of the same states (also through the flex_attention path CUDA runs, on a
+padded batch). The target's final-norm weight is randomised so that a
+wrong norm choice changes the teacher.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet import cli, tiny
+from eaglet.config import load_config
+from eaglet.export import load_draft
+from eaglet.extract import HEAD_FILE
+from eaglet.loss import step_mask, teacher_targets, ttt_loss
+from eaglet.model import Eagle3Draft
+from eaglet.store import StoreReader
+from eaglet.train import Trainer, build_draft, load_batch, load_head
+from eaglet.vocab import load_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
+STEPS, K, GAMMA = 8, 3, 0.8
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not SPECULATORS_PYTHON.exists(),
+                       reason="no .venv-speculators: `bash scripts/speculators_venv.sh` creates it (speculators 0.9.0)"),
+]
+
+# Runs in .venv-speculators. argv: config, run dir, out dir, probe dir, JSON overrides.
+CHILD = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path.cwd() / "bench"))
+import speculators_train as st
+from speculators.losses import resolve_loss_config
+from eaglet.config import load_config
+from eaglet.train import load_batch, load_head
+from eaglet.vocab import load_vocab
+
+config, run, out, probe, sets, first_ids = sys.argv[1:7]
+cfg = load_config(config, json.loads(sets))
+result = st.train_with_speculators(cfg, run, out, steps=int(sys.argv[7]), log_every=1)
+result["eval"] = st.evaluate_saved_draft(cfg, run, out)["aggregate"]
+
+
+class PreNorm:
+    # The store's states as a pre-norm source: each final row scaled (RMSNorm undoes it).
+    def __init__(self, s):
+        self.s, self.meta = s, {**s.meta, "final_state": "pre_norm"}
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+    def __len__(self):
+        return len(self.s)
+    def get(self, i):
+        d = dict(self.s.get(i))
+        g = torch.Generator().manual_seed(int(i))
+        d["final"] = d["final"].float() * (0.3 + 3 * torch.rand(d["final"].shape[0], 1, generator=g))
+        return d
+
+
+d2t, t2d = load_vocab(Path(run) / "vocab")
+saved = load_file(str(Path(out) / "model.safetensors"))
+loss_config = resolve_loss_config("kl_div", implementation="eager")
+for case, states in (("post_norm", st.open_states(run)), ("pre_norm", PreNorm(st.open_states(run)))):
+    head = load_head(states, torch.device("cpu"))
+    model = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="eager")
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    assert not unexpected and set(missing) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, (missing, unexpected)
+    model.eval()
+    b = load_batch(states, json.loads(first_ids), cfg.train.max_tokens, torch.device("cpu"))
+    in_vocab = st.draft_vocab_rows(b, head, t2d, d2t, cfg.train.teacher_chunk)
+    inputs = st.speculators_inputs(b, cfg.train.ttt_steps, in_vocab)
+    logits, teacher = [], []
+    h1 = model.lm_head.register_forward_hook(lambda m, a, o: logits.append(o.detach()))
+    h2 = model.verifier_lm_head.register_forward_hook(lambda m, a, o: teacher.append(o.detach()))
+    with torch.no_grad():
+        _, loss, metrics = model(**inputs, ttt_steps=cfg.train.ttt_steps, ttt_step_loss_decay=cfg.train.gamma,
+                                 loss_config=loss_config)
+    h1.remove(); h2.remove()
+    # The CUDA path: flex_attention BlockMasks over the batch padded to whole 128-row blocks
+    # (forward only: CPU flex_attention has no backward).
+    flex = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="simple_flex_attention")
+    flex.load_state_dict(saved, strict=False)
+    flex_logits = []
+    h3 = flex.eval().lm_head.register_forward_hook(lambda m, a, o: flex_logits.append(o.detach()))
+    with torch.no_grad():
+        flex(**st.speculators_inputs(b, cfg.train.ttt_steps, in_vocab, pad_to=512), ttt_steps=cfg.train.ttt_steps,
+             loss_config=loss_config)
+    h3.remove()
+    tensors = {"aux": b.aux, "final": b.final.float(), "input_ids": b.input_ids, "loss_mask": b.loss_mask,
+               "position_ids": b.position_ids, "doc_ids": b.doc_ids, "teacher": teacher[0],
+               **{f"logits{j}": t for j, t in enumerate(logits)},
+               **{f"flex_logits{j}": t[:, : b.input_ids.shape[1]] for j, t in enumerate(flex_logits)},
+               **{f"m.{k}": v.reshape(1).float() for k, v in metrics.items()}}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(probe) / f"{case}.safetensors"))
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def spec_run(tmp_path_factory):
+    """A tiny run through vocab (target with a random final-norm weight), then the child."""
+    root = tmp_path_factory.mktemp("bench_spec")
+    target = tiny.save_target(root / "target", family="llama", template="default_system")
+    weights = load_file(str(target / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    weights["model.norm.weight"] = 0.4 + 1.2 * torch.rand(weights["model.norm.weight"].shape, generator=g)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    data = tiny.write_jsonl(root / "data.jsonl", tiny.make_conversations(80, seed=5))
+    sets = [f"run.dir={root / 'run'}", f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]",
+            "vocab.size=200", "train.max_tokens=256", f"train.ttt_steps={K}", f"train.gamma={GAMMA}",
+            "train.grad_accum=2", "train.lr=0.003", "train.warmup_steps=2", "train.eval_fraction=0.1",
+            "train.tensorboard=false", "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.chain_tokens=3"]
+    cfg_path = root / "config.yaml"
+    cfg_path.write_text("{}\n")
+    assert cli.main(["run", str(cfg_path), "--until", "vocab", *sum((["--set", s] for s in sets), [])]) == 0
+
+    # eaglet's own Trainer: the micro-batches it would train on (the child gets the first).
+    cfg = load_config(cfg_path, [*sets, f"train.max_steps={STEPS}"])
+    store = StoreReader(root / "run" / "extract")
+    d2t, t2d = load_vocab(root / "run" / "vocab")
+    head = load_head(store, torch.device("cpu"))
+    trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), head, root / "eaglet")
+    micro = trainer.micro_batches(0, 0)
+    plan = [next(micro)[2] for _ in range(cfg.train.grad_accum)]
+
+    out, probe = root / "spec", root / "probe"
+    probe.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(SPECULATORS_PYTHON), "-c", CHILD, str(cfg_path), str(root / "run"), str(out), str(probe),
+                           json.dumps(sets), json.dumps(plan[0]), str(STEPS)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    return dict(root=root, cfg=cfg, store=store, head=head, d2t=d2t, t2d=t2d, plan=plan, out=out, probe=probe,
+                result=result)
+
+
+def test_training_lowers_the_loss_and_the_draft_loads_and_evaluates(spec_run):
+    r, cfg = spec_run["result"], spec_run["cfg"]
+    lines = [json.loads(x) for x in (spec_run["out"] / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, STEPS + 1)) and r["steps"] == STEPS
+    assert lines[-1]["loss"] < 0.7 * lines[0]["loss"], [x["loss"] for x in lines]
+    assert all(x["eaglet_rows_dropped"] == 0 for x in lines)
+    # Step 1 saw the plan's first grad_accum micro-batches: its rows are the ones eaglet counts.
+    counted = 0
+    for ids in spec_run["plan"]:
+        b = load_batch(spec_run["store"], ids, cfg.train.max_tokens, torch.device("cpu"))
+        _, in_vocab = teacher_targets(b.final, spec_run["head"].lm_head, spec_run["t2d"], spec_run["d2t"])
+        counted += int(step_mask(b.loss_mask, in_vocab, b.doc_ids, 0).sum())
+    assert lines[0]["counted"] == counted > 0
+
+    dcfg, state, meta = load_draft(spec_run["out"])
+    assert meta["format"] == "vllm" and meta["aux_layer_ids"] == spec_run["store"].layers and meta["missing"] == []
+    assert dcfg == build_draft(cfg, spec_run["store"], spec_run["d2t"], spec_run["t2d"], spec_run["head"]).config
+    Eagle3Draft(dcfg).load_state_dict(state, strict=True)
+    ev = r["eval"]
+    assert ev["num_prompts"] == 2 and ev["lossless"] is True and 1.0 <= ev["tau"] <= ev["tau_ceiling"] == 4
+
+
+@pytest.mark.parametrize("case", ["post_norm", "pre_norm"])
+def test_speculators_forward_is_eaglets_on_the_same_batch(spec_run, case):
+    io = load_file(str(spec_run["probe"] / f"{case}.safetensors"))
+    d2t, t2d, head = spec_run["d2t"], spec_run["t2d"], spec_run["head"]
+    dcfg, state, _ = load_draft(spec_run["out"])
+    draft = Eagle3Draft(dcfg).eval()
+    draft.load_state_dict(state, strict=True)
+    aux, final, ids, lm, pos, doc = (io[k] for k in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids"))
+    norm = None
+    if case == "pre_norm":
+        norm = load_file(str(spec_run["store"].folder / HEAD_FILE))["norm"]
+    eps = float(spec_run["store"].meta["norm_eps"])
+    with torch.no_grad():
+        steps = draft.ttt_forward(aux, ids, pos, doc, num_steps=K, attn_impl="naive")
+        probs, in_vocab = teacher_targets(final, head.lm_head, t2d, d2t, norm_weight_H=norm, norm_eps=eps)
+        wrong, _ = teacher_targets(final, head.lm_head, t2d, d2t, norm_weight_H=None if norm is not None
+                                   else load_file(str(spec_run["store"].folder / HEAD_FILE))["norm"], norm_eps=eps)
+    T = ids.shape[1]
+    for j in range(K):
+        for name in ("logits", "flex_logits"):
+            torch.testing.assert_close(io[f"{name}{j}"], steps[j], rtol=1e-4, atol=1e-4,
+                                       msg=lambda s, j=j, name=name: f"{name} step {j}: {s}")
+    # speculators' teacher row s is eaglet's teacher at s + 1 (the last row has none).
+    torch.testing.assert_close(io["teacher"][:, : T - 1].softmax(-1), probs[:, 1:], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(wrong[:, 1:], probs[:, 1:], atol=1e-3)  # the norm choice is visible
+
+    out = ttt_loss(steps, probs, in_vocab, lm, doc, GAMMA)
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    m0 = step_mask(lm, in_vocab, doc, 0)
+    prefix = m0.clone()  # speculators' full_acc_j: rows counted at steps 0 and j, right at steps 0..j
+    for j in range(K):
+        m = step_mask(lm, in_vocab, doc, j)
+        L = m.shape[1]
+        assert io[f"m.full_acc_{j}_total"].item() == out.counts[j].item() > 0
+        prefix = prefix[:, :L] & (steps[j][:, :L].argmax(-1) == probs[:, 1 + j : 1 + j + L].argmax(-1))
+        assert io[f"m.full_acc_{j}_sum"].item() == (prefix & m).sum().item()
+        h = (entropy[:, 1 + j : 1 + j + L] * m).sum() / m.sum()
+        kl = io[f"m.loss_{j}_sum"].item() / GAMMA**j
+        assert kl == pytest.approx(out.losses[j].item() - h.item(), rel=1e-4, abs=1e-6), j
