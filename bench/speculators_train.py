@@ -108,9 +108,14 @@ RESULT_FILE = "bench.json"
 FLEX_BLOCK = 128  # speculators' BlockMask grows by whole blocks per TTT step
 
 
-def open_states(run_dir: str | Path) -> StoreReader:
-    """The hidden-state source: the run's offline store. Swap for an online source."""
-    return StoreReader(Path(run_dir) / "extract")
+def open_states(run_dir: str | Path, target: Any = None) -> Any:
+    """The hidden-state source eaglet's trainer reads for this run: its offline store, or
+    online states (the target run in-process, `target`: the run config's target section)
+    when its extract stage ran with extract.mode: online."""
+    from eaglet.online import open_states as eaglet_open_states
+    from eaglet.pipeline import STAGE_NAMES
+
+    return eaglet_open_states({name: Path(run_dir) / name for name in STAGE_NAMES}, target)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -284,7 +289,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     tc = cfg.train
     dev = resolve_device(device or tc.device)
-    states = states if states is not None else open_states(run_dir)
+    states = states if states is not None else open_states(run_dir, cfg.target)
     d2t, t2d = load_vocab(run_dir / "vocab")
     head_cpu = load_head(states, torch.device("cpu"))
     eaglet_draft = build_draft(cfg, states, d2t, t2d, head_cpu)
@@ -374,7 +379,7 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
     from eaglet.target import load_target
 
     run_dir = Path(run_dir)
-    states = states if states is not None else open_states(run_dir)
+    states = states if states is not None else open_states(run_dir, cfg.target)
     dcfg, state, meta = load_draft(draft_dir)
     draft = Eagle3Draft(dcfg)
     if "embed_tokens.weight" in meta["missing"]:

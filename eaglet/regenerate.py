@@ -169,7 +169,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     log(f"[regenerate] target {info['class']} on {info['device']}; engine {engine}, {batch_size} conversations at "
         f"a time; {len(done)} records already done; -> {out}")
     stats = {"records": 0, "written": 0, "skipped": 0, "resumed": len(done), "new_tokens": 0, "replies": 0,
-             "cut_at_max_length": 0, "redone": 0, "engine": engine}
+             "cut_at_max_length": 0, "redone": 0, "kept_opening_assistant": 0, "engine": engine}
 
     def prompt_ids(conv: list[dict[str, str]]) -> list[int]:
         text = tokenizer.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
@@ -184,7 +184,9 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
         while True:
             todo, prompts = [], []  # records with an assistant turn still to replace
             for k, msgs in enumerate(pending):
-                while turn[k] < len(msgs) and msgs[turn[k]]["role"] != "assistant":
+                while turn[k] < len(msgs) and (msgs[turn[k]]["role"] != "assistant" or not convs[k]):
+                    if not convs[k] and msgs[turn[k]]["role"] == "assistant":
+                        stats["kept_opening_assistant"] += 1  # it answers nothing: kept as it is
                     convs[k].append(msgs[turn[k]])
                     turn[k] += 1
                 if turn[k] >= len(msgs):

@@ -57,6 +57,9 @@ def test_regenerate_replaces_answers_and_resumes(tmp_path):
 def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_length(tmp_path):
     target = tiny.save_target(tmp_path / "target", template="chatml")
     records = tiny.make_conversations(5, seed=4, max_turns=3)
+    # ShareGPT has conversations that open with the assistant: that turn answers nothing and is kept.
+    records.append({"conversations": [{"from": "gpt", "value": "Hello there."}, {"from": "human", "value": "Hi?"},
+                                      {"from": "gpt", "value": "old reply"}]})
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "none.yaml").write_text("{}\n")
@@ -68,6 +71,9 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
                          "--max-new-tokens", "5", *sum((["--set", s] for s in sets), [])]) == 0
         outs[engine] = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert outs["continuous"] == outs["generate"]
+    opening = outs["continuous"][-1]["messages"]
+    assert [m["role"] for m in opening] == ["assistant", "user", "assistant"]
+    assert opening[0]["content"] == "Hello there." and opening[2]["content"] != "old reply"
     assert any(m["role"] == "assistant" for r in outs["continuous"] for m in r["messages"])
 
     # With a short max_length, a conversation ends at the last reply whose prompt fit.
