@@ -49,9 +49,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import Config, TrainSection
-from .loss import simulated_acceptance_length, teacher_targets, ttt_loss
+from .loss import TTTLoss, simulated_acceptance_length, teacher_targets, ttt_loss
 from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
-from .parallel import all_reduce_sum, barrier, dist_env, init_distributed, parallelize, resolve_strategy
+from .parallel import Parallel, all_reduce_sum, barrier, dist_env, init_distributed, parallelize, resolve_strategy
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
 from .store import StoreReader
@@ -376,6 +376,37 @@ class Sums:
         return out
 
 
+def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
+    """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
+    wrapper, or the bare draft for evaluation) and its loss."""
+    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t)
+    with autocast:
+        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma)
+
+
+def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
+    """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
+    across ranks only when `sync` (the step's last micro-batch)."""
+    with par.grad_sync(sync):
+        out = forward_loss(par, par.module, b, tc, autocast)
+        (out.total / tc.grad_accum).backward()
+    par.reshard_frozen()
+    return out
+
+
+def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                   tc: TrainSection) -> float:
+    """Clip, step, advance the schedule, zero the gradients; returns the learning rate used."""
+    if tc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return lr
+
+
 class Trainer:
     def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
         self.cfg, self.tc, self.store, self.out_dir = cfg, cfg.train, store, out_dir
@@ -405,12 +436,8 @@ class Trainer:
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
 
-    def _forward(self, b: Batch, module: nn.Module):
-        teacher, in_vocab = self.par.teacher(b.final, self.model.t2d, self.model.d2t)
-        with self.autocast:
-            steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=self.tc.ttt_steps,
-                           attn_impl=self.tc.attn_impl)
-            return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, self.tc.gamma)
+    def _forward(self, b: Batch, module: nn.Module) -> TTTLoss:
+        return forward_loss(self.par, module, b, self.tc, self.autocast)
 
     def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """The global micro-batch stream (the same on every rank): (epoch, index in its plan, sample ids)."""
@@ -519,17 +546,8 @@ class Trainer:
                 share = [next(data) for _ in range(W)]
                 epoch, micro, _ = share[-1]
                 b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device)
-                with self.par.grad_sync(a == A - 1):
-                    out = self._forward(b, self.par.module)
-                    (out.total / A).backward()
-                self.par.reshard_frozen()
-                sums.add(out, b.tokens)
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
-            lr = self.sched.get_last_lr()[0]
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
+                sums.add(micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1), b.tokens)
+            lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
             bar.update(1)
             if step % tc.log_every == 0 or step == self.total_steps:
