@@ -199,6 +199,16 @@ class Parallel:
             self.draft.embed_tokens.reshard()
             self.teacher.reshard()
 
+    def held_parameters(self) -> dict[str, int]:
+        """Parameter elements this rank holds at rest (its shards under fsdp): trained, frozen
+        embedding, teacher head."""
+        def local(p: torch.Tensor) -> int:
+            return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+        emb = self.draft.embed_tokens.weight
+        return {"trained": sum(local(p) for p in self.draft.parameters() if p.requires_grad),
+                "embedding": local(emb), "teacher_head": sum(local(p) for p in self.teacher.parameters())}
+
     def trainable_names(self) -> list[str]:
         """Names of the trained parameters, in the optimizer's order."""
         return [n for n, p in self.draft.named_parameters() if p.requires_grad]

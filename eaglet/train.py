@@ -529,8 +529,8 @@ class Trainer:
         self.model.train()
         log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
             f"per epoch; {self.total_steps} steps; device {self.device}"
-            + (f"; {self.par.strategy} over {env.world_size} ranks, {self.micro_per_step} micro-batches per step"
-               if env.active else ""))
+            + (f"; {self.par.strategy} over {env.world_size} ranks, {self.micro_per_step} micro-batches per step; "
+               f"held per rank: {self.par.held_parameters()}" if env.active else ""))
         from tqdm import tqdm
 
         bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
@@ -569,7 +569,7 @@ class Trainer:
         bar.close()
         metrics.close()
         return {"steps": step, "total_steps": self.total_steps, "eval": last_eval, "world_size": W,
-                "parallel": self.par.strategy}
+                "parallel": self.par.strategy, "held_parameters_rank0": self.par.held_parameters()}
 
 
 # ---- the stage ------------------------------------------------------------------------------------
