@@ -111,10 +111,10 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step() -> float:
-        loss = 0.0
+    def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
+        loss = torch.zeros((), device=device)
         for a, b in enumerate(batches):
-            loss += float(micro_batch(par, b, tc, autocast, sync=a == len(batches) - 1).total.detach())
+            loss += micro_batch(par, b, tc, autocast, sync=a == len(batches) - 1).total.detach()
         optimizer_step(par, opt, sched, tc)
         return loss
 
@@ -131,6 +131,7 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
         last_loss = step()
     wait()
     seconds = time.perf_counter() - t0
+    last_loss = float(last_loss)
     tokens = args.steps * tc.grad_accum * tc.max_tokens * world
     return {
         "strategy": strategy,

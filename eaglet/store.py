@@ -502,17 +502,19 @@ class StoreReader:
                 or aux_shape != [tokens, self.n_aux * self.hidden_size] or final_shape != [tokens, self.hidden_size]):
             raise CorruptShardError(f"{name}: contents do not match its sidecar")
 
-    def verify_all(self) -> dict[str, Any]:
-        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}."""
+    def verify_all(self, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}.
+        `part` (i, n): only shards i, i+n, ... (n ranks share the work)."""
         bad = []
-        for k, side in enumerate(self.shards):
+        ks = range(part[0], len(self.shards), part[1])
+        for k in ks:
             try:
                 self._check(k, checksum=True)
             except CorruptShardError as e:
-                bad.append({"file": side["file"], "error": str(e)})
+                bad.append({"file": self.shards[k]["file"], "error": str(e)})
         return {
-            "shards": len(self.shards),
-            "ok": len(self.shards) - len(bad),
+            "shards": len(ks),
+            "ok": len(ks) - len(bad),
             "bad": bad,
             "samples": len(self),
             "tokens": int(self.lengths.sum()),

@@ -51,10 +51,11 @@ from torch import nn
 from .config import Config, TrainSection
 from .loss import TTTLoss, simulated_acceptance_length, teacher_targets, ttt_loss
 from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
-from .parallel import Parallel, all_reduce_sum, barrier, dist_env, init_distributed, parallelize, resolve_strategy
+from .parallel import (Parallel, all_gather_object, all_reduce_sum, barrier, dist_env, init_distributed, parallelize,
+                       resolve_strategy)
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
-from .store import StoreReader
+from .store import CorruptShardError, StoreReader
 from .target import resolve_device
 from .utils import atomic_write_json, fsync_dir, log
 from .vocab import load_vocab
@@ -126,10 +127,13 @@ def load_batch(store: StoreReader, ids: list[int], max_tokens: int, device: torc
 
 @dataclass
 class TargetHead:
-    lm_head: torch.Tensor  # [V, H]
+    """The target's tensors that training uses. run_train hands them on and drops them here:
+    `embed` is copied into the draft, `lm_head` and `norm` are taken over by the TeacherHead."""
+
+    lm_head: torch.Tensor | None  # [V, H]
     norm: torch.Tensor | None  # final norm weight when the stored final state is pre-norm
     norm_eps: float
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor | None  # [V, H]
 
 
 def load_head(store: StoreReader, device: torch.device) -> TargetHead:
@@ -416,6 +420,7 @@ class Trainer:
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
         self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk), strategy, self.device,
                                frozen_dtype=head.lm_head.dtype, env=self.env)
+        head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
         use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
@@ -595,9 +600,24 @@ def load_final(folder: str | Path) -> tuple[Eagle3Draft, list[int]]:
     return model, meta["aux_layers"]
 
 
+def open_store(folder: Path) -> StoreReader:
+    """The store, its shards checked once: by the first read of each (one process), or up front
+    with the shards split over the ranks (torchrun: every rank reads samples of every shard, so
+    checking on first read would read the whole store once per rank)."""
+    env = dist_env()
+    if not env.active:
+        return StoreReader(folder)
+    store = StoreReader(folder, verify=False)
+    bad = [b for part in all_gather_object(store.verify_all((env.rank, env.world_size))["bad"]) for b in part]
+    if bad:
+        raise CorruptShardError(f"store {folder}: {len(bad)} bad shards: "
+                                + "; ".join(f"{b['file']}: {b['error']}" for b in bad[:5]))
+    return store
+
+
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     env = init_distributed(cfg.run.dist_timeout_minutes)
-    store = StoreReader(ctx.upstream["extract"])
+    store = open_store(ctx.upstream["extract"])
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
     device = resolve_device(cfg.train.device)
     head = load_head(store, device)
