@@ -216,7 +216,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     writes = env.is_main or not tensor_parallel
     t0 = time.time()
     data = PreparedData(ctx.upstream["prepare"])
-    model, info = load_target(cfg.target, tp_plan=ecfg.tp_plan if tensor_parallel else None)
+    model, info = load_target(cfg.target, tp_plan=ecfg.tp_plan) if tensor_parallel else load_target(cfg.target)
     parts = TargetParts.of(model)
     layers = resolve_layers(ecfg.layers, parts.num_layers)
     dtype = DTYPES[ecfg.store_dtype]
