@@ -328,6 +328,9 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                 ids, mask = pad_batch([data[i].input_ids for i in rows])
                 ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
                 aux, final = capture(parts, layers, ids, mask, dtype)
+                if isinstance(writer, _Discard):
+                    bar.update(sum(lengths[p] for p in batch))
+                    continue  # a tensor-parallel rank other than 0: rank 0 stores these states
                 bad = nonfinite_rows(aux, final, mask)
                 events: list = []
                 flight = _InFlight(rows, [lengths[p] for p in batch], _to_host(aux, events), _to_host(final, events),
