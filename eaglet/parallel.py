@@ -214,12 +214,14 @@ class Parallel:
         return [n for n, p in self.draft.named_parameters() if p.requires_grad]
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The draft's full state dict on CPU: on every rank (none, ddp) or rank 0 only (fsdp;
-        the other ranks get {}). Every rank must call it under fsdp."""
+        """The draft's full state dict on CPU, on rank 0 (the other ranks get {}). Every rank
+        must call it: under fsdp it gathers the shards."""
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.env.is_main:
+            return {}
         return {k: v.detach().cpu() for k, v in self.draft.state_dict().items()}
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
