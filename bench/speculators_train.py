@@ -295,11 +295,11 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     eaglet_draft = build_draft(cfg, states, d2t, t2d, head_cpu)
     # eaglet's own Trainer (on the CPU, never stepped) decides split, epoch plans, packing and the
     # step count, so the micro-batches are exactly those it would train on, in its order.
-    plan_cfg = replace(cfg, train=replace(tc, max_steps=steps if steps is not None else tc.max_steps, device="cpu"))
-    plan = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)
-    total_steps = plan.total_steps
     attn_impl = "simple_flex_attention" if dev.type == "cuda" else "eager"
     model = build_speculators_draft(cfg, states, d2t, t2d, head_cpu, init, attn_impl, eaglet_draft).to(dev)
+    plan_cfg = replace(cfg, train=replace(tc, max_steps=steps if steps is not None else tc.max_steps, device="cpu"))
+    plan = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)  # takes over head_cpu's tensors
+    total_steps = plan.total_steps
     del plan.model, plan.opt, plan.sched, eaglet_draft
     head = load_head(states, dev)
     pad_to = math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK if attn_impl == "simple_flex_attention" else None

@@ -33,6 +33,10 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 class RunSection:
     dir: str = _f("runs/default", "Run directory: every stage writes into a subfolder of it.")
     seed: int = _f(0, "Seed for every random choice (data order, init, sampling).")
+    dist_timeout_minutes: float = _f(
+        60.0, "Under torchrun: longest wait in a collective, e.g. of ranks 1.. while rank 0 alone runs prepare, "
+        "vocab, export or eval; then the run fails instead of hanging."
+    )
 
 
 @dataclass
@@ -45,7 +49,10 @@ class TargetSection:
         "bfloat16", "Dtype the target is loaded in ('auto' keeps the checkpoint's)."
     )
     device: str = _f("auto", "Device for the target: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1'.")
-    device_map: str | None = _f(None, "transformers device_map (e.g. 'auto') to spread a large target over GPUs.")
+    device_map: str | None = _f(
+        None, "transformers device_map (e.g. 'auto') to spread a large target over GPUs. Under torchrun: one process "
+        "per node (--nproc-per-node 1), each spreading its replica over the node's GPUs, data parallel across nodes."
+    )
     attn_implementation: str | None = _f(None, "transformers attn_implementation (e.g. 'sdpa', 'eager'); default: transformers' choice.")
     trust_remote_code: bool = _f(False, "Run the model repo's own Python code. Off by default: only for repos you trust.")
     revision: str | None = _f(None, "Model revision (branch, tag or commit) when loading from the hub cache.")
@@ -70,6 +77,10 @@ class ExtractSection:
     mode: Literal["offline", "online"] = _f(
         "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
         "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/online.py)."
+    )
+    tp_plan: Literal["auto"] | None = _f(
+        None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
+        "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."
     )
     layers: list[int] | None = _f(
         None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3]."
@@ -96,7 +107,13 @@ class TrainSection:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).")
     epochs: int = _f(1, "Passes over the training split.")
     max_tokens: int = _f(8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).")
-    grad_accum: int = _f(1, "Micro-batches per optimizer step.")
+    grad_accum: int = _f(
+        1, "Micro-batches per optimizer step on each rank: a step trains on grad_accum x world size micro-batches."
+    )
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = _f(
+        "auto", "Under torchrun: 'ddp' (draft replicated, gradients all-reduced) or 'fsdp' (FSDP2 fully_shard: draft, "
+        "frozen embedding and teacher head sharded); 'none': one process. auto: ddp with several ranks, else none."
+    )
     lr: float = _f(1e-4, "Peak learning rate (AdamW).")
     betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")

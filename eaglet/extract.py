@@ -17,11 +17,14 @@ How, and why this way (the tiny test targets stand in for 8B..1T targets on many
   the store one step later, while the next forward runs. The store writes shards on a
   background thread, so disk writes overlap the forward too.
 - Killing the process at any instant is safe: the store resumes from its finished shards.
+
+Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli extract CONFIG`) the ranks split
+the batches (data parallel), or with `target.tp_plan: auto` split the target itself
+(tensor parallel, `extract.tp_plan: auto`); see `run_extract`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from safetensors.torch import save
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from .config import Config
@@ -37,7 +41,8 @@ from .pipeline import StageContext
 from .prepared import PreparedData
 from .online import ONLINE
 from .selfcheck import pick_samples, run_selfcheck
-from .store import DTYPES, StoreReader, StoreWriter
+from .parallel import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed, run_on_main
+from .store import DTYPES, StoreReader, StoreWriter, finished_shards, prepare_folder, write_index
 from .target import TargetParts, load_target, resolve_layers
 from .utils import atomic_write_bytes, atomic_write_json, log
 
@@ -144,16 +149,6 @@ class _InFlight:
     keep: tuple = ()  # device tensors that must live until the copies finish
 
 
-def _dist_env() -> tuple[int, int]:
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise NotImplementedError(
-            f"extract runs with world size 1 only for now (WORLD_SIZE={world}); shard names carry the rank "
-            "so data-parallel extraction can be added"
-        )
-    return rank, world
-
-
 HEAD_FILE = "head.safetensors"
 TARGET_CONFIG = "target_config.json"
 
@@ -166,35 +161,70 @@ def _norm_eps(parts: TargetParts) -> float:
     return 1e-6
 
 
-def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path) -> None:
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) weight gathered whole; a collective, so every rank calls it."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path, write: bool = True) -> None:
     """What training needs of the target besides the store: its token embedding (copied into
     the draft, frozen), LM head and final norm (the teacher), and its text config (the
-    draft's sizes). A few GB for the largest targets, against the model's hundreds."""
-    tensors = {
-        "embed_tokens": parts.embed_tokens.weight,
-        "lm_head": parts.lm_head.weight,
-        "norm": parts.norm.weight,
-    }
+    draft's sizes). A few GB for the largest targets, against the model's hundreds.
+    Under tensor parallelism every rank calls this (the weights are gathered) and the rank
+    with `write` writes."""
+    weights = {"embed_tokens": parts.embed_tokens.weight, "lm_head": parts.lm_head.weight, "norm": parts.norm.weight}
+    if not write and not any(isinstance(w, DTensor) for w in weights.values()):
+        return
+    tensors = {k: _whole(v.detach()) for k, v in weights.items()}
+    if not write:
+        return
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
-    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone() for k, v in tensors.items()}))
+    atomic_write_bytes(folder / HEAD_FILE, save({k: v.to("cpu").clone() for k, v in tensors.items()}))
     text_cfg = model.config.get_text_config()
     atomic_write_json(folder / TARGET_CONFIG, text_cfg.to_dict())
 
 
+class _Discard:
+    """The writer of a tensor-parallel rank other than 0: it computes every batch with the
+    others, and rank 0 stores the (identical) states."""
+
+    set_aside_samples: list = []
+
+    def add(self, *args: Any) -> None:
+        pass
+
+    def set_aside(self, *args: Any) -> None:
+        pass
+
+
 def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
-    """Stage entry point: extract states for every prepared sample not yet in the store."""
+    """Stage entry point: extract states for every prepared sample not yet in the store.
+
+    Under torchrun, data parallel (the default): every rank loads the whole target, the
+    batch plan over the samples still to do is made identically on every rank, and rank r
+    runs batches r, r+W, r+2W, ...: each sample goes through the same batch as in a
+    one-rank run, so the stored states are the same. Each rank writes its own shards
+    (shard-r{rank}-*); after all finish, rank 0 writes one index over all of them. A rerun
+    resumes from every finished shard, whatever world size wrote it. With `extract.tp_plan`
+    the ranks form one tensor-parallel group instead: all run every batch, rank 0 writes.
+    """
     ecfg = cfg.extract
     if ecfg.backend != "hf":
         raise ValueError(f"extract.backend {ecfg.backend!r}: only 'hf' exists")
-    rank, _ = _dist_env()
+    env = init_distributed(cfg.run.dist_timeout_minutes)
+    tensor_parallel = ecfg.tp_plan is not None and env.active
+    data_rank, data_world = (0, 1) if tensor_parallel else (env.rank, env.world_size)
+    writes = env.is_main or not tensor_parallel
     t0 = time.time()
     data = PreparedData(ctx.upstream["prepare"])
-    model, info = load_target(cfg.target)
+    model, info = load_target(cfg.target, tp_plan=ecfg.tp_plan) if tensor_parallel else load_target(cfg.target)
     parts = TargetParts.of(model)
     layers = resolve_layers(ecfg.layers, parts.num_layers)
     dtype = DTYPES[ecfg.store_dtype]
+    how = (f"tensor parallel over {env.world_size} ranks" if tensor_parallel
+           else f"data parallel over {env.world_size} ranks" if env.active else "")
     log(f"[extract] target {info['class']} L={parts.num_layers} H={parts.hidden_size} on {info['device']}; "
-        f"layers {layers}; store {ecfg.store_dtype}")
+        f"layers {layers}; store {ecfg.store_dtype}" + (f"; {how}" if how else ""))
     meta = {
         "input_hash": ctx.input_hash,
         "hidden_size": parts.hidden_size,
@@ -207,23 +237,37 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "norm_eps": _norm_eps(parts),
         "mode": ecfg.mode,
     }
+    removed = run_on_main(prepare_folder, ctx.out_dir, meta, ecfg.fsync)
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
-    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
-                         queue_size=ecfg.writer_queue, fsync=ecfg.fsync, rank=rank,
-                         threads=ecfg.writer_threads)
-    save_target_head(parts, model, ctx.out_dir)
+    writer: StoreWriter | _Discard = _Discard()
+    if writes:
+        writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
+                             queue_size=ecfg.writer_queue, fsync=ecfg.fsync, rank=data_rank,
+                             threads=ecfg.writer_threads, prepare=False)
+    done = broadcast_object(writer.done_ids() if env.is_main else None)
+    barrier()  # every rank has read the finished shards before any rank writes a new one
+    if env.is_main and removed:
+        log(f"[extract] removed {removed} unfinished files of an interrupted run")
+    save_target_head(parts, model, ctx.out_dir, write=env.is_main)
     try:
-        done = writer.done_ids()
         todo = [i for i in range(len(data)) if int(data.sample_ids[i]) not in done]
         if ecfg.mode == ONLINE:  # only what the self-check compares; training computes the rest
             picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
             todo = [i for i in todo if int(data.sample_ids[i]) in picked]
-        new_tokens = _extract_loop(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size)
-        index = writer.close()
+        new_tokens = _extract_loop(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size,
+                                   data_rank, data_world, show=env.is_main)
+        records = writer.close(index=False) if isinstance(writer, StoreWriter) else {}
     except BaseException:
-        writer.abort()
+        if isinstance(writer, StoreWriter):
+            writer.abort()
         raise
-    # Before the manifest: a store that disagrees with the model's own forward never reaches train.
+    set_aside = [s for part in all_gather_object(writer.set_aside_samples) for s in part]
+    new_tokens = int(all_reduce_sum(torch.tensor([new_tokens], dtype=torch.int64))[0])
+    barrier()  # every rank's shards are on disk
+    index = broadcast_object(write_index(ctx.out_dir, meta, finished_shards(ctx.out_dir) if env.active else records,
+                                         set_aside, ecfg.fsync) if env.is_main else None)
+    # Before the manifest: a store that disagrees with the model's own forward never reaches
+    # train. Every rank checks (under tensor parallelism the reference forward is collective).
     check = run_selfcheck(model, parts, StoreReader(ctx.out_dir, verify=False), layers, ecfg.selfcheck_samples,
                           ecfg.selfcheck_min_cosine, ecfg.selfcheck_min_top1, seed=cfg.run.seed)
     if check["samples"]:
@@ -242,22 +286,28 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
         "layers": layers,
         "hidden_size": parts.hidden_size,
+        "world_size": env.world_size,
+        "parallel": "tensor" if tensor_parallel else "data" if env.active else "none",
         "selfcheck": check,
     }
 
 
 def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layers: list[int], dtype: torch.dtype,
-                  writer: StoreWriter, batch_tokens: int, max_batch_size: int) -> int:
-    """Forward every sample in `todo` (prepared-data positions); returns tokens processed."""
+                  writer: StoreWriter | _Discard, batch_tokens: int, max_batch_size: int, rank: int = 0,
+                  world_size: int = 1, show: bool = True) -> int:
+    """Forward this rank's share of `todo` (prepared-data positions): batches rank, rank +
+    world_size, ... of the plan over all of `todo`. Returns the tokens this rank processed."""
     lengths = [int(data.lengths[i]) for i in todo]
     for i, n in zip(todo, lengths):
-        if n == 0:
+        if n == 0 and rank == 0:
             writer.set_aside(int(data.sample_ids[i]), "empty")
     todo = [i for i, n in zip(todo, lengths) if n > 0]
     lengths = [n for n in lengths if n > 0]
-    batches = plan_batches(lengths, batch_tokens, max_batch_size)
+    batches = plan_batches(lengths, batch_tokens, max_batch_size)[rank::world_size]
+    todo_count = sum(len(b) for b in batches)
     device = parts.input_device
-    bar = tqdm(total=sum(lengths), unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+    bar = tqdm(total=sum(lengths[p] for b in batches for p in b), unit="tok", unit_scale=True, desc="extract",
+               dynamic_ncols=True, disable=not show)
     stored = {"samples": 0, "set_aside": 0}
     pending: _InFlight | None = None
 
@@ -273,7 +323,7 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
             writer.add(s.sample_id, f.aux[b, :n], f.final[b, :n], s.input_ids, s.loss_mask)
             stored["samples"] += 1
         bar.update(sum(f.lengths))
-        bar.set_postfix(samples=f"{stored['samples']}/{len(todo)}", set_aside=stored["set_aside"], refresh=False)
+        bar.set_postfix(samples=f"{stored['samples']}/{todo_count}", set_aside=stored["set_aside"], refresh=False)
 
     parts.decoder.eval()
     try:
@@ -283,6 +333,9 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                 ids, mask = pad_batch([data[i].input_ids for i in rows])
                 ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
                 aux, final = capture(parts, layers, ids, mask, dtype)
+                if isinstance(writer, _Discard):
+                    bar.update(sum(lengths[p] for p in batch))
+                    continue  # a tensor-parallel rank other than 0: rank 0 stores these states
                 bad = nonfinite_rows(aux, final, mask)
                 events: list = []
                 flight = _InFlight(rows, [lengths[p] for p in batch], _to_host(aux, events), _to_host(final, events),
@@ -294,4 +347,4 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                 finish(pending)
     finally:
         bar.close()
-    return sum(lengths)
+    return sum(lengths[p] for b in batches for p in b)

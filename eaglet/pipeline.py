@@ -5,6 +5,10 @@ the resolved config, the hash of the stage's inputs, library versions, timings a
 A stage's inputs are its own config sections, the fingerprints of files it reads, and the
 input hash of the stage before it, so a change anywhere reruns that stage and all after it.
 `eaglet run` skips a stage whose manifest is complete with the same input hash.
+
+Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
+(they split the work, see eaglet/parallel.py); the other stages run on rank 0 while the
+others wait; rank 0 alone writes manifests. run.dir must be one folder all ranks see.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config
+from .parallel import broadcast_object, dist_env, init_distributed, run_on_main
 from .utils import atomic_write_text, file_fingerprint, log
 
 MANIFEST = "manifest.json"
@@ -42,6 +47,7 @@ class Stage:
     sections: tuple[str, ...]  # config sections that are this stage's inputs
     entry: str  # "module:function", imported only when the stage runs
     input_files: Callable[[Config], list[str]] = lambda cfg: []
+    distributed: bool = False  # under torchrun every rank runs it (else rank 0 alone)
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
@@ -58,10 +64,11 @@ def _target_files(cfg: Config) -> list[str]:
 STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.prepare:run_prepare",
           lambda cfg: list(cfg.prepare.data) + _target_files(cfg)),
-    Stage("extract", ("target", "extract"), "eaglet.extract:run_extract"),
+    Stage("extract", ("target", "extract"), "eaglet.extract:run_extract", distributed=True),
     Stage("vocab", ("vocab",), "eaglet.vocab:run_vocab"),
     Stage("train", ("train",), "eaglet.train:run_train",
-          lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else []),
+          lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else [],
+          distributed=True),
     Stage("export", ("export", "target"), "eaglet.export:run_export"),
     Stage("eval", ("eval",), "eaglet.evaluate:run_eval"),
 ]
@@ -123,6 +130,7 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
               preflight: bool = True) -> dict[str, Any]:
     """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
     doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/doctor.py)."""
+    init_distributed(cfg.run.dist_timeout_minutes)
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
     upstream = {}
@@ -140,41 +148,56 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
 
 def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool,
              preflight: bool = True) -> dict[str, Any]:
+    env = dist_env()
     out_dir = cfg.run_dir / stage.name
     old = read_manifest(out_dir)
-    if not force and old is not None and old.get("input_hash") == h and old.get("status") == "complete":
+    up_to_date = not force and old is not None and old.get("input_hash") == h and old.get("status") == "complete"
+    if broadcast_object(up_to_date):  # rank 0 decides, before it removes anything
         log(f"[{stage.name}] up to date ({out_dir}), skipped")
         return old
     if preflight and stage.name in PREFLIGHT_STAGES:
         from .doctor import preflight as run_preflight
 
-        run_preflight(cfg, stage.name)  # raises PreflightError before any weights load
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
+        run_on_main(run_preflight, cfg, stage.name)  # raises PreflightError before any weights load
+
+    def start() -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
+
+    run_on_main(start)
     ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream)
-    log(f"[{stage.name}] running -> {out_dir}")
+    log(f"[{stage.name}] running -> {out_dir}" + (f" on {env.world_size} ranks" if env.active and stage.distributed
+                                                 else " on rank 0" if env.active else ""))
     t0 = time.time()
-    stats = stage.function()(cfg, ctx)
-    manifest = {
-        "stage": stage.name,
-        "status": "complete",
-        "input_hash": h,
-        "inputs": inputs,
-        "config": cfg.to_dict(),
-        "versions": library_versions(),
-        "host": platform.node(),
-        "pid": os.getpid(),
-        "started": t0,
-        "seconds": round(time.time() - t0, 3),
-        "stats": stats,
-    }
-    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
-    log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")
-    return manifest
+
+    def finish(stats: dict[str, Any]) -> dict[str, Any]:
+        manifest = {
+            "stage": stage.name,
+            "status": "complete",
+            "input_hash": h,
+            "inputs": inputs,
+            "config": cfg.to_dict(),
+            "versions": library_versions(),
+            "host": platform.node(),
+            "pid": os.getpid(),
+            "world_size": env.world_size,
+            "started": t0,
+            "seconds": round(time.time() - t0, 3),
+            "stats": stats,
+        }
+        atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
+        log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")
+        return manifest
+
+    if stage.distributed:
+        stats = stage.function()(cfg, ctx)
+        return run_on_main(finish, stats)
+    return run_on_main(lambda: finish(stage.function()(cfg, ctx)))
 
 
 def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight: bool = True) -> list[dict[str, Any]]:
     """`eaglet run`: every stage in order, skipping those up to date."""
+    init_distributed(cfg.run.dist_timeout_minutes)
     manifests, upstream = [], {}
     for stage, h, inputs in _stage_plan(cfg, upto or STAGE_NAMES[-1]):
         manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight))

@@ -130,15 +130,111 @@ class _Piece:
     loss_mask: torch.Tensor  # uint8 [T]
 
 
+def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> int:
+    """Make `folder` ready for writers of `meta`; returns the number of unfinished files removed.
+
+    A store made for other inputs (store.json differs) is deleted; the index is removed (it
+    is valid again only when this extraction completes); debris of any rank (temporary
+    files, a shard without its sidecar, a sidecar without its shard) is removed. Under
+    torchrun rank 0 runs this alone, before any rank opens a writer.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, **meta}
+    old = _read_json(folder / STORE_META)
+    files = [p for p in folder.iterdir() if _is_store_file(p.name)]
+    if old != meta and files:
+        if isinstance(old, dict) and old.get("input_hash") != meta.get("input_hash"):
+            why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
+        elif isinstance(old, dict):
+            why = "changed " + ", ".join(k for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
+        else:
+            why = f"no readable {STORE_META}"
+        log(f"[extract] store in {folder} was made for other inputs ({why}); clearing {len(files)} files")
+        for p in files:
+            p.unlink(missing_ok=True)
+    if old != meta:
+        atomic_write_json(folder / STORE_META, meta, fsync=fsync)
+    (folder / INDEX).unlink(missing_ok=True)
+
+    removed = 0
+    for p in sorted(folder.iterdir()):
+        if p.name.endswith(".tmp") and _is_store_file(p.name):
+            p.unlink(missing_ok=True)
+            removed += 1
+    for p in sorted(folder.glob("shard-r*.safetensors")):
+        if _SHARD_RE.match(p.name) and _valid_sidecar(p) is None:
+            p.unlink()
+            p.with_suffix(".json").unlink(missing_ok=True)
+            removed += 1
+    for side in sorted(folder.glob("shard-r*.json")):
+        if not side.with_suffix(".safetensors").is_file():
+            side.unlink()
+            removed += 1
+    return removed
+
+
+def _valid_sidecar(shard: Path) -> dict[str, Any] | None:
+    """The sidecar of a finished shard, or None when the shard is unfinished."""
+    side = _read_json(shard.with_suffix(".json"))
+    if not isinstance(side, dict) or side.get("file") != shard.name or side.get("bytes") != shard.stat().st_size:
+        return None
+    return side
+
+
+def finished_shards(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """file name -> sidecar of every finished shard in `folder`, of all ranks, sorted by name.
+    Raises CorruptShardError when a sample id is in two shards."""
+    records: dict[str, dict[str, Any]] = {}
+    seen: set[int] = set()
+    for p in sorted(Path(folder).glob("shard-r*.safetensors")):
+        side = _valid_sidecar(p) if _SHARD_RE.match(p.name) else None
+        if side is None:
+            continue
+        ids = [int(i) for i in side["sample_ids"]]
+        dup = seen.intersection(ids)
+        if dup:
+            raise CorruptShardError(f"{p.name}: sample ids {sorted(dup)[:5]} are also in another shard of {folder}")
+        seen.update(ids)
+        records[p.name] = side
+    return records
+
+
+def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dict[str, Any]],
+                set_aside: list[dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
+    """Write index.json over the shards in `records` (file -> sidecar) and the samples set
+    aside; returns the index. The last file of an extraction: its presence means complete."""
+    shards = [{k: records[f][k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for f in sorted(records)]
+    index = {
+        "format": FORMAT,
+        "meta": {"format": FORMAT, **meta},
+        "shards": shards,
+        "num_shards": len(shards),
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "set_aside_counts": dict(Counter(s["reason"] for s in set_aside)),
+        "set_aside": sorted(set_aside, key=lambda s: s["sample_id"]),
+    }
+    atomic_write_json(Path(folder) / INDEX, index, fsync=fsync)
+    return index
+
+
 class StoreWriter:
     """Appends samples to a store folder; resumes a store left by an interrupted run.
 
     `meta` describes the states (input_hash, hidden_size, n_aux, layers, dtype, final_state);
     if the folder's store.json differs, the old store is deleted first.
+
+    Data-parallel extraction: one writer per rank, each writing shards named with its
+    `rank`. Rank 0 calls `prepare_folder` alone, then every rank opens a writer with
+    `prepare=False`, which only reads the finished shards (of all ranks: a sample stored by
+    any rank in an earlier run, of any world size, counts as done). Each rank then calls
+    `close(index=False)` and rank 0 writes the one index with `write_index`.
     """
 
     def __init__(self, folder: str | Path, meta: dict[str, Any], shard_bytes: int,
-                 queue_size: int = 2, fsync: bool = True, rank: int = 0, threads: int = 4):
+                 queue_size: int = 2, fsync: bool = True, rank: int = 0, threads: int = 4, prepare: bool = True):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.meta = {"format": FORMAT, **meta}
@@ -148,15 +244,23 @@ class StoreWriter:
         self.shard_bytes = max(1, int(shard_bytes))
         self.fsync = fsync
         self.rank = rank
-        self._records: dict[str, dict[str, Any]] = {}  # file -> sidecar of every done shard
-        self._done: set[int] = set()
-        self._open_folder()
+        removed = 0
+        if prepare:
+            removed = prepare_folder(self.folder, meta, fsync)
+        elif _read_json(self.folder / STORE_META) != self.meta:
+            raise RuntimeError(f"{self.folder / STORE_META} does not describe rank {rank}'s states: ranks disagree "
+                               "on the inputs, or prepare_folder did not run first")
+        self._records: dict[str, dict[str, Any]] = finished_shards(self.folder)  # file -> sidecar of done shards
+        self._done: set[int] = {int(i) for side in self._records.values() for i in side["sample_ids"]}
+        if self._records or removed:
+            log(f"[extract] resuming store {self.folder}: {len(self._records)} shards / {len(self._done)} samples done, "
+                f"{removed} unfinished files removed")
         self.resumed_shards = len(self._records)
         self._next_k = 1 + max((int(_SHARD_RE.match(f).group(2)) for f in self._records
                                 if int(_SHARD_RE.match(f).group(1)) == rank), default=-1)
         self._buf: list[_Piece] = []
         self._buf_bytes = 0
-        self._set_aside: list[dict[str, Any]] = []
+        self.set_aside_samples: list[dict[str, Any]] = []
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -167,53 +271,6 @@ class StoreWriter:
                          for t in range(max(1, threads))]
         for t in self._threads:
             t.start()
-
-    # ---- resume ------------------------------------------------------------------------------
-    def _open_folder(self) -> None:
-        old = _read_json(self.folder / STORE_META)
-        files = [p for p in self.folder.iterdir() if _is_store_file(p.name)]
-        if old != self.meta and files:
-            if isinstance(old, dict) and old.get("input_hash") != self.meta.get("input_hash"):
-                why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(self.meta.get('input_hash'))[:12]}"
-            elif isinstance(old, dict):
-                why = "changed " + ", ".join(k for k in sorted(set(old) | set(self.meta)) if old.get(k) != self.meta.get(k))
-            else:
-                why = f"no readable {STORE_META}"
-            log(f"[extract] store in {self.folder} was made for other inputs ({why}); clearing {len(files)} files")
-            for p in files:
-                p.unlink(missing_ok=True)
-            files = []
-        if old != self.meta:
-            atomic_write_json(self.folder / STORE_META, self.meta, fsync=self.fsync)
-        (self.folder / INDEX).unlink(missing_ok=True)  # valid again only when this run completes
-
-        removed = 0
-        for p in sorted(self.folder.iterdir()):
-            if p.name.endswith(".tmp") and _is_store_file(p.name):
-                p.unlink(missing_ok=True)
-                removed += 1
-        for p in sorted(self.folder.glob("shard-r*.safetensors")):
-            if not _SHARD_RE.match(p.name):
-                continue
-            side = _read_json(p.with_suffix(".json"))
-            if not isinstance(side, dict) or side.get("file") != p.name or side.get("bytes") != p.stat().st_size:
-                p.unlink()
-                p.with_suffix(".json").unlink(missing_ok=True)
-                removed += 1
-                continue
-            ids = [int(i) for i in side["sample_ids"]]
-            dup = self._done.intersection(ids)
-            if dup:
-                raise CorruptShardError(f"{p.name}: sample ids {sorted(dup)[:5]} are also in another shard of {self.folder}")
-            self._done.update(ids)
-            self._records[p.name] = side
-        for side in sorted(self.folder.glob("shard-r*.json")):
-            if side.with_suffix(".safetensors").name not in self._records:
-                side.unlink()
-                removed += 1
-        if self._records or removed:
-            log(f"[extract] resuming store {self.folder}: {len(self._records)} shards / {len(self._done)} samples done, "
-                f"{removed} unfinished files removed")
 
     def done_ids(self) -> set[int]:
         """Sample ids already stored in finished shards (skip them on resume)."""
@@ -249,7 +306,7 @@ class StoreWriter:
 
     def set_aside(self, sample_id: int, reason: str) -> None:
         """Record a sample that is not stored (listed in index.json; retried by a resumed run)."""
-        self._set_aside.append({"sample_id": int(sample_id), "reason": reason})
+        self.set_aside_samples.append({"sample_id": int(sample_id), "reason": reason})
 
     def _flush(self) -> None:
         if not self._buf:
@@ -311,28 +368,18 @@ class StoreWriter:
         return record
 
     # ---- finishing --------------------------------------------------------------------------------
-    def close(self) -> dict[str, Any]:
-        """Write the last shard, wait for the writer, write index.json; returns the index."""
+    def close(self, index: bool = True) -> dict[str, Any]:
+        """Write the last shard and wait for the writers; then write index.json (`index`) over
+        this writer's shards. Returns the index, or (index=False) this writer's shard records."""
         self._raise_if_failed()
         self._flush()
         self._stop()
         self._raise_if_failed()
         with self._lock:
-            records = [self._records[f] for f in sorted(self._records)]
-        shards = [{k: r[k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for r in records]
-        index = {
-            "format": FORMAT,
-            "meta": self.meta,
-            "shards": shards,
-            "num_shards": len(shards),
-            "num_samples": sum(s["samples"] for s in shards),
-            "num_tokens": sum(s["tokens"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "set_aside_counts": dict(Counter(s["reason"] for s in self._set_aside)),
-            "set_aside": sorted(self._set_aside, key=lambda s: s["sample_id"]),
-        }
-        atomic_write_json(self.folder / INDEX, index, fsync=self.fsync)
-        return index
+            records = dict(self._records)
+        if not index:
+            return records
+        return write_index(self.folder, self.meta, records, self.set_aside_samples, self.fsync)
 
     def abort(self) -> None:
         """Stop after the shards already queued (they are complete and count on resume);
@@ -455,17 +502,19 @@ class StoreReader:
                 or aux_shape != [tokens, self.n_aux * self.hidden_size] or final_shape != [tokens, self.hidden_size]):
             raise CorruptShardError(f"{name}: contents do not match its sidecar")
 
-    def verify_all(self) -> dict[str, Any]:
-        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}."""
+    def verify_all(self, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}.
+        `part` (i, n): only shards i, i+n, ... (n ranks share the work)."""
         bad = []
-        for k, side in enumerate(self.shards):
+        ks = range(part[0], len(self.shards), part[1])
+        for k in ks:
             try:
                 self._check(k, checksum=True)
             except CorruptShardError as e:
-                bad.append({"file": side["file"], "error": str(e)})
+                bad.append({"file": self.shards[k]["file"], "error": str(e)})
         return {
-            "shards": len(self.shards),
-            "ok": len(self.shards) - len(bad),
+            "shards": len(ks),
+            "ok": len(ks) - len(bad),
             "bad": bad,
             "samples": len(self),
             "tokens": int(self.lengths.sum()),

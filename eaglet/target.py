@@ -13,6 +13,7 @@ Layer ids follow the EAGLE-3 convention (see EAGLE3_FACTS.md): id i is the hidde
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,12 @@ SUPPORTED_FAMILIES = (
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' -> cuda when present, else cpu; anything else as torch reads it."""
+    """'auto' -> cuda when present, else cpu; anything else as torch reads it. Under torchrun
+    'auto' and 'cuda' mean this rank's GPU, cuda:LOCAL_RANK."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(device)
 
 
@@ -56,12 +60,17 @@ def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
     return kwargs
 
 
-def load_target(tcfg: TargetSection) -> tuple[nn.Module, dict[str, Any]]:
+def load_target(tcfg: TargetSection, tp_plan: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Load the target named by `tcfg` in eval mode; returns (model, info).
 
     Only the from_pretrained options that are set are passed. Without `device_map` the model
     is placed on `tcfg.device`: straight onto it when `accelerate` is installed (a large
     target never sits in host memory whole), else loaded on the CPU and moved.
+
+    Under torchrun: `tp_plan` 'auto' (extract.tp_plan) loads the model split over all ranks with transformers'
+    tensor-parallel plan (transformers places each shard on the rank's device; parameters
+    become DTensors, layer inputs and outputs stay whole tensors). A `device_map` spreads one
+    replica over a node's GPUs, so it needs one process per node.
     """
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +81,20 @@ def load_target(tcfg: TargetSection) -> tuple[nn.Module, dict[str, Any]]:
         kwargs["attn_implementation"] = tcfg.attn_implementation
     device = resolve_device(tcfg.device)
     move_after = False
-    if tcfg.device_map is not None:
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if tp_plan is not None and tcfg.device_map is not None:
+        raise ValueError("extract.tp_plan and target.device_map exclude each other: set one")
+    if tp_plan is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+    elif tcfg.device_map is not None and local_procs > 1:
+        raise ValueError(
+            f"target.device_map {tcfg.device_map!r} with {local_procs} processes on this node: each would spread a "
+            "replica over the same GPUs. Launch one process per node (torchrun --nproc-per-node 1), or use "
+            "extract.tp_plan=auto to split the target over the ranks"
+        )
+    elif tcfg.device_map is not None:
         kwargs["device_map"] = tcfg.device_map
     elif device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = str(device)  # transformers needs accelerate for any device_map

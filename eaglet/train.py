@@ -17,6 +17,17 @@ refused with the keys that differ.
 Outputs in the stage folder: `log.jsonl` (one line per logged step, eval lines with
 "split": "eval"), TensorBoard events in `tb/`, `checkpoints/step-NNNNNNN/`, and
 `final/` (draft config + weights) that export reads.
+
+Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli train CONFIG`) the draft is
+wrapped by eaglet/parallel.py (`train.parallel`: ddp or fsdp). Every rank computes the same
+epoch plan; an optimizer step takes grad_accum x W consecutive micro-batches of it, and
+micro-batch j of the step goes to rank j % W. So W ranks with grad_accum A train exactly
+what one process with grad_accum A x W trains: per micro-batch the loss is the mean over
+its counted rows, and the step's gradient is the mean over the step's micro-batches
+(each rank divides by A, the gradient reduction averages over W). Gradients are reduced
+once per step, on the last micro-batch. Rank 0 logs and writes checkpoints; a checkpoint
+resumes on any world size with the same micro-batches per step (grad_accum x W), and is
+refused with the grad_accum to use otherwise.
 """
 
 from __future__ import annotations
@@ -35,14 +46,17 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from .config import Config, TrainSection
-from .loss import simulated_acceptance_length, teacher_targets, ttt_loss
+from .loss import TTTLoss, simulated_acceptance_length, teacher_targets, ttt_loss
 from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
+from .parallel import (Parallel, all_gather_object, all_reduce_sum, barrier, dist_env, init_distributed, parallelize,
+                       resolve_strategy)
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG
-from .online import OnlineStates, open_states
-from .store import StoreReader
+from .online import OnlineStates, is_online
+from .store import CorruptShardError, StoreReader
 from .target import resolve_device
 from .utils import atomic_write_json, fsync_dir, log
 from .vocab import load_vocab
@@ -117,10 +131,13 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
 
 @dataclass
 class TargetHead:
-    lm_head: torch.Tensor  # [V, H]
+    """The target's tensors that training uses. run_train hands them on and drops them here:
+    `embed` is copied into the draft, `lm_head` and `norm` are taken over by the TeacherHead."""
+
+    lm_head: torch.Tensor | None  # [V, H]
     norm: torch.Tensor | None  # final norm weight when the stored final state is pre-norm
     norm_eps: float
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor | None  # [V, H]
 
 
 def load_head(store: StoreReader, device: torch.device) -> TargetHead:
@@ -132,6 +149,21 @@ def load_head(store: StoreReader, device: torch.device) -> TargetHead:
         norm_eps=float(store.meta.get("norm_eps", 1e-6)),
         embed=t["embed_tokens"],
     )
+
+
+class TeacherHead(nn.Module):
+    """The target's LM head (and final norm, for a pre-norm store) as a frozen module whose
+    forward is `teacher_targets`: a module, so that parallelize can shard it like any other."""
+
+    def __init__(self, head: TargetHead, chunk: int):
+        super().__init__()
+        self.lm_head = nn.Parameter(head.lm_head, requires_grad=False)
+        self.norm = nn.Parameter(head.norm, requires_grad=False) if head.norm is not None else None
+        self.norm_eps, self.chunk = head.norm_eps, chunk
+
+    def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T])."""
+        return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps)
 
 
 def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.Tensor, head: TargetHead) -> Eagle3Draft:
@@ -188,20 +220,25 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, cfg: Config) -> dict[str, Any]:
-    """What a checkpoint may only be resumed with: the model's shape, the data, the vocabulary."""
+def fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, cfg: Config,
+                world_size: int = 1) -> dict[str, Any]:
+    """What a checkpoint may only be resumed with: the model's shape, the data (and how it is
+    cut into optimizer steps: micro-batches per step, not the world size), the vocabulary."""
     fp = {f"model.{k}": v for k, v in model.config.to_dict().items()}
     fp["data.store"] = store.meta.get("input_hash")
     fp["data.samples"] = len(store)
     fp["data.max_tokens"] = cfg.train.max_tokens
     fp["data.eval_fraction"] = cfg.train.eval_fraction
     fp["data.seed"] = cfg.run.seed
-    fp["data.grad_accum"] = cfg.train.grad_accum
+    fp["data.micro_batches_per_step"] = cfg.train.grad_accum * world_size
     fp["vocab.d2t"] = _digest(d2t)
     return fp
 
 
 def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    if "data.grad_accum" in old:  # written before torchrun support, by one process
+        old = {**old, "data.micro_batches_per_step": old["data.grad_accum"]}
+        old.pop("data.grad_accum")
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
@@ -221,21 +258,22 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def trainable_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
+def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpointed weights: everything but the frozen, target-copied embedding."""
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+    return {k: v.detach().contiguous() for k, v in state.items() if k != "embed_tokens.weight"}
 
 
-def save_checkpoint(folder: Path, step: int, model: Eagle3Draft, opt: torch.optim.Optimizer,
+def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
                     sched: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint `step` atomically (a temporary folder renamed), keep the last `keep_last`."""
+    """Write checkpoint `step` atomically (a temporary folder renamed), keep the last `keep_last`.
+    `model_state` and `optim_state` are full (unsharded): see Parallel.full_state."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step:07d}"
     tmp = folder / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    save_file(trainable_state(model_state), str(tmp / "model.safetensors"))
+    torch.save(optim_state, tmp / "optimizer.pt")
     save_file(_rng_state(), str(tmp / "rng.safetensors"))
     atomic_write_json(tmp / "state.json", {**state, "step": step, "scheduler": sched.state_dict()})
     for f in tmp.iterdir():
@@ -260,15 +298,18 @@ def latest_checkpoint(folder: Path) -> Path | None:
 class MetricLog:
     """log.jsonl (+ TensorBoard when installed)."""
 
-    def __init__(self, folder: Path, resume_step: int, tensorboard: bool):
+    def __init__(self, folder: Path, resume_step: int, tensorboard: bool, enabled: bool = True):
         self.path = folder / "log.jsonl"
+        self.enabled = enabled
+        self.tb = None
+        if not enabled:  # ranks other than 0
+            return
         kept = []
         if resume_step and self.path.is_file():  # drop lines of steps the resume will redo
             kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
         elif self.path.is_file():
             self.path.unlink()
         self.path.write_text("".join(ln + "\n" for ln in kept))
-        self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -278,6 +319,8 @@ class MetricLog:
                 log("[train] tensorboard not installed: logging to log.jsonl only")
 
     def write(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
@@ -303,14 +346,30 @@ class Sums:
     def __init__(self) -> None:
         self.loss = self.total = self.correct = self.count = None
         self.n = 0
+        self.tokens = 0
 
-    def add(self, out) -> None:
+    def add(self, out, tokens: int = 0) -> None:
         vals = {"loss": torch.stack(out.losses).detach().float(), "total": out.total.detach().float(),
                 "correct": torch.stack(out.correct), "count": torch.stack(out.counts)}
         for k, v in vals.items():
             old = getattr(self, k)
             setattr(self, k, v if old is None else old + v)
         self.n += 1
+        self.tokens += tokens
+
+    def all_reduce(self, num_steps: int, device: torch.device) -> None:
+        """Sum over ranks (two collectives; a no-op alone). A rank without micro-batches adds zeros."""
+        if not dist_env().active:
+            return
+        if self.loss is None:
+            self.loss, self.total = torch.zeros(num_steps, device=device), torch.zeros((), device=device)
+            self.correct = self.count = torch.zeros(num_steps, dtype=torch.int64, device=device)
+        floats = all_reduce_sum(torch.cat([self.loss, self.total.reshape(1)]))
+        ints = all_reduce_sum(torch.cat([self.correct, self.count,
+                                         torch.tensor([self.n, self.tokens], device=self.correct.device)]))
+        self.loss, self.total = floats[:num_steps], floats[num_steps]
+        self.correct, self.count = ints[:num_steps], ints[num_steps:2 * num_steps]
+        self.n, self.tokens = int(ints[-2]), int(ints[-1])
 
     def metrics(self) -> dict[str, float]:
         """Mean per-step losses over micro-batches, pooled accuracies, simulated tau (one sync)."""
@@ -325,12 +384,48 @@ class Sums:
         return out
 
 
+def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
+    """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
+    wrapper, or the bare draft for evaluation) and its loss."""
+    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t)
+    with autocast:
+        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma)
+
+
+def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
+    """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
+    across ranks only when `sync` (the step's last micro-batch)."""
+    with par.grad_sync(sync):
+        out = forward_loss(par, par.module, b, tc, autocast)
+        (out.total / tc.grad_accum).backward()
+    par.reshard_frozen()
+    return out
+
+
+def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                   tc: TrainSection) -> float:
+    """Clip, step, advance the schedule, zero the gradients; returns the learning rate used."""
+    if tc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return lr
+
+
 class Trainer:
     def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
-        self.cfg, self.tc, self.store, self.head, self.out_dir = cfg, cfg.train, store, head, out_dir
+        self.cfg, self.tc, self.store, self.out_dir = cfg, cfg.train, store, out_dir
+        self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(self.tc.device)
-        self.model = model.to(self.device)
-        self.model.embed_tokens.weight.requires_grad_(False)
+        strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
+        # The pure draft; self.par.module is what the training forward calls (see parallel.py).
+        self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk), strategy, self.device,
+                               frozen_dtype=head.lm_head.dtype, env=self.env)
+        head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
+        self.model = model
         use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         self.lengths = dict(zip(store.sample_ids.tolist(), store.lengths.tolist()))
@@ -338,8 +433,9 @@ class Trainer:
         if len(self.train_ids) == 0:
             raise ValueError("train: no training samples (is the store empty, or train.eval_fraction 1?)")
         self.eval_ids = self.eval_ids[: self.tc.eval_max_samples]
+        self.micro_per_step = self.tc.grad_accum * self.env.world_size
         batches = len(epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, cfg.run.seed, 0))
-        self.steps_per_epoch = max(batches // self.tc.grad_accum, 1)
+        self.steps_per_epoch = max(batches // self.micro_per_step, 1)
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
         if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
@@ -349,112 +445,153 @@ class Trainer:
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
 
-    def _forward(self, b: Batch):
-        teacher, in_vocab = teacher_targets(b.final, self.head.lm_head, self.model.t2d, self.model.d2t,
-                                            self.tc.teacher_chunk, self.head.norm, self.head.norm_eps)
-        with self.autocast:
-            steps = self.model(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=self.tc.ttt_steps,
-                               attn_impl=self.tc.attn_impl)
-            return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, self.tc.gamma)
+    def _forward(self, b: Batch, module: nn.Module) -> TTTLoss:
+        return forward_loss(self.par, module, b, self.tc, self.autocast)
 
     def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
+        """The global micro-batch stream (the same on every rank): (epoch, index in its plan, sample ids)."""
         while True:
             plan = epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, self.cfg.run.seed, epoch)
             # Packing another permutation can give a different number of micro-batches than
             # epoch 0's plan, from which steps_per_epoch was counted: never index past it.
-            usable = min(self.steps_per_epoch * self.tc.grad_accum, len(plan))
+            usable = min(self.steps_per_epoch * self.micro_per_step, len(plan))
             for i in range(start, usable):
                 yield epoch, i, plan[i]
             epoch, start = epoch + 1, 0
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
+        """Held-out metrics; rank r evaluates micro-batches r, r+W, ... and the sums are reduced."""
         if len(self.eval_ids) == 0:
             return None
         self.model.eval()
         sums = Sums()
-        for ids in pack(self.eval_ids, self.lengths, self.tc.max_tokens):
-            sums.add(self._forward(load_batch(self.store, ids, self.tc.max_tokens, self.device)))
+        batches = pack(self.eval_ids, self.lengths, self.tc.max_tokens)
+        W, r = self.env.world_size, self.env.rank
+        for first in range(0, len(batches), W):
+            # Under fsdp every forward is a collective: a rank past the end repeats the last
+            # batch without counting it, so all ranks run as many forwards.
+            j = first + r
+            out = self._forward(load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens,
+                                           self.device), self.model)
+            if j < len(batches):
+                sums.add(out)
+            self.par.reshard_frozen()
         self.model.train()
+        sums.all_reduce(self.tc.ttt_steps, self.device)
         return sums.metrics()
 
+    def _resume(self, last: Path, fp: dict[str, Any]) -> tuple[int, int, int]:
+        """Load checkpoint `last` (refused when the fingerprint differs); returns (step, epoch, micro)."""
+        state = json.loads((last / "state.json").read_text())
+        diff = fingerprint_diff(state["fingerprint"], fp)
+        if diff:
+            raise RuntimeError(
+                f"train: refusing to resume from {last}: the model, data or vocabulary changed:\n  "
+                + "\n  ".join(diff) + self._world_hint(state, fp)
+                + f"\nuse a new run.dir, or delete {last.parent} to start over"
+            )
+        main_only = self.par.strategy == "fsdp" and not self.env.is_main  # fsdp: rank 0 reads, the others receive
+        model_state, optim_state = {}, {}
+        if not main_only:
+            where = "cpu" if self.par.strategy == "fsdp" else self.device
+            model_state = load_file(str(last / "model.safetensors"), device=str(where))
+            optim_state = torch.load(last / "optimizer.pt", map_location=where, weights_only=True)
+        self.par.load_full_state(self.opt, model_state, optim_state)
+        self.sched.load_state_dict(state["scheduler"])
+        self.sched.lr_lambdas[0] = lr_lambda(self.tc, self.total_steps)  # state_dict drops the function
+        _set_rng_state(load_file(str(last / "rng.safetensors")))
+        ws = state.get("world_size", 1)
+        log(f"[train] resumed from {last} at step {state['step']}"
+            + (f" (written by {ws} ranks, now {self.env.world_size})" if ws != self.env.world_size else ""))
+        return state["step"], state["epoch"], state["micro"] - 1
+
+    def _world_hint(self, state: dict[str, Any], fp: dict[str, Any]) -> str:
+        old = state["fingerprint"]
+        old_m = old.get("data.micro_batches_per_step", old.get("data.grad_accum"))
+        new_m, W = fp["data.micro_batches_per_step"], self.env.world_size
+        if old_m == new_m:
+            return ""
+        ws = state.get("world_size", 1)
+        hint = (f"\nthe checkpoint was written by {ws} rank(s) x train.grad_accum {old_m // ws} = {old_m} micro-batches "
+                f"per optimizer step; this run has {W} x {self.tc.grad_accum} = {new_m}. ")
+        if old_m % W == 0:
+            return hint + f"To resume it on {W} rank(s), set train.grad_accum={old_m // W}."
+        return hint + f"{old_m} micro-batches do not split over {W} ranks: resume on a world size that divides {old_m}."
+
+    def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
+        """A checkpoint, written by rank 0 (every rank gathers its part under fsdp)."""
+        model_state, optim_state = self.par.full_state(), self.par.full_optimizer_state(self.opt)
+        if self.env.is_main:
+            save_checkpoint(ckpt_dir, step, model_state, optim_state, self.sched,
+                            {**state, "world_size": self.env.world_size, "parallel": self.par.strategy},
+                            self.tc.keep_last)
+        barrier()
+
     def run(self, fp: dict[str, Any]) -> dict[str, Any]:
-        tc, ckpt_dir = self.tc, self.out_dir / CKPT_DIR
+        tc, ckpt_dir, env = self.tc, self.out_dir / CKPT_DIR, self.env
         step, epoch, micro = 0, 0, -1
         last = latest_checkpoint(ckpt_dir)
         if last is not None:
-            state = json.loads((last / "state.json").read_text())
-            diff = fingerprint_diff(state["fingerprint"], fp)
-            if diff:
-                raise RuntimeError(
-                    f"train: refusing to resume from {last}: the model, data or vocabulary changed:\n  "
-                    + "\n  ".join(diff) + f"\nuse a new run.dir, or delete {ckpt_dir} to start over"
-                )
-            self.model.load_state_dict({**load_file(str(last / "model.safetensors"), device=str(self.device)),
-                                        "embed_tokens.weight": self.model.embed_tokens.weight}, strict=True)
-            self.opt.load_state_dict(torch.load(last / "optimizer.pt", map_location=self.device, weights_only=True))
-            self.sched.load_state_dict(state["scheduler"])
-            self.sched.lr_lambdas[0] = lr_lambda(tc, self.total_steps)  # state_dict drops the function
-            _set_rng_state(load_file(str(last / "rng.safetensors")))
-            step, epoch, micro = state["step"], state["epoch"], state["micro"] - 1
-            log(f"[train] resumed from {last} at step {step}")
-        metrics = MetricLog(self.out_dir, step, tc.tensorboard)
+            step, epoch, micro = self._resume(last, fp)
+        metrics = MetricLog(self.out_dir, step, tc.tensorboard, enabled=env.is_main)
         self.model.train()
         log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
-            f"per epoch; {self.total_steps} steps; device {self.device}")
+            f"per epoch; {self.total_steps} steps; device {self.device}"
+            + (f"; {self.par.strategy} over {env.world_size} ranks, {self.micro_per_step} micro-batches per step; "
+               f"held per rank: {self.par.held_parameters()}" if env.active else ""))
         from tqdm import tqdm
 
-        bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not env.is_main)
         sums = Sums()
-        t_log, tokens = time.perf_counter(), 0
+        t_log = time.perf_counter()
         data = self.micro_batches(epoch, micro + 1)
         last_eval = None
+        A, W = tc.grad_accum, env.world_size
         while step < self.total_steps:
-            for _ in range(tc.grad_accum):
-                epoch, micro, ids = next(data)
-                b = load_batch(self.store, ids, tc.max_tokens, self.device)
-                out = self._forward(b)
-                (out.total / tc.grad_accum).backward()
-                sums.add(out)
-                tokens += b.tokens
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
-            lr = self.sched.get_last_lr()[0]
-            self.opt.step()
-            self.sched.step()
-            self.opt.zero_grad(set_to_none=True)
+            for a in range(A):
+                # Micro-batch j of the step (j = a*W + rank) is this rank's: take W from the stream.
+                share = [next(data) for _ in range(W)]
+                epoch, micro, _ = share[-1]
+                b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device)
+                sums.add(micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1), b.tokens)
+            lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
             bar.update(1)
             if step % tc.log_every == 0 or step == self.total_steps:
+                sums.all_reduce(tc.ttt_steps, self.device)
                 rec = sums.metrics()
                 dt = time.perf_counter() - t_log
-                rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=tokens / dt, memory_gib=_memory_gib(self.device))
+                rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=sums.tokens / dt,
+                           memory_gib=_memory_gib(self.device))
                 metrics.write({"split": "train", **rec})
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.2f}", tau=f"{rec['sim_tau']:.2f}")
-                sums, t_log, tokens = Sums(), time.perf_counter(), 0
+                sums, t_log = Sums(), time.perf_counter()
             if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
                 last_eval = self.evaluate()
                 if last_eval is not None:
                     metrics.write({"split": "eval", "step": step, **last_eval})
             if step % tc.ckpt_every == 0 or step == self.total_steps:
                 # The next micro-batch is plan[micro + 1] of `epoch` (or the next epoch's first).
-                save_checkpoint(ckpt_dir, step, self.model, self.opt, self.sched,
-                                {"epoch": epoch, "micro": micro + 1, "fingerprint": fp}, tc.keep_last)
+                self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp})
         bar.close()
         metrics.close()
-        return {"steps": step, "total_steps": self.total_steps, "eval": last_eval}
+        return {"steps": step, "total_steps": self.total_steps, "eval": last_eval, "world_size": W,
+                "parallel": self.par.strategy, "held_parameters_rank0": self.par.held_parameters()}
 
 
 # ---- the stage ------------------------------------------------------------------------------------
 
-def save_final(folder: Path, model: Eagle3Draft, store: StoreReader) -> None:
-    """The trained draft as export reads it: draft_config.json + model.safetensors (all weights)."""
+def save_final(folder: Path, state: dict[str, torch.Tensor], draft_config: DraftConfig, store: StoreReader) -> None:
+    """The trained draft as export reads it: draft_config.json + model.safetensors (all weights,
+    the frozen embedding in fp32 like the rest, whatever dtype training kept it in)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: (v.float() if k == "embed_tokens.weight" else v).detach().cpu().contiguous() for k, v in state.items()}
     save_file(state, str(tmp / "model.safetensors"))
-    atomic_write_json(tmp / DRAFT_CONFIG, {"draft": model.config.to_dict(), "aux_layers": store.layers})
+    atomic_write_json(tmp / DRAFT_CONFIG, {"draft": draft_config.to_dict(), "aux_layers": store.layers})
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
@@ -467,16 +604,38 @@ def load_final(folder: str | Path) -> tuple[Eagle3Draft, list[int]]:
     return model, meta["aux_layers"]
 
 
+def open_store(folder: Path) -> StoreReader:
+    """The store, its shards checked once: by the first read of each (one process), or up front
+    with the shards split over the ranks (torchrun: every rank reads samples of every shard, so
+    checking on first read would read the whole store once per rank)."""
+    env = dist_env()
+    if not env.active:
+        return StoreReader(folder)
+    store = StoreReader(folder, verify=False)
+    bad = [b for part in all_gather_object(store.verify_all((env.rank, env.world_size))["bad"]) for b in part]
+    if bad:
+        raise CorruptShardError(f"store {folder}: {len(bad)} bad shards: "
+                                + "; ".join(f"{b['file']}: {b['error']}" for b in bad[:5]))
+    return store
+
+
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
-    store = open_states(ctx.upstream, cfg.target)
+    env = init_distributed(cfg.run.dist_timeout_minutes)
+    store = open_store(ctx.upstream["extract"])
+    if is_online(store):  # the target runs here, beside the draft (eaglet/online.py)
+        store = OnlineStates(store, ctx.upstream["prepare"], cfg.target)
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
     device = resolve_device(cfg.train.device)
     head = load_head(store, device)
     model = build_draft(cfg, store, d2t, t2d, head)
-    fp = fingerprint(model, store, d2t, cfg)
+    head.embed = None  # copied into the draft; the host copy is not needed any more
+    fp = fingerprint(model, store, d2t, cfg, env.world_size)
     trainer = Trainer(cfg, store, model, head, ctx.out_dir)
     stats = trainer.run(fp)
-    save_final(ctx.out_dir / FINAL_DIR, trainer.model, store)
+    state = trainer.par.full_state()
+    if env.is_main:
+        save_final(ctx.out_dir / FINAL_DIR, state, model.config, store)
+    barrier()
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if isinstance(store, OnlineStates):
         stats["online_nonfinite_samples"] = store.nonfinite

@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def log(msg: str, all_ranks: bool = False) -> None:
+    """A progress line on stderr. Under torchrun only rank 0 prints, unless `all_ranks`
+    (then the line names its rank)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" and not all_ranks:
+        print(msg, file=sys.stderr, flush=True)
+    elif all_ranks:
+        print(msg if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
 def fsync_dir(path: Path) -> None:

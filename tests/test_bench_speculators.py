@@ -137,7 +137,9 @@ def spec_run(tmp_path_factory):
     store = StoreReader(root / "run" / "extract")
     d2t, t2d = load_vocab(root / "run" / "vocab")
     head = load_head(store, torch.device("cpu"))
-    trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), head, root / "eaglet")
+    # The Trainer takes over the head it is given (it frees the tensors): give it its own.
+    trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), load_head(store, torch.device("cpu")),
+                      root / "eaglet")
     micro = trainer.micro_batches(0, 0)
     plan = [next(micro)[2] for _ in range(cfg.train.grad_accum)]
 

@@ -32,7 +32,7 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
     counts = [len(epoch_plan(ids, lengths, 512, 0, e)) for e in range(6)]
     assert len(set(counts)) > 1
     fake = SimpleNamespace(train_ids=ids, lengths=lengths, cfg=SimpleNamespace(run=SimpleNamespace(seed=0)),
-                           tc=SimpleNamespace(max_tokens=512, grad_accum=1), steps_per_epoch=max(counts))
+                           tc=SimpleNamespace(max_tokens=512, grad_accum=1), steps_per_epoch=max(counts), micro_per_step=1)
     stream = list(islice(Trainer.micro_batches(fake, 0, 0), sum(counts)))
     seen = [(e, i) for e, i, _ in stream]
     assert len(seen) == len(set(seen)) == sum(counts)
