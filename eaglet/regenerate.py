@@ -61,6 +61,9 @@ def _truncate_partial_line(path: Path) -> None:
         path.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
+FALLBACK_BATCH = 16  # prompts per padded batch when continuous batching left some unanswered
+
+
 def _eos_set(model: Any, tokenizer: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     return set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
@@ -88,7 +91,6 @@ def padded_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_ne
     return [_reply(tokenizer, row, eos) for row in out[:, width:].tolist()]
 
 
-@torch.inference_mode()
 def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
                         temperature: float) -> tuple[list[tuple[str, int]], int]:
     """The same replies through transformers' continuous batching (`generate_batch`: a paged KV
@@ -97,6 +99,8 @@ def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], ma
     `generate_batch` logs, rather than raises, a request that failed or went missing, and
     returns results in request order: each result is checked against its own prompt, and a
     missing or failed one is generated again with `padded_generate`. Returns (replies, redone).
+    Not under inference_mode: the engine's thread updates tensors made here in place (an
+    error in transformers 5.17 on a GPU); it disables gradients itself.
     """
     from transformers import GenerationConfig
 
@@ -105,11 +109,15 @@ def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], ma
     eos = _eos_set(model, tokenizer)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
                            top_p=None, top_k=None, eos_token_id=sorted(eos), pad_token_id=pad)
-    kwargs = {}
-    if next(model.parameters()).device.type != "cuda":
-        # Sized from free memory, the paged cache takes seconds to set up on a CPU: size it to the work.
-        from transformers import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig
 
+    kwargs = {}
+    if next(model.parameters()).device.type == "cuda":
+        # Left to size itself, the paged cache takes ~all free GPU memory and the first batch's
+        # logits then run out of it (seen on an H200): leave room.
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.5)
+    else:
+        # Sized from free memory, the paged cache takes seconds to set up on a CPU: size it to the work.
         need = sum(len(p) + max_new_tokens for p in prompts)
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
             num_blocks=max(4, -(-need // 256) + len(prompts)), max_batch_tokens=max(256, max(len(p) for p in prompts)))
@@ -127,8 +135,11 @@ def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], ma
     if redo:
         log(f"[regenerate] continuous batching returned no usable result for {len(redo)} of {len(prompts)} prompts; "
             "generating those with padded batches")
-        for i, r in zip(redo, padded_generate(model, tokenizer, [prompts[i] for i in redo], max_new_tokens, temperature)):
-            replies[i] = r
+        for a in range(0, len(redo), FALLBACK_BATCH):
+            part = redo[a:a + FALLBACK_BATCH]
+            for i, r in zip(part, padded_generate(model, tokenizer, [prompts[i] for i in part], max_new_tokens,
+                                                  temperature)):
+                replies[i] = r
     return replies, len(redo)  # type: ignore[return-value]
 
 
