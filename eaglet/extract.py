@@ -82,7 +82,7 @@ def capture(parts: TargetParts, layers: Sequence[int], input_ids: torch.Tensor, 
 
     def make_hook(j: int, layer_id: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden_BTH = args[0] if args else kwargs["hidden_states"]
+            hidden_BTH = args[0] if args else kwargs[parts.layer_input]
             if tuple(hidden_BTH.shape) != (B, T, H):
                 raise RuntimeError(
                     f"decoder layer {layer_id} ({type(module).__name__}) got hidden_states of shape "
@@ -168,16 +168,31 @@ def _norm_eps(parts: TargetParts) -> float:
 def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path) -> None:
     """What training needs of the target besides the store: its token embedding (copied into
     the draft, frozen), LM head and final norm (the teacher), and its text config (the
-    draft's sizes). A few GB for the largest targets, against the model's hundreds."""
+    draft's sizes). A few GB for the largest targets, against the model's hundreds.
+
+    The embedding is stored as the first decoder layer receives it (times the family's
+    embed_scale: Gemma's sqrt(H)) and the norm as a plain weight (Gemma's 1 + w), so the
+    draft and the teacher need no family knowledge; the head's logit scale and softcap go
+    into the store's meta (`head_meta`)."""
     tensors = {
-        "embed_tokens": parts.embed_tokens.weight,
+        "embed_tokens": parts.embedding_weight(),
         "lm_head": parts.lm_head.weight,
-        "norm": parts.norm.weight,
+        "norm": parts.norm_weight(),
     }
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
     atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone() for k, v in tensors.items()}))
     text_cfg = model.config.get_text_config()
     atomic_write_json(folder / TARGET_CONFIG, text_cfg.to_dict())
+
+
+def head_meta(parts: TargetParts) -> dict[str, Any]:
+    """The store meta that says how the teacher's logits come from the stored final state."""
+    return {
+        "family": parts.family.key if parts.family is not None else None,
+        "embed_scale": parts.embed_scale,
+        "logit_scale": parts.logit_scale,
+        "logit_softcap": parts.logit_softcap,
+    }
 
 
 def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
@@ -204,6 +219,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "num_target_layers": parts.num_layers,
         "target_class": info["class"],
         "norm_eps": _norm_eps(parts),
+        **head_meta(parts),
     }
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
     writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),

@@ -81,9 +81,14 @@ def _shrink_level(c: dict[str, Any], num_layers: int) -> None:
 
 def _drop_derived(c: dict[str, Any], obj: Any) -> None:
     """Drop values a dataclass config derives itself (DeepSeek's head_dim, qk_head_dim), so
-    they are derived again from the shrunk sizes; other configs are left as they are."""
+    they are derived again from the shrunk sizes; other configs are left as they are. What
+    the class's own __init__ names is kept: a remote-code config (Kimi-K2.5's) subclasses the
+    dataclass base config but takes its sub-configs as __init__ arguments."""
     if dataclasses.is_dataclass(obj):
+        import inspect
+
         declared = {f.name for f in dataclasses.fields(obj)}
+        declared |= set(inspect.signature(type(obj).__init__).parameters)
         for key in [k for k in c if k not in declared and k != "model_type"]:
             del c[key]
 

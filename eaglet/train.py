@@ -116,7 +116,9 @@ class TargetHead:
     lm_head: torch.Tensor  # [V, H]
     norm: torch.Tensor | None  # final norm weight when the stored final state is pre-norm
     norm_eps: float
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor  # [V, H], as the target's first layer receives it (embed_scale applied)
+    logit_scale: float = 1.0  # the target's logits: softcap(lm_head(final) * logit_scale)
+    logit_softcap: float | None = None
 
 
 def load_head(store: StoreReader, device: torch.device) -> TargetHead:
@@ -127,6 +129,8 @@ def load_head(store: StoreReader, device: torch.device) -> TargetHead:
         norm=t["norm"].to(device) if pre_norm else None,
         norm_eps=float(store.meta.get("norm_eps", 1e-6)),
         embed=t["embed_tokens"],
+        logit_scale=float(store.meta.get("logit_scale") or 1.0),
+        logit_softcap=store.meta.get("logit_softcap"),
     )
 
 
@@ -144,10 +148,9 @@ def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.T
         if not torch.equal(model.d2t, d2t):
             log(f"[train] init_from {tc.init_from}: its draft vocabulary differs from this run's; using this run's")
     else:
-        target_cfg = json.loads((store.folder / TARGET_CONFIG).read_text())
-        from transformers import AutoConfig
+        from .families import text_config_from_dict
 
-        hf = AutoConfig.for_model(**target_cfg)
+        hf = text_config_from_dict(json.loads((store.folder / TARGET_CONFIG).read_text()))
         dcfg = DraftConfig.from_target_config(
             hf, draft_vocab_size=int(d2t.numel()), num_layers=tc.draft_layers, fc_norm=tc.fc_norm,
             norm_output=tc.norm_output, num_aux=store.n_aux,
@@ -347,7 +350,8 @@ class Trainer:
 
     def _forward(self, b: Batch):
         teacher, in_vocab = teacher_targets(b.final, self.head.lm_head, self.model.t2d, self.model.d2t,
-                                            self.tc.teacher_chunk, self.head.norm, self.head.norm_eps)
+                                            self.tc.teacher_chunk, self.head.norm, self.head.norm_eps,
+                                            self.head.logit_scale, self.head.logit_softcap)
         with self.autocast:
             steps = self.model(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=self.tc.ttt_steps,
                                attn_impl=self.tc.attn_impl)
