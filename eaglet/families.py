@@ -122,7 +122,7 @@ _MLA = "MLA (multi-head latent attention)"
 _DEEPSEEK_TINY = dict(
     num_key_value_heads=4,  # MLA: one KV head per query head
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
 )
 
 _LIST = [
@@ -138,7 +138,7 @@ _LIST = [
            "GQA, q/k norms", "dense", "Qwen3Config", tiny=dict(head_dim=16)),
     Family("qwen3_moe", "Qwen3-MoE", ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3-30B-A3B", 48,
            "GQA, q/k norms", "MoE (mlp_only_layers dense)", "Qwen3MoeConfig",
-           tiny=dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           tiny=dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      mlp_only_layers=[0], norm_topk_prob=True)),
     Family("mistral", "Mistral", ("mistral",), "MistralForCausalLM", "Mistral-7B-Instruct-v0.3", 32,
            "GQA, head_dim != H/heads, sliding window", "dense", "MistralConfig",
@@ -164,7 +164,7 @@ _LIST = [
                                      "beta_fast": 32, "beta_slow": 1}}),
     Family("kimi_k2", "Kimi-K2", ("kimi_k2",), "DeepseekV3ForCausalLM", "Kimi-K2-Instruct", 61,
            _MLA, "MoE after 1 dense layer", "DeepseekV3Config",
-           tiny={**_DEEPSEEK_TINY, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 12,
+           tiny={**_DEEPSEEK_TINY, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 6,
                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "mscale": 1.0,
                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,

@@ -81,15 +81,18 @@ def _shrink_level(c: dict[str, Any], num_layers: int) -> None:
 
 def _drop_derived(c: dict[str, Any], obj: Any) -> None:
     """Drop values a dataclass config derives itself (DeepSeek's head_dim, qk_head_dim), so
-    they are derived again from the shrunk sizes; other configs are left as they are. What
-    the class's own __init__ names is kept: a remote-code config (Kimi-K2.5's) subclasses the
-    dataclass base config but takes its sub-configs as __init__ arguments."""
+    they are derived again from the shrunk sizes; other configs are left as they are. Kept
+    too: what the class's own __init__ names (a remote-code config such as Kimi-K2.5's takes
+    its sub-configs as __init__ arguments) and the aliases of its attribute_map (Qwen3-MoE
+    saves num_experts as num_local_experts: dropped, the tiny model had the default 128)."""
     if dataclasses.is_dataclass(obj):
         import inspect
 
         declared = {f.name for f in dataclasses.fields(obj)}
         declared |= set(inspect.signature(type(obj).__init__).parameters)
-        for key in [k for k in c if k not in declared and k != "model_type"]:
+        aliases = getattr(type(obj), "attribute_map", None) or {}
+        declared |= set(aliases) | set(aliases.values())
+        for key in [k for k in c if k not in declared and k not in ("model_type", "auto_map")]:
             del c[key]
 
 
