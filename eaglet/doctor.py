@@ -211,19 +211,11 @@ def check_tokenizer(p: Probe) -> None:
 def build_meta_model(hf_config: Any, trust_remote_code: bool = False) -> Any:
     """The target's module tree on the meta device: classes and shapes, no weights."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from .target import _is_unmapped_config
+    from .target import model_from_config
 
     with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-        except ValueError as e:
-            if not _is_unmapped_config(e):
-                raise
-            from transformers import AutoModelForImageTextToText
-
-            return AutoModelForImageTextToText.from_config(hf_config, trust_remote_code=trust_remote_code)
+        return model_from_config(hf_config, trust_remote_code=trust_remote_code)
 
 
 def check_architecture(p: Probe) -> None:
@@ -243,7 +235,7 @@ def check_architecture(p: Probe) -> None:
         p.parts = TargetParts.of(p.model)
     except UnsupportedFamily as e:
         p.add("FAIL", "architecture", "a family eaglet has an adapter for: " + "; ".join(supported()),
-              f"{type(p.model).__name__} ({p.text_config.model_type}): {e}",
+              e.reason,
               f"adding a family takes one module, {ADD_FAMILY}: one Family entry (where the decoder layers, final "
               "norm, LM head and embedding are; embedding scale and logit softcap) and its tiny test config")
         p.model = None

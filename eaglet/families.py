@@ -13,7 +13,8 @@ Everything eaglet touches inside a target model is found through its family's ad
     embed_scale   the factor the decoder multiplies the embedding lookup by (Gemma: sqrt(H)),
                   so the draft's frozen embedding gives what the target's first layer sees.
     logit_scale, logit_softcap   what the CausalLM does to lm_head(final) (Gemma's final
-                  tanh softcap), so the teacher is the target's own distribution.
+                  tanh softcap; a Cohere-style logit_scale), so the teacher is the target's own
+                  distribution.
     norm_offset   the final norm computes normed(x) * (offset + weight) (Gemma: 1).
 
 A family is looked up by the loaded config's `model_type` (a wrapper's own first, then its
@@ -48,7 +49,12 @@ TINY_BASE: dict[str, Any] = dict(
 
 
 class UnsupportedFamily(ValueError):
-    """The target's architecture has no adapter (or its parts are not where the adapter says)."""
+    """The target's architecture has no adapter (or its parts are not where the adapter says).
+    `reason`: the short form, without the list of families."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -84,10 +90,8 @@ class Family:
         return all(hasattr(transformers, n) for n in self.required_classes())
 
     def required_classes(self) -> list[str]:
-        if self.wraps:
-            inner = FAMILIES[self.wraps].required_classes()
-            return inner + ([self.hf_class, self.config_class] if self.config_class else [])
-        return [self.hf_class, self.config_class]
+        inner = FAMILIES[self.wraps].required_classes() if self.wraps else []
+        return inner + [self.hf_class, self.config_class]
 
     def scales(self, text_config: Any) -> tuple[float, float, float | None]:
         """(embed_scale, logit_scale, logit_softcap or None) for this text config."""
@@ -234,12 +238,11 @@ def find_parts(model: Any) -> FoundParts:
     from torch import nn
 
     config = getattr(model, "config", None)
-    if config is None:
-        raise UnsupportedFamily(unsupported_message(f"{type(model).__name__} (no transformers config)"))
-    fam = family_of(config)
+    fam = family_of(config) if config is not None else None
     if fam is None:
-        raise UnsupportedFamily(unsupported_message(f"{type(model).__name__} (model_type "
-                                                    f"{' / '.join(_model_types(config)) or '?'})"))
+        what = f"{type(model).__name__} (" + (f"model_type {' / '.join(_model_types(config)) or '?'}"
+                                              if config is not None else "no transformers config") + ")"
+        raise UnsupportedFamily(unsupported_message(what), f"{what}: no adapter")
     decoder = next((d for d in (_dig(model, p) for p in fam.decoder)
                     if isinstance(d, nn.Module) and isinstance(getattr(d, fam.layers, None), nn.ModuleList)
                     and isinstance(getattr(d, fam.norm, None), nn.Module)), None)

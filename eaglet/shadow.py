@@ -121,21 +121,11 @@ def build_tiny_model(hf_config: Any, trust_remote_code: bool = False, seed: int 
     """A random float32 model of the shrunk config; the final norm gets random weights so a
     teacher state without the final norm changes the top-1 token (ones would only rescale)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from .target import TargetParts, _is_unmapped_config
+    from .target import TargetParts, model_from_config
 
     torch.manual_seed(seed)
-    tiny = shrink_config(hf_config)
-    kw = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
-    try:
-        model = AutoModelForCausalLM.from_config(tiny, **kw)
-    except ValueError as e:
-        if not _is_unmapped_config(e):
-            raise
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_config(tiny, **kw)
+    model = model_from_config(shrink_config(hf_config), dtype=torch.float32, trust_remote_code=trust_remote_code)
     with torch.no_grad():
         norm = TargetParts.of(model).norm
         if getattr(norm, "weight", None) is not None:

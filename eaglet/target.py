@@ -24,10 +24,7 @@ from .config import TargetSection
 from .store import DTYPES
 
 
-from .families import FAMILIES, find_parts
-
-# The families' names, for messages (the registry is eaglet/families.py).
-SUPPORTED_FAMILIES = tuple(f.name for f in FAMILIES.values())
+from .families import find_parts
 
 
 def resolve_device(device: str) -> torch.device:
@@ -39,6 +36,19 @@ def resolve_device(device: str) -> torch.device:
 
 def _is_unmapped_config(err: Exception) -> bool:
     return "Unrecognized configuration class" in str(err)
+
+
+def model_from_config(hf_config: Any, **kwargs: Any) -> nn.Module:
+    """A (random or meta) model of `hf_config`: its CausalLM class, else its image-text-to-text
+    class (multimodal wrappers such as Kimi-K2.5 are not CausalLM classes in transformers)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    except ValueError as e:
+        if not _is_unmapped_config(e):
+            raise
+        return AutoModelForImageTextToText.from_config(hf_config, **kwargs)
 
 
 def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:

@@ -147,19 +147,6 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides: Any):
     return family_tiny_config(family, vocab_size, **overrides)
 
 
-def model_from_config(cfg: Any, **kwargs: Any):
-    """A random model of `cfg`: its CausalLM class, else its image-text-to-text class (multimodal
-    wrappers such as Kimi-K2.5 are not CausalLM classes in transformers)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    try:
-        return AutoModelForCausalLM.from_config(cfg, **kwargs)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        return AutoModelForImageTextToText.from_config(cfg, **kwargs)
-
-
 def build_model(family: str = "llama", seed: int = 0, vocab_size: int = 512, remote_code: bool = False,
                 **overrides: Any):
     """A random float32 model of `tiny_config(family)`. remote_code (family "kimi_k25" only): the
@@ -177,6 +164,8 @@ def build_model(family: str = "llama", seed: int = 0, vocab_size: int = 512, rem
         rcfg = remote.KimiK25Config(text_config=text, auto_map=dict(remote.AUTO_MAP),
                                     architectures=["KimiK25ForConditionalGeneration"])
         return remote.KimiK25ForConditionalGeneration(rcfg).float().eval()
+    from .target import model_from_config
+
     return model_from_config(cfg, dtype=torch.float32).eval()
 
 

@@ -35,12 +35,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # (family key, remote-code wrapper)
 VARIANTS = [(k, False) for k in FAMILIES] + [("kimi_k25", True)]
 IDS = [k + ("-remote" if remote else "") for k, remote in VARIANTS]
-LENGTHS = (29, 14, 7)
-VOCAB = 520  # longer than the tiny sliding windows / attention chunks (8)
+LENGTHS = (29, 14, 7)  # longer than the tiny sliding windows / attention chunks (8)
+# The vocabulary padded past the tokenizer's 512 (as real models pad it): the Qwen2 tokenizer
+# class adds <|endoftext|> when it loads the tiny tokenizer.
+VOCAB = 520
 
 
-def _skip_unavailable(key: str) -> None:
+def _skip_unavailable(key: str, remote: bool = False) -> None:
     fam = FAMILIES[key]
+    if remote:  # the remote-code wrapper needs only its language model's classes
+        fam = FAMILIES[fam.wraps]
     if not fam.available():
         import transformers
 
@@ -57,12 +61,10 @@ def assets(tmp_path_factory):
 
 
 def _target(assets, key: str, remote: bool):
-    """(folder, model) of the tiny target, built once per module."""
-    _skip_unavailable(key)
+    """The tiny target's folder (model and tokenizer), written once per module."""
+    _skip_unavailable(key, remote)
     name = key + ("-remote" if remote else "")
     if name not in assets["targets"]:
-        # vocabulary padded past the tokenizer's 512 (as real models pad it): the Qwen2 tokenizer
-        # class adds <|endoftext|> when it loads the tiny tokenizer
         assets["targets"][name] = tiny.save_target(assets["root"] / name, family=key, remote_code=remote,
                                                    tokenizer=assets["tok"], vocab_size=VOCAB)
     return assets["targets"][name]
@@ -77,7 +79,7 @@ def _load(folder, remote: bool):
 
 @pytest.mark.parametrize("key,remote", VARIANTS, ids=IDS)
 def test_capture_and_teacher_equal_the_models_own(tmp_path, assets, key, remote):
-    model, info = _load(_target(assets, key, remote), remote)
+    model, _ = _load(_target(assets, key, remote), remote)
     parts = TargetParts.of(model)
     fam = FAMILIES[key]
     assert parts.family.key in (key, "deepseek_v3")  # a Kimi-K2 config is a DeepSeek-V3 one
@@ -166,7 +168,7 @@ def test_doctor_shadow_run_and_training(tmp_path, assets, key, remote):
 
 
 def _draft_sizes(config) -> tuple[int, int, int, int]:
-    d = DraftConfig.from_target_config(config, draft_vocab_size=32000)
+    d = DraftConfig.from_target_config(config, draft_vocab_size=min(32000, config.vocab_size))
     return d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.intermediate_size
 
 
@@ -207,6 +209,25 @@ def test_unsupported_family_names_the_supported_ones_and_the_module():
     assert "gpt2" in msg and "eaglet/families.py" in msg
     assert all(f.name in msg for f in FAMILIES.values())
     assert family_of(GPT2Config()) is None and family_of(tiny.tiny_config("qwen3")).key == "qwen3"
+
+
+def test_kimi_k2_model_type():
+    """Kimi-K2's checkpoints say model_type "kimi_k2" (their remote code's DeepSeek-V3 config):
+    its adapter finds the parts, and train reads its saved text config through DeepseekV3Config."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from eaglet.families import text_config_from_dict
+    from eaglet.remote_kimi_k25 import KimiK2Config
+
+    sizes = {k: v for k, v in tiny.tiny_config("kimi_k2").to_dict().items() if k != "model_type"}
+    model = DeepseekV3ForCausalLM(KimiK2Config(**sizes))
+    parts = TargetParts.of(model)
+    assert parts.family.key == "kimi_k2" and parts.decoder is model.model and parts.num_layers == 8
+    saved = model.config.to_dict()
+    assert saved["model_type"] == "kimi_k2"
+    back = text_config_from_dict(saved)
+    assert type(back) is DeepseekV3Config and back.kv_lora_rank == 32 and back.first_k_dense_replace == 1
+    assert _draft_sizes(back) == _draft_sizes(tiny.tiny_config("kimi_k2"))
 
 
 def test_readme_has_the_generated_table():
