@@ -77,6 +77,8 @@ class Family:
     embed_tokens: str = "embed_tokens"
     layer_input: str = "hidden_states"
     embed_scale: Callable[[Any], float] | None = None  # of the text config
+    # of the loaded model's own config: Gemma3ForConditionalGeneration applies no final
+    # softcap even when its text config has one, Gemma3ForCausalLM does
     logit_scale: Callable[[Any], float] | None = None
     logit_softcap: Callable[[Any], float | None] | None = None
     norm_offset: float = 0.0
@@ -93,12 +95,12 @@ class Family:
         inner = FAMILIES[self.wraps].required_classes() if self.wraps else []
         return inner + [self.hf_class, self.config_class]
 
-    def scales(self, text_config: Any) -> tuple[float, float, float | None]:
-        """(embed_scale, logit_scale, logit_softcap or None) for this text config."""
+    def scales(self, config: Any) -> tuple[float, float, float | None]:
+        """(embed_scale, logit_scale, logit_softcap or None) of a model with this config."""
         f = FAMILIES[self.wraps] if self.wraps else self
-        embed = float(f.embed_scale(text_config)) if f.embed_scale else 1.0
-        logit = float(f.logit_scale(text_config)) if f.logit_scale else 1.0
-        cap = f.logit_softcap(text_config) if f.logit_softcap else None
+        embed = float(f.embed_scale(config.get_text_config())) if f.embed_scale else 1.0
+        logit = float(f.logit_scale(config)) if f.logit_scale else 1.0
+        cap = f.logit_softcap(config) if f.logit_softcap else None
         return embed, logit, (float(cap) if cap else None)
 
     @property
@@ -145,7 +147,7 @@ _LIST = [
            tiny=dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      mlp_only_layers=[0], norm_topk_prob=True)),
     Family("mistral", "Mistral", ("mistral",), "MistralForCausalLM", "Mistral-7B-Instruct-v0.3", 32,
-           "GQA, head_dim != H/heads, sliding window", "dense", "MistralConfig",
+           "GQA (head_dim may differ from H/heads; optional sliding window)", "dense", "MistralConfig",
            tiny=dict(head_dim=24, sliding_window=16)),
     Family("gemma3", "Gemma-3 (text)", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "gemma-3-27b-it", 62,
            "GQA, 5 sliding-window : 1 global layers", "dense", "Gemma3TextConfig",
@@ -153,7 +155,8 @@ _LIST = [
            tiny=dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, final_logit_softcapping=0.25,
                      tie_word_embeddings=True),
            embed_scale=_sqrt_hidden, logit_softcap=_softcap, norm_offset=1.0,
-           note="embedding x sqrt(H), (1 + w) norm and final logit softcap reproduced; tied embeddings"),
+           note="embedding x sqrt(H), (1 + w) norm and final logit softcap reproduced; tied embeddings; also "
+                "the multimodal Gemma3ForConditionalGeneration (states and logits: it applies no softcap)"),
     Family("gpt_oss", "GPT-OSS", ("gpt_oss",), "GptOssForCausalLM", "gpt-oss-120b", 36,
            "GQA with sinks, alternating sliding-window / full", "MoE (every layer)", "GptOssConfig",
            tiny=dict(intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),

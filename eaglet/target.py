@@ -21,10 +21,8 @@ import torch
 from torch import nn
 
 from .config import TargetSection
-from .store import DTYPES
-
-
 from .families import find_parts
+from .store import DTYPES
 
 
 def resolve_device(device: str) -> torch.device:
@@ -173,7 +171,7 @@ class TargetParts:
         if isinstance(declared, int) and 0 < declared <= num_layers:
             num_layers = declared  # decoders run layers[:num_hidden_layers]; extra ones (MTP) never run
         hidden = getattr(text_cfg, "hidden_size", None) or found.embed_tokens.weight.shape[-1]
-        embed_scale, logit_scale, softcap = found.family.scales(text_cfg)
+        embed_scale, logit_scale, softcap = found.family.scales(model.config)
         return cls(found.decoder, found.layers, found.norm, found.lm_head, found.embed_tokens, num_layers,
                    int(hidden), found.family, embed_scale, logit_scale, softcap, found.family.text_norm_offset)
 

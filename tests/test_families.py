@@ -81,11 +81,33 @@ def _load(folder, remote: bool):
 def test_capture_and_teacher_equal_the_models_own(tmp_path, assets, key, remote):
     model, _ = _load(_target(assets, key, remote), remote)
     parts = TargetParts.of(model)
-    fam = FAMILIES[key]
     assert parts.family.key in (key, "deepseek_v3")  # a Kimi-K2 config is a DeepSeek-V3 one
     if key == "kimi_k25":
         nested = model.language_model.model if remote else model.model.language_model
         assert parts.decoder is nested
+    _check_capture_and_teacher(model, parts, tmp_path)
+    if FAMILIES[key].embed_scale:
+        assert parts.embed_scale == pytest.approx(parts.hidden_size ** 0.5)
+
+
+def test_gemma3_multimodal_class(tmp_path):
+    """Gemma-3's image-text-to-text class (decoder at model.language_model) applies no final
+    softcap even when its text config has one: the adapter follows the class."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = T.Gemma3Config(text_config=tiny.tiny_config("gemma3").to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                         boi_token_index=500, eoi_token_index=501, image_token_index=502)
+    model = T.Gemma3ForConditionalGeneration(cfg).eval()
+    parts = TargetParts.of(model)
+    assert parts.family.key == "gemma3" and parts.decoder is model.model.language_model
+    assert parts.embed_scale == 8.0 and parts.logit_softcap is None and cfg.text_config.final_logit_softcapping
+    _check_capture_and_teacher(model, parts, tmp_path)
+
+
+def _check_capture_and_teacher(model, parts, tmp_path) -> None:
     layers = resolve_layers(None, parts.num_layers)
     rng = np.random.default_rng(0)
     samples = [rng.integers(1, 500, n) for n in LENGTHS]
@@ -116,8 +138,7 @@ def test_capture_and_teacher_equal_the_models_own(tmp_path, assets, key, remote)
             assert bool(in_vocab.all())
             if parts.logit_softcap:  # the softcap matters: the bare head is not the model's logits
                 assert (parts.lm_head(final[b:b + 1, :n]) - ref.logits).abs().max() > 1e-4
-    if fam.embed_scale:
-        assert parts.embed_scale == pytest.approx(H ** 0.5)
+    if parts.embed_scale != 1.0:
         assert not torch.equal(head["embed_tokens"], parts.embed_tokens.weight)
 
 
@@ -131,10 +152,14 @@ def _rule_intermediate(key: str, tc: dict) -> int:
 
 
 @pytest.mark.parametrize("key,remote", VARIANTS, ids=IDS)
-def test_doctor_shadow_run_and_training(tmp_path, assets, key, remote):
+def test_doctor_shadow_run_and_training(tmp_path, assets, key, remote, monkeypatch):
     """The doctor and its shadow run (every stage) pass; then more steps on the shadow's store lower the loss."""
+    import eaglet.evaluate
     from eaglet.shadow import shadow_config
     from eaglet.train import FINAL_DIR, load_final
+
+    # eval's figure is a third of a shadow run's time here and has nothing per family (test_specdec draws it)
+    monkeypatch.setattr(eaglet.evaluate, "plot_eval", lambda result: b"")
 
     folder = _target(assets, key, remote)
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={folder}", "target.dtype=float32",
