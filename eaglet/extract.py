@@ -174,13 +174,12 @@ def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path) -
     embed_scale: Gemma's sqrt(H)) and the norm as a plain weight (Gemma's 1 + w), so the
     draft and the teacher need no family knowledge; the head's logit scale and softcap go
     into the store's meta (`head_meta`)."""
-    tensors = {
-        "embed_tokens": parts.embedding_weight(),
-        "lm_head": parts.lm_head.weight,
-        "norm": parts.norm_weight(),
-    }
+    weights = {"embed_tokens": parts.embed_tokens.weight, "lm_head": parts.lm_head.weight, "norm": parts.norm.weight}
+    tensors = {k: v.detach() for k, v in weights.items()}
+    tensors["embed_tokens"] = parts.scaled_embedding(tensors["embed_tokens"])
+    tensors["norm"] = parts.plain_norm_weight(tensors["norm"])
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
-    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone() for k, v in tensors.items()}))
+    atomic_write_bytes(folder / HEAD_FILE, save({k: v.to("cpu").clone() for k, v in tensors.items()}))
     text_cfg = model.config.get_text_config()
     atomic_write_json(folder / TARGET_CONFIG, text_cfg.to_dict())
 

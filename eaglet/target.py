@@ -149,16 +149,16 @@ class TargetParts:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def embedding_weight(self) -> torch.Tensor:
-        """The table whose rows are what the first decoder layer receives for each token id
-        (the lookup times embed_scale, rounded as the target rounds it)."""
-        w = self.embed_tokens.weight
-        return w if self.embed_scale == 1.0 else w * torch.tensor(self.embed_scale, dtype=w.dtype)
+    def scaled_embedding(self, weight_VH: torch.Tensor) -> torch.Tensor:
+        """The embedding table (`embed_tokens.weight`, or a gathered copy) as the first decoder
+        layer receives its rows: times embed_scale, rounded as the target rounds it."""
+        if self.embed_scale == 1.0:
+            return weight_VH
+        return weight_VH * torch.tensor(self.embed_scale, dtype=weight_VH.dtype, device=weight_VH.device)
 
-    def norm_weight(self) -> torch.Tensor:
-        """The final norm's effective scale (Gemma's (1 + w) made a plain weight)."""
-        w = self.norm.weight
-        return w if not self.norm_offset else w + self.norm_offset
+    def plain_norm_weight(self, weight_H: torch.Tensor) -> torch.Tensor:
+        """The final norm's weight (`norm.weight`) as a plain RMSNorm scale (Gemma's 1 + w)."""
+        return weight_H if not self.norm_offset else weight_H + self.norm_offset
 
     @classmethod
     def of(cls, model: nn.Module) -> "TargetParts":
