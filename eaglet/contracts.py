@@ -89,7 +89,7 @@ CONTRACTS: list[Contract] = [
     Contract("torch.utils.checkpoint:checkpoint", "use_reentrant?",
              "model._chunked_causal_attention: recompute attention chunks in backward", stages=("train",)),
     Contract("transformers:AutoConfig.for_model", "^model_type",
-             "train.build_draft: the target config rebuilt from extract's target_config.json", stages=("train",)),
+             "families.text_config_from_dict (train.build_draft): the target config rebuilt from extract's target_config.json", stages=("train",)),
     # -- eval: speculative decoding with the target's KV cache (eaglet/specdec.py)
     Contract("{causal_lm}.forward", "cache|past_key_values",
              "specdec: the target's KV-cache keyword (cache in transformers 5.24, past_key_values before)",

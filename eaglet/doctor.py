@@ -211,23 +211,16 @@ def check_tokenizer(p: Probe) -> None:
 def build_meta_model(hf_config: Any, trust_remote_code: bool = False) -> Any:
     """The target's module tree on the meta device: classes and shapes, no weights."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from .target import _is_unmapped_config
+    from .target import model_from_config
 
     with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-        except ValueError as e:
-            if not _is_unmapped_config(e):
-                raise
-            from transformers import AutoModelForImageTextToText
-
-            return AutoModelForImageTextToText.from_config(hf_config, trust_remote_code=trust_remote_code)
+        return model_from_config(hf_config, trust_remote_code=trust_remote_code)
 
 
 def check_architecture(p: Probe) -> None:
-    from .target import SUPPORTED_FAMILIES, TargetParts
+    from .families import ADD_FAMILY, UnsupportedFamily, supported
+    from .target import TargetParts
 
     if p.hf_config is None:
         return
@@ -240,17 +233,21 @@ def check_architecture(p: Probe) -> None:
         return
     try:
         p.parts = TargetParts.of(p.model)
-    except ValueError as e:
-        p.add("FAIL", "architecture", "a family eaglet's adapter knows: " + "; ".join(SUPPORTED_FAMILIES),
-              f"{type(p.model).__name__} ({p.text_config.model_type}): {e}",
-              "adding a family takes one module, eaglet/target.py (TargetParts.of / _find_decoder: where the "
-              "decoder layers, final norm, LM head and embedding are)")
+    except UnsupportedFamily as e:
+        p.add("FAIL", "architecture", "a family eaglet has an adapter for: " + "; ".join(supported()),
+              e.reason,
+              f"adding a family takes one module, {ADD_FAMILY}: one Family entry (where the decoder layers, final "
+              "norm, LM head and embedding are; embedding scale and logit softcap) and its tiny test config")
         p.model = None
         return
-    kinds = sorted({type(m).__name__ for m in p.parts.layers[:p.parts.num_layers]})
+    pt = p.parts
+    kinds = sorted({type(m).__name__ for m in pt.layers[:pt.num_layers]})
+    extra = [f"{k} {v:g}" for k, v in (("embed_scale", pt.embed_scale), ("logit_scale", pt.logit_scale)) if v != 1.0]
+    extra += [f"logit_softcap {pt.logit_softcap:g}"] if pt.logit_softcap else []
     p.add("ok", "architecture", "decoder layers, final norm, LM head and embedding found",
-          f"{type(p.model).__name__}: {type(p.parts.decoder).__name__} with {p.parts.num_layers} x {'/'.join(kinds)}, "
-          f"norm {type(p.parts.norm).__name__}, hidden {p.parts.hidden_size}")
+          f"{pt.family.name} adapter: {type(p.model).__name__}: {type(pt.decoder).__name__} with {pt.num_layers} x "
+          f"{'/'.join(kinds)}, norm {type(pt.norm).__name__}, hidden {pt.hidden_size}"
+          + (f"; {', '.join(extra)} (reproduced by the draft's embedding and the teacher)" if extra else ""))
 
 
 def check_layers(p: Probe) -> None:
@@ -524,9 +521,9 @@ def _text_config_for_train(p: Probe) -> Any:
     f = p.cfg.run_dir / "extract" / "target_config.json"
     if not f.is_file():
         return None
-    from transformers import AutoConfig
+    from .families import text_config_from_dict
 
-    return AutoConfig.for_model(**json.loads(f.read_text()))
+    return text_config_from_dict(json.loads(f.read_text()))
 
 
 def check_train_memory(p: Probe) -> None:
@@ -622,8 +619,10 @@ def preflight(cfg: Config, stage: str) -> list[Finding]:
     return findings
 
 
-def run_doctor(cfg: Config, shadow: bool = False, out: Callable[[str], None] = print) -> int:
-    """`eaglet doctor`: print one line per finding; 1 when any FAILed, else 0."""
+def run_doctor(cfg: Config, shadow: bool = False, out: Callable[[str], None] = print,
+               keep: Path | None = None) -> int:
+    """`eaglet doctor`: print one line per finding; 1 when any FAILed, else 0. `keep`: the
+    shadow run's folder, left in place (default: a temporary folder, removed)."""
     t0 = time.time()
     p = diagnose(cfg)
     for f in p.findings:
@@ -641,7 +640,7 @@ def run_doctor(cfg: Config, shadow: bool = False, out: Callable[[str], None] = p
                 p.add(status, check, expected, found, fix)
                 out(p.findings[-1].line())
 
-            run_shadow(cfg, p.hf_config, p.tokenizer, p.parts.num_layers, report)
+            run_shadow(cfg, p.hf_config, p.tokenizer, p.parts.num_layers, report, keep=keep)
     counts = {s: sum(f.status == s for f in p.findings) for s in ("ok", "info", "warn", "FAIL")}
     out(f"doctor: {', '.join(f'{v} {k}' for k, v in counts.items())} in {time.time() - t0:.1f}s")
     return 1 if counts["FAIL"] else 0

@@ -470,18 +470,27 @@ def run_export(cfg: Any, ctx: Any) -> dict[str, Any]:
 
     from .extract import TARGET_CONFIG
     from .model import Eagle3Draft
+    from .store import StoreReader
     from .train import load_final
 
     model, aux_layers = load_final(ctx.upstream["train"] / "final")
     model.eval()
     target_cfg = _json.loads((ctx.upstream["extract"] / TARGET_CONFIG).read_text())
     architectures = target_cfg.get("architectures") or []
+    include_embed = cfg.export.include_embed
+    embed_scale = float(StoreReader(ctx.upstream["extract"], verify=False).meta.get("embed_scale") or 1.0)
+    if embed_scale != 1.0 and not include_embed:
+        # The engines give a draft without embed_tokens the target's raw table, which lacks
+        # the family's scale (Gemma: sqrt(H)); the draft's own, scaled, copy is exported.
+        include_embed = True
+        log(f"[export] the target scales its embedding by {embed_scale:g}: exporting the draft's (scaled) "
+            "embed_tokens although export.include_embed is off")
     out: dict[str, Any] = {}
     for fmt in cfg.export.formats:
         folder = export_draft(
             model, ctx.out_dir / fmt, fmt, aux_layer_ids=aux_layers, verifier_name_or_path=cfg.target.path,
             verifier_architectures=architectures, num_speculative_tokens=cfg.export.speculative_tokens,
-            include_embed=cfg.export.include_embed, dtype=cfg.export.dtype,
+            include_embed=include_embed, dtype=cfg.export.dtype,
         )
         dcfg, state, meta = load_draft(folder)
         back = Eagle3Draft(dcfg)

@@ -88,7 +88,7 @@ def capture(parts: TargetParts, layers: Sequence[int], input_ids: torch.Tensor, 
 
     def make_hook(j: int, layer_id: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden_BTH = args[0] if args else kwargs["hidden_states"]
+            hidden_BTH = args[0] if args else kwargs[parts.layer_input]
             if tuple(hidden_BTH.shape) != (B, T, H):
                 raise RuntimeError(
                     f"decoder layer {layer_id} ({type(module).__name__}) got hidden_states of shape "
@@ -171,13 +171,20 @@ def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path, w
     the draft, frozen), LM head and final norm (the teacher), and its text config (the
     draft's sizes). A few GB for the largest targets, against the model's hundreds.
     Under tensor parallelism every rank calls this (the weights are gathered) and the rank
-    with `write` writes."""
+    with `write` writes.
+
+    The embedding is stored as the first decoder layer receives it (times the family's
+    embed_scale: Gemma's sqrt(H)) and the norm as a plain weight (Gemma's 1 + w), so the
+    draft and the teacher need no family knowledge; the head's logit scale and softcap go
+    into the store's meta (`head_meta`)."""
     weights = {"embed_tokens": parts.embed_tokens.weight, "lm_head": parts.lm_head.weight, "norm": parts.norm.weight}
     if not write and not any(isinstance(w, DTensor) for w in weights.values()):
         return
     tensors = {k: _whole(v.detach()) for k, v in weights.items()}
     if not write:
         return
+    tensors["embed_tokens"] = parts.scaled_embedding(tensors["embed_tokens"])
+    tensors["norm"] = parts.plain_norm_weight(tensors["norm"])
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
     atomic_write_bytes(folder / HEAD_FILE, save({k: v.to("cpu").clone() for k, v in tensors.items()}))
     text_cfg = model.config.get_text_config()
@@ -195,6 +202,16 @@ class _Discard:
 
     def set_aside(self, *args: Any) -> None:
         pass
+
+
+def head_meta(parts: TargetParts) -> dict[str, Any]:
+    """The store meta that says how the teacher's logits come from the stored final state."""
+    return {
+        "family": parts.family.key if parts.family is not None else None,
+        "embed_scale": parts.embed_scale,
+        "logit_scale": parts.logit_scale,
+        "logit_softcap": parts.logit_softcap,
+    }
 
 
 def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
@@ -236,6 +253,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "target_class": info["class"],
         "norm_eps": _norm_eps(parts),
         "mode": ecfg.mode,
+        **head_meta(parts),
     }
     removed = run_on_main(prepare_folder, ctx.out_dir, meta, ecfg.fsync)
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.

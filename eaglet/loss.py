@@ -39,6 +39,8 @@ def teacher_targets(
     chunk: int = 512,
     norm_weight_H: Tensor | None = None,
     norm_eps: float = 1e-6,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(teacher probs over the draft vocab [B,T,N] fp32, in_vocab bool [B,T]).
 
@@ -49,7 +51,8 @@ def teacher_targets(
     Full-vocabulary logits exist for `chunk` positions at a time only. They are computed in
     the lm_head weight's dtype, as the target computes its own, then softmaxed in fp32 over
     the draft columns (target id = draft id + d2t). in_vocab: the full-vocab argmax is a
-    draft token (t2d).
+    draft token (t2d). `logit_scale` and `logit_softcap` (tanh softcap, Gemma) turn the LM
+    head's output into the target's own logits, as its CausalLM does.
     """
     B, T, H = final_BTH.shape
     x_NH = final_BTH.reshape(B * T, H)
@@ -63,6 +66,10 @@ def teacher_targets(
             x32 = _acc(x)
             x = norm_weight_H * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
         logits = _acc(x.to(lm_head_weight_VH.dtype) @ lm_head_weight_VH.T)
+        if logit_scale != 1.0:
+            logits = logits * logit_scale
+        if logit_softcap:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
         in_vocab[a : a + chunk] = t2d_V[logits.argmax(-1)]
         probs[a : a + chunk] = logits[:, draft_cols].softmax(-1)
     return probs.view(B, T, -1), in_vocab.view(B, T)

@@ -98,7 +98,6 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
     names = [f"layer {i}" for i in layers] + ["final"]
     worst: dict[str, dict[str, Any]] = {n: {"cosine": 1.0, "max_abs_error": 0.0, "rel_error": 0.0} for n in names}
     agree = total = 0
-    head = parts.lm_head
     for sid in ids:
         got = store.get(sid)
         n = min(int(got["input_ids"].shape[0]), REF_MAX_TOKENS)
@@ -114,8 +113,7 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
             if m["rel_error"] > w["rel_error"]:
                 w["rel_error"], w["rel_sample"] = m["rel_error"], sid
         with torch.inference_mode():
-            w_head = head.weight
-            teacher = head(got["final"][:n].to(device=w_head.device, dtype=w_head.dtype)).float().cpu()
+            teacher = parts.logits(got["final"][:n]).float().cpu()  # the family's logit scale/softcap too
         agree += int((teacher.argmax(-1) == ref_logits.argmax(-1)).sum())
         total += n
     top1 = agree / max(total, 1)

@@ -81,10 +81,18 @@ def _shrink_level(c: dict[str, Any], num_layers: int) -> None:
 
 def _drop_derived(c: dict[str, Any], obj: Any) -> None:
     """Drop values a dataclass config derives itself (DeepSeek's head_dim, qk_head_dim), so
-    they are derived again from the shrunk sizes; other configs are left as they are."""
+    they are derived again from the shrunk sizes; other configs are left as they are. Kept
+    too: what the class's own __init__ names (a remote-code config such as Kimi-K2.5's takes
+    its sub-configs as __init__ arguments) and the aliases of its attribute_map (Qwen3-MoE
+    saves num_experts as num_local_experts: dropped, the tiny model had the default 128)."""
     if dataclasses.is_dataclass(obj):
+        import inspect
+
         declared = {f.name for f in dataclasses.fields(obj)}
-        for key in [k for k in c if k not in declared and k != "model_type"]:
+        declared |= set(inspect.signature(type(obj).__init__).parameters)
+        aliases = getattr(type(obj), "attribute_map", None) or {}
+        declared |= set(aliases) | set(aliases.values())
+        for key in [k for k in c if k not in declared and k not in ("model_type", "auto_map")]:
             del c[key]
 
 
@@ -113,21 +121,11 @@ def build_tiny_model(hf_config: Any, trust_remote_code: bool = False, seed: int 
     """A random float32 model of the shrunk config; the final norm gets random weights so a
     teacher state without the final norm changes the top-1 token (ones would only rescale)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from .target import TargetParts, _is_unmapped_config
+    from .target import TargetParts, model_from_config
 
     torch.manual_seed(seed)
-    tiny = shrink_config(hf_config)
-    kw = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
-    try:
-        model = AutoModelForCausalLM.from_config(tiny, **kw)
-    except ValueError as e:
-        if not _is_unmapped_config(e):
-            raise
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_config(tiny, **kw)
+    model = model_from_config(shrink_config(hf_config), dtype=torch.float32, trust_remote_code=trust_remote_code)
     with torch.no_grad():
         norm = TargetParts.of(model).norm
         if getattr(norm, "weight", None) is not None:

@@ -190,7 +190,7 @@ class TargetRunner:
 
         def make_hook(j: int):
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                box[j] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+                box[j] = (args[0] if args else kwargs[self.parts.layer_input]).detach().clone()
 
             return hook
 

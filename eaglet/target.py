@@ -1,10 +1,11 @@
 """Loading the target model and finding the parts extraction hooks into.
 
 `load_target` turns the `target` config section into a transformers model in eval mode.
-`TargetParts` names the pieces of a Llama/Qwen-style causal LM that the rest of eaglet
-uses: the decoder stack (the base model without the LM head), its layer list, the final
-norm, the LM head and the token embedding. Multimodal wrappers whose text decoder sits
-under `language_model` (Llava, Qwen-VL, Kimi-K2.5, ...) are found too.
+`TargetParts` names the pieces of a causal LM that the rest of eaglet uses: the decoder
+stack (the base model without the LM head), its layer list, the final norm, the LM head
+and the token embedding, and what the family's embedding and head compute besides a lookup
+and a matmul. Its family's adapter (eaglet/families.py) says where they are, including
+multimodal wrappers whose text decoder sits under `language_model` (Kimi-K2.5).
 
 Layer ids follow the EAGLE-3 convention (see EAGLE3_FACTS.md): id i is the hidden state
 *entering* decoder layer i, which is `output_hidden_states[i]` in transformers.
@@ -21,18 +22,8 @@ import torch
 from torch import nn
 
 from .config import TargetSection
+from .families import find_parts
 from .store import DTYPES
-
-
-# Families whose parts TargetParts finds (a decoder with `layers` and `norm` at .model,
-# get_decoder() or under language_model); each was built small and run by the doctor's
-# shadow model in transformers 5.24. Adding a family is a change to this module only.
-SUPPORTED_FAMILIES = (
-    "Llama 2/3/4-text", "Mistral", "Mixtral", "Qwen2/2.5/3", "Qwen2/3-MoE", "Qwen3-Next", "Qwen3.5-MoE",
-    "DeepSeek-V3/V3.2", "Kimi-K2", "Kimi-Linear", "GLM-4/4-MoE", "GPT-OSS", "Gemma 2/3", "Phi-3", "MiniMax/M2",
-    "OLMo-2", "Granite-MoE", "ERNIE-4.5-MoE", "Cohere",
-    "multimodal wrappers with the text decoder under language_model: Llava, Gemma3, Qwen-VL, Kimi-K2.5",
-)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -47,6 +38,19 @@ def resolve_device(device: str) -> torch.device:
 
 def _is_unmapped_config(err: Exception) -> bool:
     return "Unrecognized configuration class" in str(err)
+
+
+def model_from_config(hf_config: Any, **kwargs: Any) -> nn.Module:
+    """A (random or meta) model of `hf_config`: its CausalLM class, else its image-text-to-text
+    class (multimodal wrappers such as Kimi-K2.5 are not CausalLM classes in transformers)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    except ValueError as e:
+        if not _is_unmapped_config(e):
+            raise
+        return AutoModelForImageTextToText.from_config(hf_config, **kwargs)
 
 
 def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
@@ -141,64 +145,57 @@ class TargetParts:
     embed_tokens: nn.Module
     num_layers: int
     hidden_size: int
+    family: Any = None  # eaglet.families.Family
+    embed_scale: float = 1.0  # the decoder's input is embed_tokens(ids) * embed_scale
+    logit_scale: float = 1.0  # the model's logits are softcap(lm_head(final) * logit_scale)
+    logit_softcap: float | None = None
+    norm_offset: float = 0.0  # the final norm scales by (norm_offset + weight)
 
     @property
     def input_device(self) -> torch.device:
         """Where input ids go (the embedding's device, also under a device_map)."""
         return self.embed_tokens.weight.device
 
+    @property
+    def layer_input(self) -> str:
+        """The decoder layer's parameter holding the residual stream (also its first positional one)."""
+        return self.family.layer_input if self.family is not None else "hidden_states"
+
+    def logits(self, final_BTH: torch.Tensor) -> torch.Tensor:
+        """The model's own logits from its LM head's input (the stored teacher state)."""
+        w = self.lm_head.weight
+        logits = self.lm_head(final_BTH.to(device=w.device, dtype=w.dtype))
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def scaled_embedding(self, weight_VH: torch.Tensor) -> torch.Tensor:
+        """The embedding table (`embed_tokens.weight`, or a gathered copy) as the first decoder
+        layer receives its rows: times embed_scale, rounded as the target rounds it."""
+        if self.embed_scale == 1.0:
+            return weight_VH
+        return weight_VH * torch.tensor(self.embed_scale, dtype=weight_VH.dtype, device=weight_VH.device)
+
+    def plain_norm_weight(self, weight_H: torch.Tensor) -> torch.Tensor:
+        """The final norm's weight (`norm.weight`) as a plain RMSNorm scale (Gemma's 1 + w)."""
+        return weight_H if not self.norm_offset else weight_H + self.norm_offset
+
     @classmethod
     def of(cls, model: nn.Module) -> "TargetParts":
-        decoder = _find_decoder(model)
-        if decoder is None:
-            raise ValueError(
-                f"cannot find the decoder layers of {type(model).__name__}: looked for a module with "
-                "`layers` (a ModuleList) and `norm` at get_decoder(), .model, .model.language_model, "
-                ".language_model and .language_model.model"
-            )
-        lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if lm_head is None:
-            lm_head = getattr(model, "lm_head", None)
-        if lm_head is None:
-            raise ValueError(f"cannot find the LM head of {type(model).__name__} (get_output_embeddings() is None)")
-        embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
-        if embed is None:
-            embed = model.get_input_embeddings()
-        text_cfg = model.config.get_text_config() if hasattr(model, "config") else None
-        num_layers = len(decoder.layers)
+        """Find the parts through the model's family adapter (UnsupportedFamily, a ValueError,
+        names the supported families when there is none)."""
+        found = find_parts(model)
+        text_cfg = model.config.get_text_config()
+        num_layers = len(found.layers)
         declared = getattr(text_cfg, "num_hidden_layers", None)
         if isinstance(declared, int) and 0 < declared <= num_layers:
             num_layers = declared  # decoders run layers[:num_hidden_layers]; extra ones (MTP) never run
-        hidden = getattr(text_cfg, "hidden_size", None) or embed.weight.shape[-1]
-        return cls(decoder, decoder.layers, decoder.norm, lm_head, embed, num_layers, int(hidden))
-
-
-def _has_parts(m: Any) -> bool:
-    return isinstance(m, nn.Module) and isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(
-        getattr(m, "norm", None), nn.Module
-    )
-
-
-def _find_decoder(model: nn.Module) -> nn.Module | None:
-    candidates: list[Any] = []
-    if hasattr(model, "get_decoder"):
-        try:
-            candidates.append(model.get_decoder())
-        except (AttributeError, NotImplementedError, ValueError):
-            pass
-    inner = getattr(model, "model", None)
-    lang = getattr(model, "language_model", None)
-    candidates += [
-        inner,
-        getattr(inner, "language_model", None),
-        lang,
-        getattr(lang, "model", None),
-        getattr(getattr(inner, "language_model", None), "model", None),
-    ]
-    for cand in candidates:
-        if _has_parts(cand):
-            return cand
-    return None
+        hidden = getattr(text_cfg, "hidden_size", None) or found.embed_tokens.weight.shape[-1]
+        embed_scale, logit_scale, softcap = found.family.scales(model.config)
+        return cls(found.decoder, found.layers, found.norm, found.lm_head, found.embed_tokens, num_layers,
+                   int(hidden), found.family, embed_scale, logit_scale, softcap, found.family.text_norm_offset)
 
 
 def default_layers(num_layers: int) -> list[int]:

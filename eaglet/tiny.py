@@ -136,44 +136,56 @@ def build_tokenizer(template: str = "chatml", vocab_size: int = 512, seed: int =
 # ---- models -------------------------------------------------------------------------------------
 
 def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides: Any):
-    """A small transformers config of the named family (issue 6 adds the MoE/MLA families)."""
+    """A small transformers config: "llama" (the plain tiny Llama most tests and the golden run
+    use) or any family key of eaglet.families (its `tiny` config)."""
     import transformers
 
-    common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
+    from .families import TINY_BASE, tiny_config as family_tiny_config
+
     if family == "llama":
-        cfg = transformers.LlamaConfig(**{**common, **overrides})
-    elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**{**common, "head_dim": 16, **overrides})
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**{**common, **overrides})
-    else:
-        raise ValueError(f"unknown tiny family {family!r}")
-    return cfg
+        return transformers.LlamaConfig(**{**TINY_BASE, "vocab_size": vocab_size, **overrides})
+    return family_tiny_config(family, vocab_size, **overrides)
 
 
-def build_model(family: str = "llama", seed: int = 0, vocab_size: int = 512, **overrides: Any):
+def build_model(family: str = "llama", seed: int = 0, vocab_size: int = 512, remote_code: bool = False,
+                **overrides: Any):
+    """A random float32 model of `tiny_config(family)`. remote_code (family "kimi_k25" only): the
+    checkpoint-style remote-code wrapper (eaglet/remote_kimi_k25.py) instead of transformers' class."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = tiny_config(family, vocab_size=vocab_size, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return model.eval()
+    if remote_code:
+        if family != "kimi_k25":
+            raise ValueError(f"remote_code: only the kimi_k25 family has a remote-code stand-in, not {family!r}")
+        from . import remote_kimi_k25 as remote
+
+        text = {k: v for k, v in cfg.get_text_config().to_dict().items() if k != "model_type"}
+        rcfg = remote.KimiK25Config(text_config=text, auto_map=dict(remote.AUTO_MAP),
+                                    architectures=["KimiK25ForConditionalGeneration"])
+        return remote.KimiK25ForConditionalGeneration(rcfg).float().eval()
+    from .target import model_from_config
+
+    return model_from_config(cfg, dtype=torch.float32).eval()
 
 
-def save_target(out_dir: str | Path, family: str = "llama", template: str = "chatml", seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny target (model + tokenizer with chat template) to `out_dir`."""
+def save_target(out_dir: str | Path, family: str = "llama", template: str = "chatml", seed: int = 0,
+                remote_code: bool = False, tokenizer: Any = None, **overrides: Any) -> Path:
+    """Write a tiny target (model + tokenizer with chat template) to `out_dir`; with remote_code
+    the model's code file is written beside it (load it with trust_remote_code). `tokenizer`:
+    one already built (else `build_tokenizer(template, seed)`)."""
+    import shutil
+
     out = Path(out_dir)
-    tok = build_tokenizer(template, seed=seed)
-    model = build_model(family, seed=seed, vocab_size=len(tok), **overrides)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(template, seed=seed)
+    vocab_size = overrides.pop("vocab_size", len(tok))  # a larger one pads the model's vocabulary
+    model = build_model(family, seed=seed, vocab_size=vocab_size, remote_code=remote_code, **overrides)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    if remote_code:
+        shutil.copy(Path(__file__).with_name("remote_kimi_k25.py"), out / "modeling_kimi_k25.py")
     return out
 
 

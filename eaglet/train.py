@@ -137,7 +137,9 @@ class TargetHead:
     lm_head: torch.Tensor | None  # [V, H]
     norm: torch.Tensor | None  # final norm weight when the stored final state is pre-norm
     norm_eps: float
-    embed: torch.Tensor | None  # [V, H]
+    embed: torch.Tensor | None  # [V, H], as the target's first layer receives it (embed_scale applied)
+    logit_scale: float = 1.0  # the target's logits: softcap(lm_head(final) * logit_scale)
+    logit_softcap: float | None = None
 
 
 def load_head(store: StoreReader, device: torch.device) -> TargetHead:
@@ -148,6 +150,8 @@ def load_head(store: StoreReader, device: torch.device) -> TargetHead:
         norm=t["norm"].to(device) if pre_norm else None,
         norm_eps=float(store.meta.get("norm_eps", 1e-6)),
         embed=t["embed_tokens"],
+        logit_scale=float(store.meta.get("logit_scale") or 1.0),
+        logit_softcap=store.meta.get("logit_softcap"),
     )
 
 
@@ -160,10 +164,12 @@ class TeacherHead(nn.Module):
         self.lm_head = nn.Parameter(head.lm_head, requires_grad=False)
         self.norm = nn.Parameter(head.norm, requires_grad=False) if head.norm is not None else None
         self.norm_eps, self.chunk = head.norm_eps, chunk
+        self.logit_scale, self.logit_softcap = head.logit_scale, head.logit_softcap
 
     def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T])."""
-        return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps)
+        return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
+                               self.logit_scale, self.logit_softcap)
 
 
 def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.Tensor, head: TargetHead) -> Eagle3Draft:
@@ -180,10 +186,9 @@ def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.T
         if not torch.equal(model.d2t, d2t):
             log(f"[train] init_from {tc.init_from}: its draft vocabulary differs from this run's; using this run's")
     else:
-        target_cfg = json.loads((store.folder / TARGET_CONFIG).read_text())
-        from transformers import AutoConfig
+        from .families import text_config_from_dict
 
-        hf = AutoConfig.for_model(**target_cfg)
+        hf = text_config_from_dict(json.loads((store.folder / TARGET_CONFIG).read_text()))
         dcfg = DraftConfig.from_target_config(
             hf, draft_vocab_size=int(d2t.numel()), num_layers=tc.draft_layers, fc_norm=tc.fc_norm,
             norm_output=tc.norm_output, num_aux=store.n_aux,

@@ -128,7 +128,7 @@ def test_unsupported_architecture(tmp_path, assets):
             shutil.copy(f, folder)
     (f,) = _fails(_cfg(tmp_path, assets, f"target.path={folder}"))
     assert f.check == "architecture" and "GPT2LMHeadModel" in f.found
-    assert "Llama" in f.expected and "DeepSeek-V3" in f.expected and "eaglet/target.py" in f.fix
+    assert "Llama" in f.expected and "DeepSeek-V3" in f.expected and "eaglet/families.py" in f.fix
 
 
 def test_removed_kwarg_in_a_contract(tmp_path, assets, monkeypatch):
