@@ -188,10 +188,29 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     t0 = time.time()
     bar = tqdm(desc="regenerate", unit="rec", dynamic_ncols=True)
 
+    def write_finished(batch: list[tuple[str, int, list[dict[str, str]]]], convs: list[list[dict[str, str]]],
+                       finished: list[int]) -> None:
+        """Append the finished conversations and make them durable (a kill loses no finished one)."""
+        if not finished:
+            return
+        with out.open("a") as f:
+            for k in finished:
+                file, row, _ = batch[k]
+                f.write(json.dumps({"messages": convs[k], "source": {"file": file, "row": row}}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        stats["written"] += len(finished)
+        bar.update(len(finished))
+        bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(time.time() - t0, 1e-9):.0f}")
+
     def flush(batch: list[tuple[str, int, list[dict[str, str]]]]) -> None:
+        """Regenerate a chunk round by round (round r: every conversation's r-th reply); each
+        conversation is written as soon as it has no reply left to generate."""
         convs: list[list[dict[str, str]]] = [[] for _ in batch]  # rebuilt turn by turn
         pending = [list(msgs) for _, _, msgs in batch]
         turn = [0] * len(batch)
+        written = [False] * len(batch)
+        rounds = 0
         while True:
             todo, prompts = [], []  # records with an assistant turn still to replace
             for k, msgs in enumerate(pending):
@@ -213,8 +232,15 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
                     continue
                 todo.append(k)
                 prompts.append(ids)
+            waiting = set(todo)
+            finished = [k for k in range(len(batch)) if not written[k] and k not in waiting]
+            write_finished(batch, convs, finished)
+            for k in finished:
+                written[k] = True
             if not todo:
                 break
+            rounds += 1
+            t_round, tokens_before = time.time(), stats["new_tokens"]
             if engine == "continuous":
                 replies, redone = continuous_generate(model, tokenizer, prompts, max_new_tokens, temperature)
                 stats["redone"] += redone
@@ -227,14 +253,10 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
                 turn[k] += 1
                 stats["new_tokens"] += n
                 stats["replies"] += 1
-        with out.open("a") as f:
-            for (file, row, _), conv in zip(batch, convs):
-                f.write(json.dumps({"messages": conv, "source": {"file": file, "row": row}}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        stats["written"] += len(batch)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(time.time() - t0, 1e-9):.0f}")
+            dt = time.time() - t_round
+            log(f"[regenerate] round {rounds}: {len(todo)} replies, {stats['new_tokens'] - tokens_before} tokens in "
+                f"{dt:.1f}s ({(stats['new_tokens'] - tokens_before) / max(dt, 1e-9):.0f} tok/s); "
+                f"{stats['written']} conversations written")
 
     batch: list[tuple[str, int, list[dict[str, str]]]] = []
     with skipped_path.open("a") as skipped:

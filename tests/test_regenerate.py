@@ -71,7 +71,7 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
                          "--max-new-tokens", "5", *sum((["--set", s] for s in sets), [])]) == 0
         outs[engine] = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert outs["continuous"] == outs["generate"]
-    opening = outs["continuous"][-1]["messages"]
+    opening = next(r["messages"] for r in outs["continuous"] if r["source"]["row"] == len(records))
     assert [m["role"] for m in opening] == ["assistant", "user", "assistant"]
     assert opening[0]["content"] == "Hello there." and opening[2]["content"] != "old reply"
     assert any(m["role"] == "assistant" for r in outs["continuous"] for m in r["messages"])
@@ -89,3 +89,38 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
             assert msgs[-1]["role"] == "assistant"
             last_prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
             assert len(tok(last_prompt, add_special_tokens=False)["input_ids"]) < 40
+
+
+def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monkeypatch):
+    """A kill mid-chunk keeps every conversation already finished: each is written in the
+    round where its last reply was generated, and a rerun redoes only the others."""
+    from eaglet import regenerate as regen
+
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    records = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]
+                + [{"from": "human", "value": "more"}, {"from": "gpt", "value": "b"}] * (i % 3)} for i in range(6)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config(None, [f"target.path={target}", "target.dtype=float32", "target.device=cpu",
+                             f"prepare.data=[{data}]"])
+    out = tmp_path / "out.jsonl"
+    real, calls = regen.padded_generate, []
+
+    def dies_in_round_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill during the second round
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen, "padded_generate", dies_in_round_two)
+    try:
+        regen.run_regenerate(cfg, out, batch_size=6, max_new_tokens=3, engine="generate")
+    except KeyboardInterrupt:
+        pass
+    first = [json.loads(ln)["source"]["row"] for ln in out.read_text().splitlines()]
+    assert sorted(first) == [1, 4]  # the one-reply conversations, finished in round one
+    monkeypatch.setattr(regen, "padded_generate", real)
+    stats = regen.run_regenerate(cfg, out, batch_size=6, max_new_tokens=3, engine="generate")
+    assert stats["resumed"] == 2 and stats["written"] == 4
+    rows = [json.loads(ln)["source"]["row"] for ln in out.read_text().splitlines()]
+    assert sorted(rows) == list(range(1, 7))
