@@ -1,0 +1,133 @@
+"""A realistic-width random target through doctor, extract and a few train steps (issue 6).
+
+    python bench/fullwidth.py --out /tmp/fw                       # DeepSeek-V3 width, 4 layers
+    python bench/fullwidth.py --out /tmp/fw --layers 4 --experts 256
+
+Builds a DeepSeek-V3-architecture model at full width (hidden 7168, MLA with q/kv LoRA ranks
+1536/512, 128 heads, the first layer dense with intermediate 18432, the others MoE with
+`--experts` routed experts of width 2048 plus one shared, 8 per token) but only `--layers`
+decoder layers, random bf16 weights made directly on the GPU, saved as a checkpoint with a
+small tokenizer (its vocabulary is a subset of the model's 129280). Then runs, in this
+process: `eaglet doctor` (with its shadow run on a tiny model of the family), and
+`eaglet run --until train` on synthetic chat data: prepare, extract (offline store, captured
+layers 1..L-1 and the final state, with the self-check), vocab and `--steps` training steps.
+Prints and saves (OUT/fullwidth.json) the extraction and training tokens/s and the peak GPU
+memory of each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eaglet import pipeline, tiny  # noqa: E402
+from eaglet.config import load_config  # noqa: E402
+from eaglet.doctor import run_doctor  # noqa: E402
+from eaglet.utils import atomic_write_json, log  # noqa: E402
+
+
+FULL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=8, n_group=8, topk_group=4)
+# --smoke: the same structure small enough for a CPU (a check of this script, not a measurement).
+SMOKE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts_per_tok=2, n_group=2, topk_group=1)
+
+
+def deepseek_v3_config(layers: int, experts: int, dims: dict):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(num_hidden_layers=layers, first_k_dense_replace=1, n_routed_experts=experts,
+                            n_shared_experts=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, **dims)
+
+
+@torch.no_grad()
+def build_target(out: Path, layers: int, experts: int, dims: dict, device: str, seed: int = 0) -> Path:
+    """Random bf16 weights made on the GPU (meta init, then normal(0, 0.02)), saved with a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    if (out / "config.json").is_file():
+        return out
+    tok = tiny.build_tokenizer("chatml", vocab_size=2048, seed=seed)
+    cfg = deepseek_v3_config(layers, experts, dims)
+    cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    # Buffers (rotary inv_freq) are left uninitialised: they are not saved, and loading recomputes them.
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out, max_shard_size="20GB")
+    tok.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log(f"[fullwidth] {n / 1e9:.2f}B parameters saved to {out}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=4096, help="train.max_tokens")
+    ap.add_argument("--smoke", action="store_true", help="Small dims on the CPU: checks this script only.")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    res: dict = {"layers": args.layers, "experts": args.experts, "torch": torch.__version__,
+                 "device": torch.cuda.get_device_name(0) if cuda else "cpu", "dims": SMOKE if args.smoke else FULL}
+    t0 = time.time()
+    target = build_target(args.out / "target", args.layers, args.experts, res["dims"], dev)
+    res["build_s"] = round(time.time() - t0, 1)
+    data = tiny.write_jsonl(args.out / "data.jsonl", tiny.make_conversations(args.conversations, seed=1, max_turns=4))
+    sets = [f"run.dir={args.out / 'run'}", f"target.path={target}", "target.dtype=bfloat16", f"prepare.data=[{data}]",
+            f"target.device={dev}", f"train.device={dev}", f"eval.device={dev}",
+            f"extract.layers={list(range(1, args.layers))}", "extract.batch_tokens=32768", "vocab.size=2048",
+            f"train.max_steps={args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
+            "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0"]
+    cfg = load_config(None, sets)
+    lines: list[str] = []
+    res["doctor_rc"] = run_doctor(cfg, shadow=True, out=lambda s: (lines.append(s), print(s)))
+    res["doctor"] = lines
+    stages = {}
+    for stage in ("prepare", "extract", "vocab", "train"):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t1 = time.time()
+        pipeline.run_all(cfg, upto=stage)
+        m = json.loads((cfg.run_dir / stage / "manifest.json").read_text())
+        stages[stage] = {"seconds": round(time.time() - t1, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                         "stats": {k: v for k, v in m["stats"].items() if k not in ("files", "selfcheck")}}
+        if stage == "extract":
+            stages[stage]["selfcheck"] = {k: m["stats"]["selfcheck"].get(k) for k in ("top1_agreement",)}
+    train_log = [json.loads(x) for x in (cfg.run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    tr = [r for r in train_log if r["split"] == "train"]
+    stages["train"]["tokens_per_s"] = [round(r["tokens_per_s"]) for r in tr]
+    stages["train"]["loss"] = [round(r["loss"], 4) for r in tr]
+    res["stages"] = stages
+    atomic_write_json(args.out / "fullwidth.json", res)
+    print(json.dumps({k: v for k, v in res.items() if k != "doctor"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
