@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Conversations generated together (default: 16 with --engine generate, 1024 with continuous).")
     p.add_argument("--max-new-tokens", type=int, default=512, help="Longest generated turn.")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling.")
+    p.add_argument("--generate-batch", type=int, default=None,
+                   help="--engine generate: prompts per padded batch, grouped by length (default: --batch-size).")
     p.add_argument("--engine", choices=["auto", "generate", "continuous"], default="auto",
                    help="'generate': padded batches; 'continuous': transformers' continuous batching "
                         "(generate_batch, paged KV cache); auto: continuous on a GPU when available.")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             from .regenerate import run_regenerate
 
             run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
-                           args.temperature, engine=args.engine)
+                           args.temperature, engine=args.engine, generate_batch=args.generate_batch)
             return 0
         if args.command == "demo":
             from .demo import run_demo

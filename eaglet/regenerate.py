@@ -91,6 +91,19 @@ def padded_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_ne
     return [_reply(tokenizer, row, eos) for row in out[:, width:].tolist()]
 
 
+def batched_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     batch_size: int) -> list[tuple[str, int]]:
+    """`padded_generate` over batches of `batch_size` prompts of similar length (longest first:
+    little padding, and an out-of-memory shows at once); replies in the prompts' order."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    replies: list[tuple[str, int] | None] = [None] * len(prompts)
+    for a in range(0, len(order), batch_size):
+        part = order[a:a + batch_size]
+        for i, r in zip(part, padded_generate(model, tokenizer, [prompts[i] for i in part], max_new_tokens, temperature)):
+            replies[i] = r
+    return replies  # type: ignore[return-value]
+
+
 def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
                         temperature: float) -> tuple[list[tuple[str, int]], int]:
     """The same replies through transformers' continuous batching (`generate_batch`: a paged KV
@@ -135,11 +148,10 @@ def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], ma
     if redo:
         log(f"[regenerate] continuous batching returned no usable result for {len(redo)} of {len(prompts)} prompts; "
             "generating those with padded batches")
-        for a in range(0, len(redo), FALLBACK_BATCH):
-            part = redo[a:a + FALLBACK_BATCH]
-            for i, r in zip(part, padded_generate(model, tokenizer, [prompts[i] for i in part], max_new_tokens,
-                                                  temperature)):
-                replies[i] = r
+        again = batched_generate(model, tokenizer, [prompts[i] for i in redo], max_new_tokens, temperature,
+                                 FALLBACK_BATCH)
+        for i, r in zip(redo, again):
+            replies[i] = r
     return replies, len(redo)  # type: ignore[return-value]
 
 
@@ -160,7 +172,9 @@ def _records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
 
 
 def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, max_new_tokens: int = 512,
-                   temperature: float = 0.0, engine: str = "auto") -> dict[str, Any]:
+                   temperature: float = 0.0, engine: str = "auto", generate_batch: int | None = None) -> dict[str, Any]:
+    """`batch_size`: conversations regenerated together (a chunk, round by round);
+    `generate_batch`: prompts in one padded `generate` call (engine 'generate'; default batch_size)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -176,6 +190,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     model.eval()
     engine = resolve_engine(engine, model)
     batch_size = batch_size or (1024 if engine == "continuous" else 16)
+    generate_batch = generate_batch or batch_size
     max_length = cfg.prepare.max_length
     log(f"[regenerate] target {info['class']} on {info['device']}; engine {engine}, {batch_size} conversations at "
         f"a time; {len(done)} records already done; -> {out}")
@@ -245,9 +260,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
                 replies, redone = continuous_generate(model, tokenizer, prompts, max_new_tokens, temperature)
                 stats["redone"] += redone
             else:
-                replies = []
-                for a in range(0, len(prompts), batch_size):
-                    replies += padded_generate(model, tokenizer, prompts[a:a + batch_size], max_new_tokens, temperature)
+                replies = batched_generate(model, tokenizer, prompts, max_new_tokens, temperature, generate_batch)
             for k, (text, n) in zip(todo, replies):
                 convs[k].append({"role": "assistant", "content": text})
                 turn[k] += 1
