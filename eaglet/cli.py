@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling.")
     p.add_argument("--generate-batch", type=int, default=None,
                    help="--engine generate: prompts per padded batch, grouped by length (default: --batch-size).")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="Replies regenerated per conversation; it ends after the last of them (default: all).")
     p.add_argument("--engine", choices=["auto", "generate", "continuous"], default="auto",
                    help="'generate': padded batches; 'continuous': transformers' continuous batching "
                         "(generate_batch, paged KV cache); auto: continuous on a GPU when available.")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             from .regenerate import run_regenerate
 
             run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
-                           args.temperature, engine=args.engine, generate_batch=args.generate_batch)
+                           args.temperature, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns)
             return 0
         if args.command == "demo":
             from .demo import run_demo

@@ -172,9 +172,12 @@ def _records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
 
 
 def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, max_new_tokens: int = 512,
-                   temperature: float = 0.0, engine: str = "auto", generate_batch: int | None = None) -> dict[str, Any]:
+                   temperature: float = 0.0, engine: str = "auto", generate_batch: int | None = None,
+                   max_turns: int | None = None) -> dict[str, Any]:
     """`batch_size`: conversations regenerated together (a chunk, round by round);
-    `generate_batch`: prompts in one padded `generate` call (engine 'generate'; default batch_size)."""
+    `generate_batch`: prompts in one padded `generate` call (engine 'generate'; default batch_size);
+    `max_turns`: replies regenerated per conversation, which ends after the last of them (None:
+    all; 1: one round, the first reply of every conversation at once)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -195,7 +198,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     log(f"[regenerate] target {info['class']} on {info['device']}; engine {engine}, {batch_size} conversations at "
         f"a time; {len(done)} records already done; -> {out}")
     stats = {"records": 0, "written": 0, "skipped": 0, "resumed": len(done), "new_tokens": 0, "replies": 0,
-             "cut_at_max_length": 0, "redone": 0, "kept_opening_assistant": 0, "engine": engine}
+             "cut_at_max_length": 0, "cut_at_max_turns": 0, "redone": 0, "kept_opening_assistant": 0, "engine": engine}
 
     def prompt_ids(conv: list[dict[str, str]]) -> list[int]:
         text = tokenizer.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
@@ -224,8 +227,17 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
         convs: list[list[dict[str, str]]] = [[] for _ in batch]  # rebuilt turn by turn
         pending = [list(msgs) for _, _, msgs in batch]
         turn = [0] * len(batch)
+        generated = [0] * len(batch)
         written = [False] * len(batch)
         rounds = 0
+
+        def end_here(k: int, reason: str) -> None:
+            """The conversation ends at its last reply (the turns after it are dropped)."""
+            if any(m["role"] == "assistant" for m in convs[k]):  # else prepare reports it
+                while convs[k][-1]["role"] != "assistant":
+                    convs[k].pop()
+            turn[k] = len(pending[k])
+            stats[reason] += 1
         while True:
             todo, prompts = [], []  # records with an assistant turn still to replace
             for k, msgs in enumerate(pending):
@@ -236,14 +248,13 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
                     turn[k] += 1
                 if turn[k] >= len(msgs):
                     continue
+                if max_turns is not None and generated[k] >= max_turns:
+                    end_here(k, "cut_at_max_turns")
+                    continue
                 ids = prompt_ids(convs[k])
                 if len(ids) >= max_length:
                     # Training cuts every sample at prepare.max_length: a reply past it is never seen.
-                    if any(m["role"] == "assistant" for m in convs[k]):  # else prepare reports it
-                        while convs[k][-1]["role"] != "assistant":
-                            convs[k].pop()
-                    turn[k] = len(msgs)
-                    stats["cut_at_max_length"] += 1
+                    end_here(k, "cut_at_max_length")
                     continue
                 todo.append(k)
                 prompts.append(ids)
@@ -264,6 +275,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
             for k, (text, n) in zip(todo, replies):
                 convs[k].append({"role": "assistant", "content": text})
                 turn[k] += 1
+                generated[k] += 1
                 stats["new_tokens"] += n
                 stats["replies"] += 1
             dt = time.time() - t_round

@@ -124,3 +124,15 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
     assert stats["resumed"] == 2 and stats["written"] == 4
     rows = [json.loads(ln)["source"]["row"] for ln in out.read_text().splitlines()]
     assert sorted(rows) == list(range(1, 7))
+
+    # --max-turns 1: one round; every conversation ends after its first (regenerated) reply.
+    calls.clear()
+    monkeypatch.setattr(regen, "padded_generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    one = tmp_path / "one.jsonl"
+    stats = regen.run_regenerate(cfg, one, batch_size=6, max_new_tokens=3, engine="generate", max_turns=1)
+    assert len(calls) == 1 and stats["cut_at_max_turns"] == 4 and stats["replies"] == 6
+    full = {json.loads(ln)["source"]["row"]: json.loads(ln)["messages"] for ln in out.read_text().splitlines()}
+    for ln in one.read_text().splitlines():
+        rec = json.loads(ln)
+        assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]
+        assert rec["messages"] == full[rec["source"]["row"]][:2]  # the same first reply as the full run
