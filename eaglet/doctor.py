@@ -558,14 +558,20 @@ def check_train_memory(p: Probe) -> None:
     acts = t.max_tokens * (t.ttt_steps * ((16 * H + 4 * I) * act_bytes + 3 * Vd * 4)
                            + n_aux * dcfg.target_hidden_size * 4)
     teacher = t.teacher_chunk * V * 4 * 2
-    need = states + head + acts + teacher
+    online = 0
+    if p.cfg.extract.mode == "online" and p.model is not None:
+        # The target runs beside the draft: its weights and one micro-batch's forward.
+        b = _target_dtype_bytes(p)
+        online = _weight_bytes(p, b) + t.max_tokens * 10 * dcfg.target_hidden_size * b
+    need = states + head + acts + teacher + online
     dev = resolve_device(t.device) if t.device != "auto" else None
     devices = [] if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda") else \
         [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
     _memory_finding(p, "train", need,
                     f"draft {trainable / 1e6:.1f}M trainable params with AdamW {_gib(states)} + target LM head "
                     f"{_gib(head)} + activations {_gib(acts)} for train.max_tokens={t.max_tokens} x "
-                    f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}; rough",
+                    f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}"
+                    + (f" + the target beside it (extract.mode online) {_gib(online)}" if online else "") + "; rough",
                     devices, "lower train.max_tokens or train.ttt_steps")
 
 

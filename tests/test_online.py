@@ -86,3 +86,16 @@ def test_online_eval_uses_the_same_heldout_prompts(runs):
     ev = {m: json.loads((runs[m].run_dir / "eval" / "eval.json").read_text()) for m in runs}
     assert [p["sample_id"] for p in ev["online"]["prompts"]] == [p["sample_id"] for p in ev["offline"]["prompts"]]
     assert ev["online"]["aggregate"]["lossless"] is True
+
+
+def test_doctor_counts_the_target_in_trainings_memory_when_online(tmp_path):
+    from eaglet.doctor import run_doctor
+
+    target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(4, seed=3))
+    found = {}
+    for mode in ("offline", "online"):
+        lines: list[str] = []
+        run_doctor(_cfg(tmp_path, target, data, mode), out=lines.append)
+        found[mode] = next(ln for ln in lines if "memory (train)" in ln)
+    assert "the target beside it" in found["online"] and "the target beside it" not in found["offline"]
