@@ -22,7 +22,8 @@ and `train`) reports each broken row as one line. Adding a contract is adding on
     a|b      at least one of them exists (an API that was renamed between versions)
     name?    a parameter, or arrives through **kwargs (the signature has **kwargs)
     ~name    read from **kwargs: the function's source mentions the string "name"
-             (on a class: the class's source, e.g. a dict key it writes)
+    $name    the source (of a function or a whole class) has the string literal "name": a
+             key it reads or writes (a config key, a dict key of a file it saves)
 
 and, on a class or a value rather than a callable:
 
@@ -128,13 +129,13 @@ CONTRACTS: list[Contract] = [
         ("vllm.config:SpeculativeConfig", ".method .num_speculative_tokens .draft_model_config",
          "vllm_backend.speculative_config: the fields eaglet sets"),
         ("vllm.v1.spec_decode.extract_hidden_states:ExtractHiddenStatesProposer.__init__",
-         "~eagle_aux_hidden_state_layer_ids",
+         "$eagle_aux_hidden_state_layer_ids",
          "vllm_backend.speculative_config: the layer ids, read from the draft hf_config under this key"),
         ("vllm.config:KVTransferConfig", ".kv_connector .kv_role .kv_connector_extra_config",
          "vllm_backend.kv_transfer_config: the fields eaglet sets"),
         ("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
          "+ExampleHiddenStatesConnector", "vllm_backend.kv_transfer_config: the connector's registered name"),
-        (f"{_HS}:ExampleHiddenStatesConnector", "~shared_storage_path ~hidden_states_path ~hidden_states ~token_ids",
+        (f"{_HS}:ExampleHiddenStatesConnector", "$shared_storage_path $hidden_states_path $hidden_states $token_ids",
          "vllm_backend: the connector writes hidden_states [T, n, H] and token_ids [T] under shared_storage_path and "
          "names the file in kv_transfer_params['hidden_states_path']"),
         (f"{_HS}:load_hidden_states", "^path", "vllm_backend: reads a request's file once its writer is done"),
@@ -242,16 +243,17 @@ def _check_rules(fn: Any, rules: str) -> tuple[str, str]:
     for rule in rules.split():
         if rule.startswith("^"):
             continue
-        if rule.startswith("~"):
+        if rule[0] in "~$":
             name = rule[1:]
-            if name in names:
+            if rule[0] == "~" and name in names:
                 continue
             try:
                 src = inspect.getsource(fn)
             except (OSError, TypeError):
                 src = ""
             if f'"{name}"' not in src and f"'{name}'" not in src:
-                problems.append(f"does not read {name}= (not a parameter, and its source never mentions it)")
+                problems.append(f"does not read {name}= (not a parameter, and its source never mentions it)"
+                                if rule[0] == "~" else f"its source never names {name!r}")
         elif rule.endswith("?"):
             if rule[:-1] not in names and not has_var_kw:
                 problems.append(f"no parameter {rule[:-1]} and no **kwargs")
@@ -278,13 +280,15 @@ def describe(rules: str) -> str:
             words.append(f"member {r[1:]!r}")
         elif r.startswith("~"):
             words.append(f"{r[1:]}= read from **kwargs")
+        elif r.startswith("$"):
+            words.append(f"{r[1:]!r} named in its source")
         elif r.endswith("?"):
             words.append(f"{r[:-1]} (or **kwargs)")
         elif "|" in r:
             words.append(" or ".join(r.split("|")))
         elif not r.startswith("^"):
             words.append(r)
-    if all(r[0] in ".+" for r in rules.split()):
+    if all(r[0] in ".+$" for r in rules.split()):
         return ", ".join(words)
     return "parameters: " + ", ".join(words)
 

@@ -611,6 +611,10 @@ def _weight_bytes(p: Probe, b: int) -> int:
 
 
 def check_extract_memory(p: Probe) -> None:
+    if p.cfg.extract.backend == "vllm":
+        p.add("info", "memory (extract)", "vLLM sizes its own memory", "extract.vllm_engine_args: "
+              "gpu_memory_utilization, tensor_parallel_size, ... (vLLM reports what does not fit when it starts)")
+        return
     if p.model is None or p.parts is None:
         return
     from .selfcheck import REF_MAX_TOKENS

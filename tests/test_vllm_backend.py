@@ -428,3 +428,12 @@ def test_vllm_extract_matches_hf_on_gpu(tmp_path, target, prep):
         agree += int((pa.argmax(-1) == pb.argmax(-1)).sum())
         total += pa.shape[0]
     assert agree / total > 0.9
+
+
+def test_shadow_runs_the_hf_backend(tmp_path, target):
+    from eaglet.shadow import shadow_config
+
+    cfg = _cfg(target, vllm_server="http://x:8000", vllm_engine_args={"tensor_parallel_size": 8})
+    s, notes = shadow_config(cfg, tmp_path, target, 61)
+    assert (s.extract.backend, s.extract.vllm_server, s.extract.vllm_engine_args) == ("hf", None, {})
+    assert any("extract.backend vllm -> hf" in n for n in notes)
