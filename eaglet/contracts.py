@@ -44,7 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet is tested with)"
-VLLM_MIN = "0.22.0"  # the first vLLM whose connector module has load_hidden_states and cleanup_hidden_states
+# The oldest vLLM the backend accepts: load_hidden_states / cleanup_hidden_states exist from
+# 0.22.0, but DeepSeek-V2/V3 (and Kimi-K2.5, which wraps it) return the state after the last
+# layer for id L only from 0.25.0 (read from the 0.22-0.25 wheels' source; not run).
+VLLM_MIN = "0.25.0"
 VLLM_TESTED = "0.33.0"  # the vLLM the contract test (tests/test_vllm_contracts.py) runs against
 VLLM_FIX = (f"install the vLLM eaglet is tested with into its own venv: VLLM_VERSION={VLLM_TESTED} bash "
             "scripts/vllm_venv.sh; or adapt eaglet/vllm_backend.py to this vLLM")

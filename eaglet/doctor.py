@@ -155,8 +155,8 @@ def check_vllm(p: Probe) -> None:
             p.add("FAIL", "vLLM server", f"a vLLM server answering at {e.vllm_server}", f"{type(ex).__name__}: {ex}",
                   "start it with the command in the 'vllm serve command' line, or unset extract.vllm_server")
             version, where = local, f"installed in {sys.executable}"
-    need = (f">= {VLLM_MIN} (the extract_hidden_states method and the ExampleHiddenStatesConnector with its "
-            f"load_hidden_states helper; tested with {VLLM_TESTED})")
+    need = (f">= {VLLM_MIN} (the extract_hidden_states method, the ExampleHiddenStatesConnector's load_hidden_states "
+            f"helper, and the state after the last layer from DeepSeek-V3/Kimi-K2.5 too; tested with {VLLM_TESTED})")
     if version is None:
         p.add("FAIL", "vLLM version", need, f"vLLM is not installed in {sys.executable}",
               f"bash scripts/vllm_venv.sh (vLLM {VLLM_TESTED} in .venv-vllm) and run .venv-vllm/bin/eaglet, or set "

@@ -264,7 +264,8 @@ def read_target_head(tcfg: TargetSection) -> TargetHead:
     model = build_meta_model(hf_config, tcfg.trust_remote_code)
     parts = TargetParts.of(model)
     names = {id(m): n for n, m in model.named_modules()}
-    keys = _checkpoint_keys(checkpoint_folder(tcfg))
+    folder = checkpoint_folder(tcfg)
+    keys = _checkpoint_keys(folder)
     tensors = {}
     for what, module in (("embed_tokens", parts.embed_tokens), ("lm_head", parts.lm_head), ("norm", parts.norm)):
         key = _find_key(keys, names[id(module)], tuple(module.weight.shape), what)
@@ -272,7 +273,7 @@ def read_target_head(tcfg: TargetSection) -> TargetHead:
             key = _find_key(keys, names[id(parts.embed_tokens)], tuple(module.weight.shape), what)
         if key is None:
             raise ValueError(f"the target's {what} ({names[id(module)]}.weight, shape {tuple(module.weight.shape)}) "
-                             f"is not in its checkpoint {checkpoint_folder(tcfg)}")
+                             f"is not in its checkpoint {folder}")
         with safe_open(str(keys[key]), framework="pt") as h:
             tensors[what] = h.get_tensor(key)
     eps = _norm_eps(parts)
@@ -312,7 +313,7 @@ def teacher_argmax(final_TH: torch.Tensor, head: dict[str, torch.Tensor], pre_no
     teacher (loss.teacher_targets, final norm applied for a pre-norm store)."""
     from .loss import teacher_targets
 
-    lm_head = head["lm_head"].float()
+    lm_head = head["lm_head"]  # in its own dtype, as training computes the teacher
     V = lm_head.shape[0]
     every_id = torch.ones(V, dtype=torch.bool)
     no_offset = torch.zeros(V, dtype=torch.int64)
@@ -467,10 +468,11 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     storage.mkdir(parents=True, exist_ok=True)
     done = writer.done_ids()
     lengths = data.lengths
-    usable = [i for i in range(len(data)) if lengths[i] > 0]
+    limit = int(ecfg.vllm_engine_args.get("max_model_len") or 2**62)  # vLLM refuses longer prompts (and their batch)
+    usable = [i for i in range(len(data)) if 0 < lengths[i] < limit]
     for i in range(len(data)):
-        if lengths[i] == 0 and int(data.sample_ids[i]) not in done:
-            writer.set_aside(int(data.sample_ids[i]), "empty")
+        if not 0 < lengths[i] < limit and int(data.sample_ids[i]) not in done:
+            writer.set_aside(int(data.sample_ids[i]), "empty" if lengths[i] == 0 else "longer_than_max_model_len")
     max_len = int(max((lengths[i] for i in usable), default=1))
     picked = set(pick_samples(data.sample_ids[usable], ecfg.selfcheck_samples, cfg.run.seed))
     first = [i for i in usable if int(data.sample_ids[i]) in picked]

@@ -388,10 +388,10 @@ def test_doctor_without_vllm_refuses_clearly(tmp_path, target, monkeypatch):
     # the HF backend's hook contracts are not checked for this backend; the shared ones are
     checked = "\n".join(f.found for f in diagnose(cfg, "extract").findings if f.check == "API contracts")
     assert checked.startswith("4 of 4 match")  # the shared transformers/safetensors rows, not the hook ones
-    monkeypatch.setattr(vb, "installed_vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr(vb, "installed_vllm_version", lambda: "0.24.0")
     (f,) = [f for f in diagnose(cfg, "extract").findings if f.status == "FAIL"]
-    assert f.check == "vLLM version" and "0.21.0" in f.found and "older than 0.22.0" in f.found
-    assert "vllm>=0.22.0" in f.fix
+    assert f.check == "vLLM version" and "0.24.0" in f.found and "older than 0.25.0" in f.found
+    assert "vllm>=0.25.0" in f.fix
 
 
 @pytest.mark.skipif(not _vllm_importable() or not torch.cuda.is_available(),
@@ -437,3 +437,10 @@ def test_shadow_runs_the_hf_backend(tmp_path, target):
     s, notes = shadow_config(cfg, tmp_path, target, 61)
     assert (s.extract.backend, s.extract.vllm_server, s.extract.vllm_engine_args) == ("hf", None, {})
     assert any("extract.backend vllm -> hf" in n for n in notes)
+
+
+def test_samples_longer_than_max_model_len_are_set_aside(tmp_path, target, model, prep):
+    engine = _engine(model, tmp_path)
+    stats, out = _extract(tmp_path, _cfg(target, vllm_engine_args={"max_model_len": 23}), prep, engine)
+    assert stats["set_aside"] == {"longer_than_max_model_len": 2}  # 31 and 26; 22 + the generated token fits
+    assert sorted(StoreReader(out).lengths.tolist()) == sorted(n for n in LENGTHS if n < 23)

@@ -58,7 +58,7 @@ BREAKS = {  # case -> what its one FAIL line names
     "EngineArgs field removed": "no field kv_transfer_config",
     "speculative method removed": "'extract_hidden_states' is not among its Literal values",
     "layer ids key renamed": "its source never names 'eagle_aux_hidden_state_layer_ids'",
-    "vLLM too old": "older than 0.22.0, eaglet's vLLM backend refuses it",
+    "vLLM too old": "older than 0.25.0, eaglet's vLLM backend refuses it",
     "unknown engine argument": "'tensor_paralel_size' is not one (did you mean 'tensor_parallel_size'?)",
 }
 

@@ -97,7 +97,7 @@ def main(out: str) -> None:
                                                       typing.Literal["ngram", "eagle", "eagle3"])),
         "layer ids key renamed": (cfg(), patched(ExtractHiddenStatesProposer, "__init__", proposer_init)),
         "model class without EAGLE-3": (cfg(gemma), contextlib.nullcontext()),
-        "vLLM too old": (cfg(), patched(vllm_backend, "installed_vllm_version", lambda: "0.21.0")),
+        "vLLM too old": (cfg(), patched(vllm_backend, "installed_vllm_version", lambda: "0.24.0")),
         "unknown engine argument": (cfg(llama, "extract.vllm_engine_args={tensor_paralel_size: 2}"),
                                     contextlib.nullcontext()),
     }
