@@ -18,8 +18,12 @@ state after the last layer *before* the final norm: the store records
 (train.load_head, loss.teacher_targets). vLLM returns the states in increasing layer order.
 
 Each prompt runs once with max_tokens=1. The token ids vLLM stored must equal the ids prepare
-produced; a sample whose ids differ is set aside ("token_mismatch"), never stored. States go
-into eaglet's own store (shards, index, checksums, resume) exactly as the HF backend writes it.
+produced; a sample whose ids differ is set aside ("token_mismatch"), never stored. So is one
+with a token whose states are all zeros ("zero_states"): vLLM skips the extraction step for a
+whole batch whose longest sequence + 1 exceeds max_model_len, leaving those cache slots
+unwritten; eaglet sizes max_model_len to the longest sample + 1 and sets aside samples that do
+not fit a max_model_len the user gives. States go into eaglet's own store (shards, index,
+checksums, resume) exactly as the HF backend writes it.
 
 Self-check at scale: the `extract.selfcheck_samples` samples run first, with vLLM's prompt
 logprobs. The target's LM head applied to their stored final state (through training's own
@@ -526,6 +530,10 @@ def _convert(engine: Any, data: PreparedData, i: int, res: Result, ids: list[int
         engine.discard(res.path)
     if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
         return "nonfinite"
+    if bool(((aux == 0).all(-1) & (final == 0).all(-1)).any()):
+        # vLLM skips the extract "drafter" for a whole batch whose longest sequence does not fit
+        # max_model_len: those tokens' cache slots are never written (zeros in a fresh cache).
+        return "zero_states"
     return aux, final
 
 
