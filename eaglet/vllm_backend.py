@@ -43,6 +43,7 @@ import fcntl
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -401,8 +402,12 @@ class ServerEngine:
             body["prompt_logprobs"] = prompt_logprobs
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            out = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {self.url} refused sample {sid}: HTTP {e.code} "
+                               f"{e.read().decode(errors='replace')[:500]}") from e
         path = _states_path(out.get("kv_transfer_params"), sid)
         if not os.path.exists(path):
             raise FileNotFoundError(f"the server wrote sample {sid}'s states to {path}, which is not readable here: run "
@@ -470,6 +475,9 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     save_target_head(head, ctx.out_dir)
     storage = Path(ecfg.vllm_storage or ctx.out_dir / "vllm-states")
     storage.mkdir(parents=True, exist_ok=True)
+    if not ecfg.vllm_storage:  # eaglet's own folder: files a killed run left are not needed
+        for f in [*storage.glob("*.safetensors"), *storage.glob("*.safetensors.lock")]:
+            f.unlink()
     done = writer.done_ids()
     lengths = data.lengths
     limit = int(ecfg.vllm_engine_args.get("max_model_len") or 2**62)  # vLLM refuses longer prompts (and their batch)
