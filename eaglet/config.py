@@ -73,7 +73,27 @@ class PrepareSection:
 
 @dataclass
 class ExtractSection:
-    backend: Literal["hf"] = _f("hf", "Engine that runs the target: 'hf' (transformers).")
+    backend: Literal["hf", "vllm"] = _f(
+        "hf", "Engine that runs the target: 'hf' (transformers, hooks) or 'vllm' (vLLM's extract_hidden_states method "
+        "and hidden-states connector; for targets served with tensor/expert parallelism, see eaglet/vllm_backend.py)."
+    )
+    vllm_engine_args: dict[str, Any] = _f(
+        {}, "backend vllm: keyword arguments for vllm.LLM (its engine arguments), e.g. {tensor_parallel_size: 8, "
+        "enable_expert_parallel: true, gpu_memory_utilization: 0.85, max_model_len: 8192}. eaglet sets model, "
+        "tokenizer, dtype, trust_remote_code, revision, speculative_config and kv_transfer_config itself."
+    )
+    vllm_server: str | None = _f(
+        None, "backend vllm: base URL of a vLLM server you already run (e.g. http://localhost:8000) instead of an "
+        "in-process engine; start it with the command `eaglet doctor` prints. Its storage path must be readable here."
+    )
+    vllm_storage: str | None = _f(
+        None, "backend vllm: folder where vLLM's connector writes each request's states before eaglet stores them "
+        "(deleted once stored); default <run.dir>/extract/vllm-states. A RAM disk (/dev/shm/...) is fastest."
+    )
+    vllm_requests: int = _f(
+        256, "backend vllm: samples sent to vLLM per round (in-process) or kept in flight (server); connector files "
+        "of at most this many samples exist at once."
+    )
     mode: Literal["offline", "online"] = _f(
         "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
         "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/online.py)."
@@ -92,9 +112,15 @@ class ExtractSection:
     writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.")
     writer_threads: int = _f(4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).")
     fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
-    selfcheck_samples: int = _f(4, "Stored samples rerun alone through the model's own forward and compared, at the end of extract (0: off).")
+    selfcheck_samples: int = _f(
+        4, "Stored samples rerun alone through the model's own forward and compared, at the end of extract (0: off). "
+        "Backend vllm: these samples are extracted first, with vLLM's prompt logprobs, and checked before the rest."
+    )
     selfcheck_min_cosine: float = _f(0.999, "Self-check: least cosine similarity of a stored state with the reference (suits bf16 stores).")
-    selfcheck_min_top1: float = _f(0.99, "Self-check: least top-1 agreement of LM head(stored final) with the model's own logits.")
+    selfcheck_min_top1: float = _f(
+        0.99, "Self-check: least top-1 agreement of LM head(stored final) with the model's own logits (backend vllm: "
+        "with vLLM's prompt logprobs; a near tie within 0.05 nats counts as agreeing)."
+    )
 
 
 @dataclass
@@ -215,6 +241,10 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if typing.get_origin(tp) is dict:
+        return "mapping"
+    if tp is Any:
+        return "any"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -246,6 +276,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:  # a mapping handed on as it is (e.g. another library's keyword arguments)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -13,6 +13,7 @@ and `train`) reports each broken row as one line. Adding a contract is adding on
     {base_model}      the decoder stack without the LM head          (extract.capture)
     {causal_lm}       the loaded model class                         (self-check, eval)
     {tokenizer}       the target tokenizer's class                   (prepare, chat.py)
+    {vllm_model}      the target's vLLM model class (backend vllm)   (vllm_backend)
 
 `params` is a space-separated list of rules on the signature (self/cls not counted):
 
@@ -21,16 +22,36 @@ and `train`) reports each broken row as one line. Adding a contract is adding on
     a|b      at least one of them exists (an API that was renamed between versions)
     name?    a parameter, or arrives through **kwargs (the signature has **kwargs)
     ~name    read from **kwargs: the function's source mentions the string "name"
+    $name    the source (of a function or a whole class) has the string literal "name": a
+             key it reads or writes (a config key, a dict key of a file it saves)
+
+and, on a class or a value rather than a callable:
+
+    .name    a field of the class (dataclass, pydantic, msgspec or TypedDict field)
+    +value   `value` is a member: of a Literal type, or a key of a dict, or an item of a list
+
+Rows of stage "extract-vllm" are the vLLM APIs of `extract.backend: vllm`; the doctor checks
+them (against the vLLM installed) only for that backend, see doctor.check_vllm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet is tested with)"
+# The oldest vLLM the backend accepts: load_hidden_states / cleanup_hidden_states exist from
+# 0.22.0, but DeepSeek-V2/V3 (and Kimi-K2.5, which wraps it) return the state after the last
+# layer for id L only from 0.25.0 (read from the 0.22-0.25 wheels' source; not run).
+VLLM_MIN = "0.25.0"
+VLLM_TESTED = "0.33.0"  # the vLLM the contract test (tests/test_vllm_contracts.py) runs against
+VLLM_FIX = (f"install the vLLM eaglet is tested with into its own venv: VLLM_VERSION={VLLM_TESTED} bash "
+            "scripts/vllm_venv.sh; or adapt eaglet/vllm_backend.py to this vLLM")
+_HS = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
 @dataclass(frozen=True)
@@ -57,15 +78,17 @@ CONTRACTS: list[Contract] = [
     Contract("transformers:PreTrainedModel.from_pretrained", "~dtype",
              "target.load_target passes dtype= (older transformers only knew torch_dtype=)"),
     Contract("transformers:AutoModelForCausalLM.from_config", "",
-             "doctor: builds the target's skeleton on the meta device (no weights)"),
+             "doctor, vllm_backend: build the target's skeleton on the meta device (no weights)",
+             stages=("extract", "extract-vllm")),
     Contract("transformers:AutoModelForImageTextToText.from_pretrained", "",
              "target.load_target: multimodal wrappers (Kimi-K2.5, Llava) are not CausalLM classes"),
     Contract("transformers:PreTrainedConfig.get_text_config", "",
              "target, extract, train: the text decoder's config inside a multimodal config",
-             stages=("extract", "train")),
+             stages=("extract", "extract-vllm", "train")),
     Contract("safetensors:safe_open", "^filename ^framework device",
-             "store, export: reading shards and weights lazily", stages=("extract", "train")),
-    Contract("safetensors.torch:save", "^tensors", "extract.save_target_head: the target head file"),
+             "store, export: reading shards and weights lazily", stages=("extract", "extract-vllm", "train")),
+    Contract("safetensors.torch:save", "^tensors", "extract.save_target_head: the target head file",
+             stages=("extract", "extract-vllm")),
     # -- prepare: chat templates and loss masks (eaglet/chat.py)
     Contract("{tokenizer}.apply_chat_template",
              "^conversation chat_template tokenize add_generation_prompt return_dict return_assistant_tokens_mask",
@@ -102,6 +125,46 @@ CONTRACTS: list[Contract] = [
     Contract("transformers:ContinuousBatchingConfig", "num_blocks max_batch_tokens",
              "regenerate --engine continuous on a CPU: sizes the paged KV cache to the work", stages=("regenerate",),
              fix="use `eaglet regenerate --engine generate`, or pip install 'transformers>=5.17'"),
+    # -- extract with backend vllm (eaglet/vllm_backend.py): vLLM's native hidden-state path
+    *[Contract(where, params, why, fix=VLLM_FIX, stages=("extract-vllm",)) for where, params, why in [
+        ("vllm.config.speculative:SpeculativeMethod", "+extract_hidden_states",
+         "vllm_backend.speculative_config: the method that returns the states of the requested layer ids"),
+        ("vllm.config:SpeculativeConfig", ".method .num_speculative_tokens .draft_model_config",
+         "vllm_backend.speculative_config: the fields eaglet sets"),
+        ("vllm.v1.spec_decode.extract_hidden_states:ExtractHiddenStatesProposer.__init__",
+         "$eagle_aux_hidden_state_layer_ids",
+         "vllm_backend.speculative_config: the layer ids, read from the draft hf_config under this key"),
+        ("vllm.config:KVTransferConfig", ".kv_connector .kv_role .kv_connector_extra_config",
+         "vllm_backend.kv_transfer_config: the fields eaglet sets"),
+        ("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
+         "+ExampleHiddenStatesConnector", "vllm_backend.kv_transfer_config: the connector's registered name"),
+        (f"{_HS}:ExampleHiddenStatesConnector", "$shared_storage_path $hidden_states_path $hidden_states $token_ids",
+         "vllm_backend: the connector writes hidden_states [T, n, H] and token_ids [T] under shared_storage_path and "
+         "names the file in kv_transfer_params['hidden_states_path']"),
+        (f"{_HS}:load_hidden_states", "^path", "vllm_backend: reads a request's file once its writer is done"),
+        (f"{_HS}:cleanup_hidden_states", "^path", "vllm_backend: removes a request's file and lock once stored"),
+        ("vllm.engine.arg_utils:EngineArgs", ".model .tokenizer .dtype .trust_remote_code .revision "
+         ".speculative_config .kv_transfer_config .max_model_len .enable_prefix_caching",
+         "vllm_backend.engine_args: the engine arguments eaglet sets"),
+        ("vllm:LLM.__init__", "^model", "vllm_backend.LocalEngine: the in-process engine"),
+        ("vllm:LLM.generate", "^prompts sampling_params use_tqdm", "vllm_backend.LocalEngine.run"),
+        ("vllm:SamplingParams", ".max_tokens .temperature .detokenize .prompt_logprobs",
+         "vllm_backend: one generated token per prompt; prompt logprobs for the self-check"),
+        ("vllm.inputs:TokensPrompt", ".prompt_token_ids", "vllm_backend.LocalEngine.run: prompts as prepare's ids"),
+        ("vllm.outputs:RequestOutput.__init__", "prompt_logprobs kv_transfer_params",
+         "vllm_backend.LocalEngine.run: the file path and the self-check's logprobs"),
+        ("vllm.logprobs:Logprob", ".logprob", "vllm_backend.logprob_agreement: vLLM's score of each top token"),
+        ("vllm.entrypoints.openai.completion.protocol:CompletionRequest", ".prompt_logprobs .return_token_ids",
+         "vllm_backend.ServerEngine (extract.vllm_server): the completion request eaglet sends"),
+        ("vllm.entrypoints.openai.completion.protocol:CompletionResponse", ".kv_transfer_params",
+         "vllm_backend.ServerEngine (extract.vllm_server): the file path in the response"),
+        ("vllm.model_executor.models:ModelRegistry._try_load_model_cls", "^model_arch",
+         "doctor.check_vllm: resolves the target's vLLM model class"),
+        ("{vllm_model}.supports_eagle3", "",
+         "the target's vLLM model class implements SupportsEagle3: it can return auxiliary hidden-state layers"),
+        ("{vllm_model}.set_aux_hidden_state_layers", "^layers",
+         "vLLM hands the requested layer ids to the target's model class through this method"),
+    ]],
 ]
 
 
@@ -127,10 +190,46 @@ def _short_sig(sig: inspect.Signature, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 4] + "...)"
 
 
+def _field_names(obj: Any) -> set[str]:
+    """Fields of a dataclass, pydantic model, msgspec struct or TypedDict (annotations over the MRO)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name for f in dataclasses.fields(obj)}
+    if isinstance(getattr(obj, "model_fields", None), dict):
+        return set(obj.model_fields)
+    if isinstance(getattr(obj, "__struct_fields__", None), tuple):
+        return set(obj.__struct_fields__)
+    return {n for k in getattr(obj, "__mro__", (type(obj),)) for n in getattr(k, "__annotations__", {})}
+
+
+def _members(obj: Any) -> tuple[set[Any], str]:
+    """(members, what they are) of a Literal type (nested and Optional ones flattened), dict or collection."""
+    if typing.get_origin(obj) is not None:
+        out: set[Any] = set()
+        for arg in typing.get_args(obj):
+            out |= _members(arg)[0] if typing.get_origin(arg) is not None else {arg}
+        return out, "Literal values"
+    if isinstance(obj, dict):
+        return set(obj), "keys"
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return set(obj), "items"
+    return set(), f"no members (a {type(obj).__name__})"
+
+
+def _check_object_rules(obj: Any, rules: list[str]) -> tuple[str, str]:
+    fields = sorted(_field_names(obj)) if any(r.startswith(".") for r in rules) else []
+    members, kind = _members(obj) if any(r.startswith("+") for r in rules) else (set(), "")
+    problems = [f"no field {r[1:]}" for r in rules if r.startswith(".") and r[1:] not in fields]
+    problems += [f"{r[1:]!r} is not among its {kind}" for r in rules if r.startswith("+") and r[1:] not in members]
+    found = f"fields ({', '.join(fields)})" if fields else f"{len(members)} {kind}"
+    return (found if len(found) <= 160 else found[:156] + "...)"), "; ".join(problems)
+
+
 def _check_rules(fn: Any, rules: str) -> tuple[str, str]:
     """(found signature, problem or '') for one callable and one rule string."""
     if not rules:
         return "exists", ""
+    if any(r[0] in ".+" for r in rules.split()):
+        return _check_object_rules(fn, rules.split())
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -147,16 +246,17 @@ def _check_rules(fn: Any, rules: str) -> tuple[str, str]:
     for rule in rules.split():
         if rule.startswith("^"):
             continue
-        if rule.startswith("~"):
+        if rule[0] in "~$":
             name = rule[1:]
-            if name in names:
+            if rule[0] == "~" and name in names:
                 continue
             try:
                 src = inspect.getsource(fn)
             except (OSError, TypeError):
                 src = ""
             if f'"{name}"' not in src and f"'{name}'" not in src:
-                problems.append(f"does not read {name}= (not a parameter, and its source never mentions it)")
+                problems.append(f"does not read {name}= (not a parameter, and its source never mentions it)"
+                                if rule[0] == "~" else f"its source never names {name!r}")
         elif rule.endswith("?"):
             if rule[:-1] not in names and not has_var_kw:
                 problems.append(f"no parameter {rule[:-1]} and no **kwargs")
@@ -177,24 +277,40 @@ def describe(rules: str) -> str:
     if leading:
         words.append("first parameter(s) " + ", ".join(leading))
     for r in rules.split():
-        if r.startswith("~"):
+        if r.startswith("."):
+            words.append(f"field {r[1:]}")
+        elif r.startswith("+"):
+            words.append(f"member {r[1:]!r}")
+        elif r.startswith("~"):
             words.append(f"{r[1:]}= read from **kwargs")
+        elif r.startswith("$"):
+            words.append(f"{r[1:]!r} named in its source")
         elif r.endswith("?"):
             words.append(f"{r[:-1]} (or **kwargs)")
         elif "|" in r:
             words.append(" or ".join(r.split("|")))
         elif not r.startswith("^"):
             words.append(r)
+    if all(r[0] in ".+$" for r in rules.split()):
+        return ", ".join(words)
     return "parameters: " + ", ".join(words)
 
 
-def check_contracts(roles: dict[str, list[type]] | None = None, stages: set[str] | None = None) -> list[ContractResult]:
-    """Check every contract (of `stages`, default all). `roles` maps a role name to the
-    classes it stands for; a role that is not given is skipped."""
+def needs_vllm(c: Contract) -> bool:
+    """A row about vLLM itself (checked only where vLLM is installed, see doctor.check_vllm)."""
+    return c.where.startswith(("vllm", "{vllm_"))
+
+
+def check_contracts(roles: dict[str, list[type]] | None = None, stages: set[str] | None = None,
+                    vllm: bool = True) -> list[ContractResult]:
+    """Check every contract (of `stages`, default all; `vllm` False: not the vLLM rows). `roles`
+    maps a role name to the classes it stands for; a role that is not given is skipped."""
     roles = roles or {}
     out = []
     for c in CONTRACTS:
         if stages is not None and not stages & set(c.stages):
+            continue
+        if not vllm and needs_vllm(c):
             continue
         if c.where.startswith("{"):
             role, _, attr = c.where[1:].partition("}.")

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from .config import Config
 from .utils import log
+from .vllm_doctor import check_vllm
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
@@ -64,6 +65,8 @@ class Probe:
     parts: Any = None  # TargetParts of the skeleton
     layers: list[int] | None = None
     sampled: list[dict[str, Any]] = field(default_factory=list)  # per data file: records read, tokens, bytes
+    vllm_ready: bool = False  # backend vllm: a vLLM new enough is importable here (its contracts are checked)
+    vllm_roles: dict[str, list[type]] = field(default_factory=dict)  # {vllm_model}: the target's vLLM class
 
     def add(self, status: str, check: str, expected: str, found: str, fix: str = "") -> None:
         self.findings.append(Finding(status, check, expected, found, fix))
@@ -100,7 +103,7 @@ def check_versions(p: Probe) -> None:
 def check_api_contracts(p: Probe) -> None:
     import transformers
 
-    from .contracts import check_contracts, describe
+    from .contracts import CONTRACTS, check_contracts, describe
 
     roles: dict[str, list[type]] = {}
     if p.parts is not None:
@@ -109,15 +112,20 @@ def check_api_contracts(p: Probe) -> None:
         roles["base_model"] = [type(p.parts.decoder)]
         roles["causal_lm"] = [type(p.model)]
     roles["tokenizer"] = [type(p.tokenizer) if p.tokenizer is not None else transformers.PreTrainedTokenizerBase]
-    stages = None if p.stage is None else {p.stage}
-    results = check_contracts(roles, stages)
+    roles.update(p.vllm_roles)
+    stages = {s for c in CONTRACTS for s in c.stages} if p.stage is None else {p.stage}
+    if p.cfg.extract.backend == "vllm":  # vLLM runs the target: not the HF backend's hooks, but vLLM's own APIs
+        stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages else set())
+    else:
+        stages.discard("extract-vllm")
+    results = check_contracts(roles, stages, vllm=p.vllm_ready)
     for r in results:
         if r.ok:
             continue
         p.add("FAIL", f"API {r.target}", f"{describe(r.contract.params)} (for {r.contract.why})",
               f"{r.problem}: {r.found}", r.contract.fix)
     n_ok = sum(r.ok for r in results)
-    skipped = [k for k in ("decoder_layer", "base_model", "causal_lm") if k not in roles]
+    skipped = [k for k in ("decoder_layer", "base_model", "causal_lm") if k not in roles and "extract" in stages]
     p.add("ok" if n_ok == len(results) else "info", "API contracts", f"{len(results)} signatures as eaglet calls them",
           f"{n_ok} of {len(results)} match" + (f" (target classes not checked: {', '.join(skipped)})"
                                                if skipped and p.stage != "train" else ""))
@@ -494,6 +502,10 @@ def _weight_bytes(p: Probe, b: int) -> int:
 
 
 def check_extract_memory(p: Probe) -> None:
+    if p.cfg.extract.backend == "vllm":
+        p.add("info", "memory (extract)", "vLLM sizes its own memory", "extract.vllm_engine_args: "
+              "gpu_memory_utilization, tensor_parallel_size, ... (vLLM reports what does not fit when it starts)")
+        return
     if p.model is None or p.parts is None:
         return
     from .selfcheck import REF_MAX_TOKENS
@@ -586,6 +598,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_layers, ("extract",)),
     (check_vocab, ("extract",)),
     (check_records, ()),
+    (check_vllm, ("extract",)),
     (check_api_contracts, ("extract", "train")),
     (check_disk, ("extract",)),
     (check_extract_memory, ("extract",)),

@@ -18,6 +18,9 @@ How, and why this way (the tiny test targets stand in for 8B..1T targets on many
   background thread, so disk writes overlap the forward too.
 - Killing the process at any instant is safe: the store resumes from its finished shards.
 
+With `extract.backend: vllm` the target runs in vLLM instead (eaglet/vllm_backend.py) and
+the same store is written, with the final state before the final norm (`final_state: pre_norm`).
+
 Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli extract CONFIG`) the ranks split
 the batches (data parallel), or with `target.tp_plan: auto` split the target itself
 (tensor parallel, `extract.tp_plan: auto`); see `run_extract`.
@@ -226,8 +229,12 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     the ranks form one tensor-parallel group instead: all run every batch, rank 0 writes.
     """
     ecfg = cfg.extract
+    if ecfg.backend == "vllm":
+        from .vllm_backend import run_extract_vllm
+
+        return run_extract_vllm(cfg, ctx)
     if ecfg.backend != "hf":
-        raise ValueError(f"extract.backend {ecfg.backend!r}: only 'hf' exists")
+        raise ValueError(f"extract.backend {ecfg.backend!r}: 'hf' or 'vllm'")
     env = init_distributed(cfg.run.dist_timeout_minutes)
     tensor_parallel = ecfg.tp_plan is not None and env.active
     data_rank, data_world = (0, 1) if tensor_parallel else (env.rank, env.world_size)

@@ -158,6 +158,9 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
     p.max_records = min(p.max_records or SHADOW_RECORDS, SHADOW_RECORDS)
     p.max_length, p.num_workers = min(p.max_length, SHADOW_MAX_LENGTH), 0
     e = s.extract
+    if e.backend != "hf":
+        notes.append(f"extract.backend {e.backend} -> hf (a tiny CPU model; the doctor checks vLLM's APIs itself)")
+        e.backend, e.vllm_server, e.vllm_engine_args = "hf", None, {}
     e.layers = _scaled_layers(e.layers, num_target_layers, min(num_target_layers, SHADOW_LAYERS))
     e.batch_tokens, e.shard_mb, e.writer_threads, e.fsync = min(e.batch_tokens, 2048), 1.0, 1, False
     if e.store_dtype != "float32":

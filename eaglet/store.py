@@ -6,7 +6,9 @@ A store folder holds
                                     the shards mean (a store made for other inputs is cleared)
     shard-r{rank}-{k:06d}.safetensors
         aux        [N, n_aux*H]  store dtype  states entering the `layers`, concatenated low..high
-        final      [N, H]        store dtype  the final *normed* state (what the LM head sees)
+        final      [N, H]        store dtype  the teacher state: after the final norm (what the LM head
+                                    sees; store.json final_state "post_norm", the HF backend)
+                                    or before it ("pre_norm", the vLLM backend: training applies it)
         input_ids  [N]           int32
         loss_mask  [N]           uint8
         offsets    [S+1]         int64        sample s is rows offsets[s]:offsets[s+1]

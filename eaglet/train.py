@@ -143,8 +143,14 @@ class TargetHead:
 
 
 def load_head(store: StoreReader, device: torch.device) -> TargetHead:
+    """The target's head; with the final norm when the store's final state is before it
+    (store.json final_state "pre_norm", the vLLM backend), so the teacher's logits are the
+    target's own either way."""
     t = load_file(str(store.folder / HEAD_FILE))
-    pre_norm = store.meta.get("final_state", "post_norm") == "pre_norm"
+    final_state = store.meta.get("final_state", "post_norm")
+    if final_state not in ("post_norm", "pre_norm"):
+        raise ValueError(f"{store.folder}: store final_state {final_state!r} is neither 'post_norm' nor 'pre_norm'")
+    pre_norm = final_state == "pre_norm"
     return TargetHead(
         lm_head=t["lm_head"].to(device),
         norm=t["norm"].to(device) if pre_norm else None,

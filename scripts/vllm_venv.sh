@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: vLLM (default 0.33.0, the version eaglet's vLLM backend is tested with)
+# and eaglet itself, for `extract.backend: vllm` and for tests/test_vllm_contracts.py, which
+# checks every vLLM API the backend uses against this vLLM. The default test suite runs those
+# checks when this venv exists and skips them, saying why, when it does not.
+#
+# vLLM pins its own torch (0.33.0: torch 2.14.0, the CUDA 13 build, with transformers
+# >=5.16.1,<5.21), so it gets a venv of its own; eaglet's ranges (torch <2.15, transformers
+# >=5.17) hold inside it, so eaglet is installed there with its dependencies and runs the
+# in-process engine from it: .venv-vllm/bin/eaglet extract CONFIG.
+# The CUDA build installs and imports on a CPU-only machine (vllm._C is then missing, which
+# the contract checks do not need). Measured on the 2-core dev machine: ~260 s for vLLM, 9.4 GB.
+#
+# Usage: bash scripts/vllm_venv.sh                 # VLLM_VERSION=0.33.0 by default
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-vllm
+VERSION=${VLLM_VERSION:-0.33.0}
+PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q)
+
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"${PIP[@]}" "vllm==$VERSION"
+"${PIP[@]}" -e ".[dev]"  # eaglet's own dependencies; vLLM's torch and transformers satisfy its ranges
+"$VENV/bin/python" -c "
+import importlib.metadata as md
+print('[vllm_venv] vllm', md.version('vllm'), 'torch', md.version('torch'), 'transformers', md.version('transformers'))"
+echo "[vllm_venv] $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) in $VENV"

@@ -1,0 +1,455 @@
+"""`extract.backend: vllm` without vLLM: every eaglet-side part, fed files in the connector's format.
+
+`FakeVLLM` stands in for vLLM 0.33's extract_hidden_states method + ExampleHiddenStatesConnector,
+built per their source: for layer ids [2, 4, 5, L] it computes with the tiny HF target the
+state entering each layer (vLLM's hidden_states + residual) and, for id L, the state after the
+last layer *before* the final norm; it writes {"hidden_states" [T, n, H] (ids in increasing
+order), "token_ids" int64 [T]} with safetensors to <storage>/<request id>.safetensors next to
+an (unlocked) .lock file, and returns the path in kv_transfer_params["hidden_states_path"]
+with prompt logprobs ({id: Logprob}, position 0 None). The test target's final norm weight is
+random, so a missing or doubled norm changes the teacher.
+
+The real vLLM is exercised by tests/test_vllm_contracts.py (its APIs, in .venv-vllm) and
+test_vllm_extract_matches_hf_on_gpu below (skipped without vLLM and a GPU).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglet import vllm_backend as vb
+from eaglet.config import Config
+from eaglet.doctor import diagnose
+from eaglet.extract import run_extract
+from eaglet.pipeline import StageContext
+from eaglet.prepared import PreparedWriter
+from eaglet.selfcheck import SelfCheckError
+from eaglet.store import INDEX, StoreReader
+from eaglet.tiny import save_target
+from eaglet.train import TeacherHead, load_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LENGTHS = [9, 31, 4, 22, 17, 1, 12, 26]
+L = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny llama whose final norm weight is random (a ones weight would hide a missing norm)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_target(tmp_path_factory.mktemp("t") / "llama", family="llama", num_hidden_layers=L)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(1 + 0.5 * torch.randn(model.config.hidden_size,
+                                                            generator=torch.Generator().manual_seed(1)))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    w = PreparedWriter(tmp_path_factory.mktemp("prep"), ["synthetic.jsonl"], shard_samples=5)
+    for k, n in enumerate(LENGTHS):
+        w.add(rng.integers(1, 500, n), rng.integers(0, 2, n), 0, k)
+    w.close()
+    return w.folder
+
+
+class FakeVLLM:
+    """The connector's side of vLLM, computed with the HF model (see the module doc)."""
+
+    def __init__(self, model, storage: Path, layer_ids, corrupt=(), final_layer=None, unwritten=()):
+        self.model, self.storage, self.ids = model, Path(storage), list(layer_ids)
+        self.corrupt, self.final_layer, self.calls, self.n = set(corrupt), final_layer, [], 0
+        self.unwritten = set(unwritten)  # samples whose cache slots vLLM never wrote (zeros)
+        self.read, self.discard = vb.read_states, vb.remove_states
+        self.version, self.lock = "fake", threading.Lock()
+
+    @torch.inference_mode()
+    def states(self, ids: list[int]):
+        seen = []
+        h = self.model.model.norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        try:
+            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        finally:
+            h.remove()
+        by_id = {i: out.hidden_states[i][0] for i in self.ids if i < L}
+        by_id[L] = seen[0][0] if self.final_layer is None else out.hidden_states[self.final_layer][0]
+        return torch.stack([by_id[i] for i in sorted(self.ids)], 1), out.logits[0].log_softmax(-1)
+
+    def run(self, requests, prompt_logprobs):
+        with self.lock:  # the server test calls it from several threads
+            return self._run(requests, prompt_logprobs)
+
+    def _run(self, requests, prompt_logprobs):
+        self.calls.append(len(requests))
+        results = []
+        for sid, ids in requests:
+            ids = [int(i) for i in ids]
+            hs, logp = self.states(ids)
+            if sid in self.unwritten:
+                hs = hs.clone()
+                hs[-2:] = 0  # e.g. a batch whose drafter step vLLM skipped
+            stored = [7] + ids[:-1] if sid in self.corrupt else ids  # e.g. an engine that adds a BOS
+            path = str(self.storage / f"req-{self.n}.safetensors")
+            self.n += 1
+            self.storage.mkdir(parents=True, exist_ok=True)
+            Path(path + ".lock").touch()
+            save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(stored)}, path)
+            pl = None
+            if prompt_logprobs:
+                pl = [None]
+                for t in range(1, len(ids)):
+                    top = logp[t - 1].topk(prompt_logprobs)
+                    d = {int(i): SimpleNamespace(logprob=float(v), rank=r + 1)
+                         for r, (v, i) in enumerate(zip(top.values, top.indices))}
+                    d.setdefault(ids[t], SimpleNamespace(logprob=float(logp[t - 1, ids[t]]), rank=99))
+                    pl.append(d)
+            results.append(vb.Result(sid, path, pl))
+        return results
+
+    def close(self):
+        pass
+
+
+def _cfg(target, **extract):
+    cfg = Config()
+    cfg.target.path, cfg.target.dtype = str(target), "float32"
+    cfg.extract.backend, cfg.extract.store_dtype, cfg.extract.fsync = "vllm", "float32", False
+    cfg.extract.shard_mb = 0.005
+    for k, v in extract.items():
+        setattr(cfg.extract, k, v)
+    return cfg
+
+
+def _extract(tmp_path, cfg, prep, engine=None, name="vllm"):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    ctx = StageContext("extract", out, tmp_path, "h1", {"prepare": prep})
+    return (vb.run_extract_vllm(cfg, ctx, engine) if engine is not None else run_extract(cfg, ctx)), out
+
+
+def _engine(model, tmp_path, **kw):
+    return FakeVLLM(model, tmp_path / "vllm-states", [2, 4, 5, L], **kw)
+
+
+def test_vllm_store_holds_the_targets_states(tmp_path, target, model, prep):
+    engine = _engine(model, tmp_path)
+    stats, out = _extract(tmp_path, _cfg(target), prep, engine)
+    assert engine.calls == [4, len(LENGTHS) - 4]  # the 4 self-check samples first, with prompt logprobs
+    assert stats["samples"] == len(LENGTHS) and stats["vllm_layer_ids"] == [2, 4, 5, L]
+    assert stats["selfcheck"]["top1_agreement"] == 1.0 and stats["selfcheck"]["tokens"] > 0
+    assert not list((tmp_path / "vllm-states").iterdir())  # every connector file removed once stored
+    reader = StoreReader(out)
+    assert reader.meta["final_state"] == "pre_norm" and reader.meta["backend"] == "vllm"
+    assert reader.verify_all()["ok"] == reader.verify_all()["shards"] > 1
+    H = model.config.hidden_size
+    for sid in reader.sample_ids.tolist():
+        got = reader.get(sid)
+        ids = got["input_ids"].long()
+        with torch.inference_mode():
+            ref = model(input_ids=ids[None], output_hidden_states=True)
+        for j, layer in enumerate([2, 4, 5]):
+            torch.testing.assert_close(got["aux"][:, j * H:(j + 1) * H], ref.hidden_states[layer][0])
+        # pre-norm: the final norm turns it into the state the LM head reads (HF's last hidden state)
+        torch.testing.assert_close(model.model.norm(got["final"]), ref.hidden_states[-1][0])
+    head = (out / "head.safetensors", out / "target_config.json")
+    assert all(p.is_file() for p in head)
+
+
+def test_training_teacher_is_the_targets_logits_for_both_final_states(tmp_path, target, model, prep):
+    """The teacher of a pre-norm (vLLM) store and of a post-norm (HF) store are both the
+    target's own next-token distribution; a pre-norm store read as post-norm is not."""
+    _, vllm_out = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path))
+    cfg = _cfg(target, backend="hf")
+    cfg.target.device = "cpu"
+    _, hf_out = _extract(tmp_path, cfg, prep, name="hf")
+    V = model.config.vocab_size
+    every, no_offset = torch.ones(V, dtype=torch.bool), torch.zeros(V, dtype=torch.int64)
+
+    def teacher(reader, sid):
+        t = TeacherHead(load_head(reader, torch.device("cpu")), chunk=64)
+        return t(reader.get(sid)["final"][None], every, no_offset)[0][0]
+
+    pre, post = StoreReader(vllm_out), StoreReader(hf_out)
+    assert (pre.meta["final_state"], post.meta["final_state"]) == ("pre_norm", "post_norm")
+    assert load_head(pre, torch.device("cpu")).norm is not None and load_head(post, torch.device("cpu")).norm is None
+    for sid in (1, 3):
+        with torch.inference_mode():
+            want = model(input_ids=pre.get(sid)["input_ids"].long()[None]).logits[0].softmax(-1)
+        torch.testing.assert_close(teacher(pre, sid), want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(teacher(post, sid), want, rtol=1e-4, atol=1e-6)
+    pre.meta["final_state"] = "post_norm"  # the known bug: a pre-norm state fed to the LM head as it is
+    wrong = teacher(pre, 3)
+    assert (wrong.argmax(-1) != want.argmax(-1)).float().mean() > 0.2
+    pre.meta["final_state"] = "prenorm"
+    with pytest.raises(ValueError, match="neither 'post_norm' nor 'pre_norm'"):
+        load_head(pre, torch.device("cpu"))
+
+
+def test_token_mismatch_is_never_stored(tmp_path, target, model, prep):
+    stats, out = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path, corrupt={3, 6}))
+    assert stats["set_aside"] == {"token_mismatch": 2} and stats["samples"] == len(LENGTHS) - 2
+    reader = StoreReader(out)
+    assert 3 not in reader and 6 not in reader and 2 in reader
+    index = json.loads((out / INDEX).read_text())
+    assert {s["sample_id"] for s in index["set_aside"]} == {3, 6}
+
+
+def test_unwritten_states_are_never_stored(tmp_path, target, model, prep):
+    stats, out = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path, unwritten={4}))
+    assert stats["set_aside"] == {"zero_states": 1} and 4 not in StoreReader(out)
+
+
+def test_systematic_token_mismatch_stops(tmp_path, target, model, prep):
+    with pytest.raises(RuntimeError, match=r"other token ids than prepare produced.*nothing of theirs was stored"):
+        _extract(tmp_path, _cfg(target, selfcheck_samples=0), prep,
+                 _engine(model, tmp_path, corrupt=set(range(len(LENGTHS)))))
+
+
+def test_selfcheck_stops_a_wrong_final_state_before_the_rest(tmp_path, target, model, prep):
+    engine = _engine(model, tmp_path, final_layer=5)  # id L answered with another layer's state
+    with pytest.raises(SelfCheckError, match=r"picks vLLM's own top token \(prompt logprobs\) on .* < "):
+        _extract(tmp_path, _cfg(target), prep, engine)
+    assert engine.calls == [4]  # nothing else was extracted
+    assert not (tmp_path / "vllm" / INDEX).exists()
+
+
+def test_resume_runs_only_what_is_missing(tmp_path, target, model, prep):
+    _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path))
+    again = _engine(model, tmp_path)
+    stats, _ = _extract(tmp_path, _cfg(target), prep, again)
+    assert again.calls == [] and stats["resumed_samples"] == len(LENGTHS) and stats["samples"] == len(LENGTHS)
+
+
+def test_to_sample_orders_layers_as_asked():
+    T, H = 3, 2
+    ids = [5, 2, 4, 8]  # extract.layers [5, 2, 4], then L
+    hs = torch.stack([torch.full((T, H), float(i)) for i in sorted(ids)], 1)  # vLLM: increasing layer order
+    aux, final = vb.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]),
+                              ids, H, torch.float32)
+    assert aux[0].tolist() == [5, 5, 2, 2, 4, 4] and final[0].tolist() == [8, 8]
+    with pytest.raises(vb.TokenMismatch, match=r"first difference at position 1: vLLM \[9, 3\] vs prepare \[2, 3\]"):
+        vb.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 9, 3])}, np.array([1, 2, 3]), ids, H,
+                     torch.float32)
+    with pytest.raises(ValueError, match="other eagle_aux_hidden_state_layer_ids"):
+        vb.to_sample({"hidden_states": hs[:, :3], "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]), ids, H,
+                     torch.float32)
+
+
+def test_read_states_waits_for_the_writers_lock(tmp_path):
+    path = str(tmp_path / "r.safetensors")
+    fd = open(path + ".lock", "w")
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the connector holds it while its thread writes the file
+
+    def write():
+        time.sleep(0.3)
+        save_file({"hidden_states": torch.ones(2, 1, 3), "token_ids": torch.tensor([1, 2])}, path)
+        fd.close()
+
+    threading.Thread(target=write).start()
+    assert vb.read_states(path)["token_ids"].tolist() == [1, 2]
+    vb.remove_states(path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_logprob_agreement_counts_near_ties():
+    g = torch.Generator().manual_seed(0)
+    head = {"lm_head": torch.randn(6, 4, generator=g), "norm": torch.ones(4)}
+    final = torch.randn(3, 4, generator=g)
+    ours = vb.teacher_argmax(final, head, pre_norm=False, eps=1e-6).tolist()
+    other = [(i + 1) % 6 for i in ours]
+    exact = [None] + [{ours[t]: SimpleNamespace(logprob=-0.1), other[t]: SimpleNamespace(logprob=-2.0)}
+                      for t in range(2)]
+    tie = [None] + [{str(other[t]): {"logprob": -0.10}, str(ours[t]): {"logprob": -0.12}} for t in range(2)]  # JSON
+    far = [None] + [{other[t]: SimpleNamespace(logprob=-0.1), ours[t]: SimpleNamespace(logprob=-1.0)}
+                    for t in range(2)]
+    assert vb.logprob_agreement(final, exact, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 2}
+    assert vb.logprob_agreement(final, tie, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 0}
+    assert vb.logprob_agreement(final, far, head, False, 1e-6) == {"tokens": 2, "agree": 0, "exact": 0}
+
+
+def test_head_from_checkpoint(tmp_path, target, model):
+    cfg = Config()
+    cfg.target.path = str(target)
+    head = vb.read_target_head(cfg.target)
+    assert torch.equal(head.tensors["lm_head"], model.lm_head.weight)
+    assert torch.equal(head.tensors["embed_tokens"], model.model.embed_tokens.weight)
+    assert torch.equal(head.tensors["norm"], model.model.norm.weight)
+    assert (head.num_layers, head.hidden_size, head.architecture) == (L, 64, "LlamaForCausalLM")
+    tied = save_target(tmp_path / "tied", family="qwen3", tie_word_embeddings=True)
+    cfg.target.path = str(tied)
+    t = vb.read_target_head(cfg.target).tensors
+    assert torch.equal(t["lm_head"], t["embed_tokens"])
+
+
+def test_norm_multiplier_follows_the_models_norm():
+    class GemmaNorm(torch.nn.Module):  # weight stored as an offset from 1
+        def __init__(self, h):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(h))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+    w = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(vb._norm_multiplier(GemmaNorm(8), w, 1e-6), 1 + w)
+    with pytest.raises(ValueError, match="not m \\* x / rms\\(x\\)"):
+        vb._norm_multiplier(torch.nn.LayerNorm(8), w, 1e-6)
+
+
+def test_engine_args_and_serve_command(target):
+    cfg = _cfg(target, vllm_engine_args={"tensor_parallel_size": 8, "enable_expert_parallel": True})
+    args = vb.engine_args(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
+    assert args["speculative_config"]["method"] == "extract_hidden_states"
+    assert args["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == \
+        [2, 4, 5, 8]
+    assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": "/dev/shm/s"}
+    assert args["tensor_parallel_size"] == 8 and args["max_model_len"] == 2049
+    cmd = vb.serve_command(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
+    assert cmd.startswith(f"vllm serve {target} ") and "--no-enable-prefix-caching" in cmd
+    assert "--enable-expert-parallel" in cmd and '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in cmd
+    with pytest.raises(ValueError, match=r"sets \['speculative_config'\]"):
+        vb.engine_args(_cfg(target, vllm_engine_args={"speculative_config": {}}), [2, 8], "/s", 16)
+
+
+def test_server_mode(tmp_path, target, model, prep):
+    """extract.vllm_server: one completion request per sample to an OpenAI-style server
+    (here a stand-in answering as vLLM's does, from FakeVLLM)."""
+    fake = _engine(model, tmp_path)
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send({"version": "0.33.0"} if self.path == "/version" else {"data": [{"id": "tiny"}]})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(req)
+            (res,) = fake.run([(-1, req["prompt"])], req.get("prompt_logprobs"))
+            pl = None if res.prompt_logprobs is None else [
+                None if p is None else {str(k): {"logprob": v.logprob, "rank": v.rank} for k, v in p.items()}
+                for p in res.prompt_logprobs]
+            self._send({"choices": [{"text": "", "prompt_logprobs": pl, "prompt_token_ids": req["prompt"]}],
+                        "kv_transfer_params": {"hidden_states_path": res.path}})
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = _cfg(target, vllm_server=f"http://127.0.0.1:{server.server_port}", vllm_requests=3)
+        stats, out = _extract(tmp_path, cfg, prep)
+    finally:
+        server.shutdown()
+    assert stats["samples"] == len(LENGTHS) and stats["vllm_version"] == "0.33.0"
+    assert stats["selfcheck"]["top1_agreement"] == 1.0
+    assert all(r["max_tokens"] == 1 and r["model"] == "tiny" for r in seen)
+    assert sum("prompt_logprobs" in r for r in seen) == 4
+    local, _ = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path), name="local")
+    a, b = StoreReader(out), StoreReader(tmp_path / "local")
+    for sid in a.sample_ids.tolist():
+        assert torch.equal(a.get(sid)["aux"], b.get(sid)["aux"]) and torch.equal(a.get(sid)["final"], b.get(sid)["final"])
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(_vllm_importable(), reason="checks the doctor where vLLM is not installed")
+def test_doctor_without_vllm_refuses_clearly(tmp_path, target, monkeypatch):
+    cfg = _cfg(target)
+    cfg.run.dir = str(tmp_path / "run")
+    fails = [f for f in diagnose(cfg, "extract").findings if f.status == "FAIL"]
+    assert [f.check for f in fails] == ["vLLM version"], [f.line() for f in fails]
+    assert "not installed" in fails[0].found and "scripts/vllm_venv.sh" in fails[0].fix
+    # the HF backend's hook contracts are not checked for this backend; the shared ones are
+    checked = "\n".join(f.found for f in diagnose(cfg, "extract").findings if f.check == "API contracts")
+    assert checked.startswith("4 of 4 match")  # the shared transformers/safetensors rows, not the hook ones
+    monkeypatch.setattr(vb, "installed_vllm_version", lambda: "0.24.0")
+    (f,) = [f for f in diagnose(cfg, "extract").findings if f.status == "FAIL"]
+    assert f.check == "vLLM version" and "0.24.0" in f.found and "older than 0.25.0" in f.found
+    assert "vllm>=0.25.0" in f.fix
+
+
+@pytest.mark.skipif(not _vllm_importable() or not torch.cuda.is_available(),
+                    reason="needs vLLM and a CUDA GPU: run with .venv-vllm/bin/python -m pytest on a GPU machine")
+def test_vllm_extract_matches_hf_on_gpu(tmp_path, prep):
+    """The real thing: vLLM's extract_hidden_states + ExampleHiddenStatesConnector on a GPU,
+    against the HF backend's store of the same samples (bf16 both: close, not equal). The
+    target has head_dim 64, a size every vLLM attention kernel takes."""
+    gpu_target = save_target(tmp_path / "llama256", family="llama", num_hidden_layers=L, hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    cfg = _cfg(gpu_target, vllm_engine_args={"enforce_eager": True, "gpu_memory_utilization": 0.3,
+                                             "max_num_seqs": 8, "skip_tokenizer_init": True})
+    cfg.target.dtype = "bfloat16"
+    cfg.extract.selfcheck_min_top1 = 0.9  # a random tiny model in bf16 has near ties
+    stats, out = _extract(tmp_path, cfg, prep)
+    assert stats["samples"] == len(LENGTHS) and stats["set_aside"] == {}
+    assert stats["selfcheck"]["top1_agreement"] >= 0.9 and stats["vllm_version"]
+    hf = _cfg(gpu_target, backend="hf", selfcheck_samples=0)
+    hf.target.dtype = "bfloat16"
+    _, hf_out = _extract(tmp_path, hf, prep, name="hf")
+    a, b = StoreReader(out), StoreReader(hf_out)
+    assert (a.meta["final_state"], b.meta["final_state"]) == ("pre_norm", "post_norm")
+    ta, tb = (TeacherHead(load_head(r, torch.device("cpu")), 64) for r in (a, b))
+    V = ta.lm_head.shape[0]
+    every, no_offset = torch.ones(V, dtype=torch.bool), torch.zeros(V, dtype=torch.int64)
+    agree = total = 0
+    for sid in a.sample_ids.tolist():
+        x, y = a.get(sid), b.get(sid)
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        cos = torch.nn.functional.cosine_similarity(x["aux"].float(), y["aux"].float(), dim=-1)
+        assert cos.min() > 0.99, (sid, float(cos.min()))
+        pa = ta(x["final"].float()[None], every, no_offset)[0][0]
+        pb = tb(y["final"].float()[None], every, no_offset)[0][0]
+        agree += int((pa.argmax(-1) == pb.argmax(-1)).sum())
+        total += pa.shape[0]
+    assert agree / total > 0.9  # the vLLM store's teacher (norm applied in training) is the HF store's
+
+
+def test_shadow_runs_the_hf_backend(tmp_path, target):
+    from eaglet.shadow import shadow_config
+
+    cfg = _cfg(target, vllm_server="http://x:8000", vllm_engine_args={"tensor_parallel_size": 8})
+    s, notes = shadow_config(cfg, tmp_path, target, 61)
+    assert (s.extract.backend, s.extract.vllm_server, s.extract.vllm_engine_args) == ("hf", None, {})
+    assert any("extract.backend vllm -> hf" in n for n in notes)
+
+
+def test_samples_longer_than_max_model_len_are_set_aside(tmp_path, target, model, prep):
+    engine = _engine(model, tmp_path)
+    stats, out = _extract(tmp_path, _cfg(target, vllm_engine_args={"max_model_len": 23}), prep, engine)
+    assert stats["set_aside"] == {"longer_than_max_model_len": 2}  # 31 and 26; 22 + the generated token fits
+    assert sorted(StoreReader(out).lengths.tolist()) == sorted(n for n in LENGTHS if n < 23)
