@@ -87,9 +87,8 @@ def build_target(preset: str, layers: int | None, device: torch.device, dtype: t
                          tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config).to(dtype)  # the dtype first: never an fp32 copy on the device
     model.to_empty(device=device)
-    model.to(dtype)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
