@@ -68,8 +68,9 @@ def main(out_dir: str, work_dir: str) -> str:
             for k, p in prof))
 
     any_r = next((v for v in res.values() if isinstance(v, dict) and "device_name" in v), {})
-    lines = [f"# eaglet performance benchmarks (issue 7)", "",
-             f"{any_r.get('device_name') or any_r.get('device', '?')}, torch {any_r.get('torch', '?')}, {time.strftime('%Y-%m-%d %H:%M')}. "
+    where = any_r.get("device_name") or any_r.get("device", "?")
+    lines = ["# eaglet performance benchmarks (issue 7)", "",
+             f"{where}, torch {any_r.get('torch', '?')}, {time.strftime('%Y-%m-%d %H:%M')}. "
              "Training: synthetic inputs of the real shapes, k = 7, bf16 autocast over fp32 weights; MFU from the "
              "anchor script's `train_flops_per_token` at 790 TFLOP/s; peak = max memory allocated. speculators 0.9.0: "
              "the anchor's step (eager loss) at the same shapes, in the same run.", "",

@@ -292,7 +292,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         timer.enabled = False
     if args.profile:
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
-    res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None, attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
+    res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
+               attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
                trainable_params_m=sum(p.numel() for p in params) / 1e6)
     return res
 
