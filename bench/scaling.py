@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 2 bench/scaling.py --device cpu --preset tiny --steps 3   # CPU smoke test (gloo)
 
 The step is eaglet's own (`train.micro_batch` and `train.optimizer_step` on a draft wrapped by
-`parallel.parallelize`), on synthetic inputs of fixed shape: random captured states, tokens,
+`parallel.parallelize`, compiled as `train.compile` says: `--compile`), on synthetic inputs of fixed shape: random captured states, tokens,
 documents of `--doc-tokens`, and a random target head for the teacher. Reading the store is
 left out. Weak scaling: every rank trains `--grad-accum` micro-batches of `--max-tokens`
 tokens per optimizer step, so N ranks train N times the tokens per step, as `eaglet train`
@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from eaglet.config import TrainSection  # noqa: E402
 from eaglet.model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
 from eaglet.parallel import barrier, init_distributed, parallelize, resolve_strategy  # noqa: E402
-from eaglet.train import Batch, TargetHead, TeacherHead, lr_lambda, micro_batch, optimizer_step  # noqa: E402
+from eaglet.train import (Batch, TargetHead, TeacherHead, lr_lambda, micro_batch, optimizer_step,  # noqa: E402
+                          resolve_compile)
 
 # Draft shapes of real targets (DraftConfig.from_target_config of their configs) and a tiny one.
 PRESETS: dict[str, dict[str, int]] = {
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="Strategy of phase 2.")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="As train.precision.")
     ap.add_argument("--attn-impl", default="auto", help="As train.attn_impl.")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="As train.compile.")
     ap.add_argument("--device", default="auto", help="'auto' (this rank's GPU when there is one) or 'cpu'.")
     ap.add_argument("--warmup", type=int, default=3, help="Untimed steps per phase.")
     ap.add_argument("--steps", type=int, default=10, help="Timed steps per phase.")
@@ -100,7 +102,8 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     draft = Eagle3Draft(cfg)
     head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
                       norm_eps=cfg.rms_norm_eps, embed=None)
-    par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), strategy, device, frozen_dtype=frozen)
+    par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), strategy, device, frozen_dtype=frozen,
+                      compile=resolve_compile(tc.compile, device))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, args.warmup + args.steps))
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args.doc_tokens = args.doc_tokens or max(args.max_tokens // 4, 1)
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
     tc = TrainSection(max_tokens=args.max_tokens, grad_accum=args.grad_accum, ttt_steps=args.ttt_steps,
-                      precision=args.precision, attn_impl=args.attn_impl, warmup_steps=1, min_lr_ratio=1.0)
+                      precision=args.precision, attn_impl=args.attn_impl, compile=args.compile, warmup_steps=1,
+                      min_lr_ratio=1.0)
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
         compile_flex_attention()

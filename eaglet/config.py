@@ -152,6 +152,10 @@ class TrainSection:
         "auto", "TTT attention: 'flex' (GPU), 'chunked' (any device), 'naive' (dense mask, tests); auto picks."
     )
     precision: Literal["auto", "bf16", "fp32"] = _f("auto", "bf16 autocast with fp32 master weights (auto: on GPU), or fp32.")
+    compile: Literal["auto", "on", "off"] = _f(
+        "auto", "torch.compile the draft's TTT-step pieces and the soft cross-entropy (auto: on GPU; the first steps "
+        "then take longer)."
+    )
     device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
     draft_layers: int = _f(1, "Decoder layers in the draft.")
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")

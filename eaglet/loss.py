@@ -19,8 +19,9 @@ top-1 agreement of draft and teacher. total = sum_j gamma^j * loss_j.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,18 +61,29 @@ def teacher_targets(
     out_dtype = torch.float64 if final_BTH.dtype == torch.float64 else torch.float32
     probs = torch.empty(B * T, d2t_N.numel(), dtype=out_dtype, device=final_BTH.device)
     in_vocab = torch.empty(B * T, dtype=torch.bool, device=final_BTH.device)
+
+    def target_logits(raw: Tensor) -> Tensor:  # the target's own logits, fp32 (fp64 stays)
+        logits = _acc(raw)
+        if logit_scale != 1.0:
+            logits = logits * logit_scale
+        if logit_softcap:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
+        return logits
+
     for a in range(0, B * T, chunk):
         x = x_NH[a : a + chunk]
         if norm_weight_H is not None:
             x32 = _acc(x)
             x = norm_weight_H * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
-        logits = _acc(x.to(lm_head_weight_VH.dtype) @ lm_head_weight_VH.T)
-        if logit_scale != 1.0:
-            logits = logits * logit_scale
-        if logit_softcap:
-            logits = torch.tanh(logits / logit_softcap) * logit_softcap
-        in_vocab[a : a + chunk] = t2d_V[logits.argmax(-1)]
-        probs[a : a + chunk] = logits[:, draft_cols].softmax(-1)
+        raw = x.to(lm_head_weight_VH.dtype) @ lm_head_weight_VH.T  # [chunk, V] in the head's dtype
+        # The full-vocabulary logits serve only the argmax. Without a scale or softcap the
+        # argmax of the raw (bf16) logits is the same index: the cast to fp32 is exact and
+        # keeps the order and the ties. So no fp32 copy of the full vocabulary is made; the
+        # softmax takes the draft columns first and casts only those (elementwise ops
+        # commute with the column gather: the same values as casting everything first).
+        top = raw.argmax(-1) if logit_scale == 1.0 and not logit_softcap else target_logits(raw).argmax(-1)
+        in_vocab[a : a + chunk] = t2d_V[top]
+        probs[a : a + chunk] = target_logits(raw[:, draft_cols]).softmax(-1)
     return probs.view(B, T, -1), in_vocab.view(B, T)
 
 
@@ -98,6 +110,82 @@ class TTTLoss:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
 
 
+def masked_soft_ce(logits_BLN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean soft CE over the rows where m, correct, count): the reference formula.
+
+    top_BL: the teacher's argmax per row (draft ids). Eager mode runs `chunked_soft_ce`
+    instead (the same numbers in less memory); torch.compile fuses this one (`compiled_soft_ce`).
+    """
+    logits = _acc(logits_BLN)
+    # Soft CE without materialising log-softmax: lse(z) - sum_v p_v z_v (sum_v p_v = 1).
+    ce = torch.logsumexp(logits, dim=-1) - (p_BLN * logits).sum(-1)
+    count = m_BL.sum()
+    loss = (ce * m_BL).sum() / count.clamp(min=1)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == top_BL) & m_BL).sum()
+    return loss, correct, count
+
+
+class _SoftCE(torch.autograd.Function):
+    """Per-row soft CE lse(z) - p.z over rows of logits, `chunk` rows at a time, with the
+    draft's argmax per row. Saves the logits in their own dtype (bf16 under autocast) and
+    the row lse, where autograd on the reference formula saves an fp32 copy of the logits;
+    temporaries are chunk-sized. The gradient is computed as autograd computes the
+    reference's, g * exp(z - lse) - g * p, so the values are the same bit for bit."""
+
+    @staticmethod
+    def forward(ctx: Any, logits_RN: Tensor, p_RN: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+        R = logits_RN.shape[0]
+        acc_dtype = torch.float64 if logits_RN.dtype == torch.float64 else torch.float32
+        ce = torch.empty(R, dtype=acc_dtype, device=logits_RN.device)
+        lse = torch.empty(R, dtype=acc_dtype, device=logits_RN.device)
+        top = torch.empty(R, dtype=torch.int64, device=logits_RN.device)
+        for a in range(0, R, chunk):
+            z = _acc(logits_RN[a : a + chunk])
+            lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
+            ce[a : a + chunk] = lse[a : a + chunk] - (p_RN[a : a + chunk] * z).sum(-1)
+            top[a : a + chunk] = z.argmax(-1)
+        ctx.save_for_backward(logits_RN, p_RN, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx: Any, grad_ce: Tensor, _grad_top: Tensor | None) -> tuple[Tensor | None, None, None]:
+        logits_RN, p_RN, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits_RN)
+        for a in range(0, logits_RN.shape[0], ctx.chunk):
+            z = _acc(logits_RN[a : a + ctx.chunk])
+            g = grad_ce[a : a + ctx.chunk, None]
+            grad[a : a + ctx.chunk] = g * (z - lse[a : a + ctx.chunk, None]).exp() + (-g) * p_RN[a : a + ctx.chunk]
+        return grad, None, None
+
+
+def chunked_soft_ce(
+    logits_BLN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, chunk: int = 1024
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`masked_soft_ce` through `_SoftCE`: the same values, no fp32 copy of the logits kept."""
+    N = logits_BLN.shape[-1]
+    ce, draft_top = _SoftCE.apply(logits_BLN.reshape(-1, N), p_BLN.reshape(-1, N), chunk)
+    ce, draft_top = ce.view(m_BL.shape), draft_top.view(m_BL.shape)
+    count = m_BL.sum()
+    loss = (ce * m_BL).sum() / count.clamp(min=1)
+    correct = ((draft_top == top_BL) & m_BL).sum()
+    return loss, correct, count
+
+
+_compiled_soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+
+
+def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """torch.compile(masked_soft_ce), made once per process: on a GPU one fused kernel
+    reads each row of logits and teacher for the forward, one more for the backward."""
+    global _compiled_soft_ce
+    if _compiled_soft_ce is None:
+        _compiled_soft_ce = torch.compile(masked_soft_ce)
+    return _compiled_soft_ce
+
+
 def step_loss(
     logits_BTN: Tensor,
     step: int,
@@ -105,19 +193,18 @@ def step_loss(
     in_vocab_BT: Tensor,
     loss_mask_BT: Tensor,
     doc_ids_BT: Tensor | None = None,
+    teacher_top_BT: Tensor | None = None,
+    soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] = chunked_soft_ce,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(mean soft CE, correct, count) of one step, aligned as the module header says."""
+    """(mean soft CE, correct, count) of one step, aligned as the module header says.
+
+    teacher_top_BT: the teacher's argmax per position (computed here when not given);
+    soft_ce: `chunked_soft_ce`, `masked_soft_ce` or `compiled_soft_ce()`."""
     m = step_mask(loss_mask_BT, in_vocab_BT, doc_ids_BT, step)
     L = m.shape[1]
-    logits = _acc(logits_BTN[:, :L])
     p = teacher_BTN[:, 1 + step : 1 + step + L]
-    # Soft CE without materialising log-softmax: lse(z) - sum_v p_v z_v (sum_v p_v = 1).
-    ce = torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
-    count = m.sum()
-    loss = (ce * m).sum() / count.clamp(min=1)
-    with torch.no_grad():
-        correct = ((logits.argmax(-1) == p.argmax(-1)) & m).sum()
-    return loss, correct, count
+    top = p.argmax(-1) if teacher_top_BT is None else teacher_top_BT[:, 1 + step : 1 + step + L]
+    return soft_ce(logits_BTN[:, :L], p, m, top)
 
 
 def ttt_loss(
@@ -127,12 +214,16 @@ def ttt_loss(
     loss_mask_BT: Tensor,
     doc_ids_BT: Tensor | None = None,
     gamma: float = 0.8,
+    compiled: bool = False,
 ) -> TTTLoss:
-    """The TTT loss over all steps; `logits_steps` may be the draft's `ttt_steps` generator."""
+    """The TTT loss over all steps; `logits_steps` may be the draft's `ttt_steps` generator.
+    compiled: the soft CE through torch.compile (`compiled_soft_ce`); else `chunked_soft_ce`."""
     losses, correct, counts = [], [], []
     total: Tensor | float = 0.0
+    teacher_top = teacher_BTN.argmax(-1)  # once, not once per step: the steps see shifted rows of it
+    soft_ce = compiled_soft_ce() if compiled else chunked_soft_ce
     for j, logits in enumerate(logits_steps):
-        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT)
+        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top, soft_ce)
         total = total + gamma**j * loss
         losses.append(loss)
         correct.append(c)

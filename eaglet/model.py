@@ -30,6 +30,10 @@ Three interchangeable attention implementations (`attn_impl`):
     "chunked" the same merge with the step-0 part computed in query chunks in plain
               PyTorch (recomputed in backward): any device, memory O(chunk x T).
     "naive"   an explicit dense [T, (j+1)T] mask and softmax; the reference for tests.
+
+`compile_draft` (applied from outside, by parallel.parallelize) torch.compiles the pieces of
+a step around the attention call (each layer's `attn_inputs` / `attn_output`, the `head`,
+the diagonal merge); the eager code is the reference that tests compare it with.
 """
 
 from __future__ import annotations
@@ -290,14 +294,20 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
 
-    def forward(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+    def qkv(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries [B,Hq,T,D], rotated keys and values [B,Hkv,T,D]."""
         B, T, _ = x_BTI.shape
         q = self.q_proj(x_BTI).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos_BTD, sin_BTD), apply_rope(k, cos_BTD, sin_BTD)
-        out_BHTD = attend(q, k, v)
+        return apply_rope(q, cos_BTD, sin_BTD), apply_rope(k, cos_BTD, sin_BTD), v
+
+    def out(self, out_BHTD: Tensor) -> Tensor:
+        B, _, T, _ = out_BHTD.shape
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        return self.out(attend(*self.qkv(x_BTI, cos_BTD, sin_BTD)))
 
 
 class DecoderLayer(nn.Module):
@@ -317,6 +327,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]
     ) -> Tensor:
+        q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin)
+        return self.attn_output(attend(q, k, v), residual)
+
+    # The layer in two halves around the attention call: the pieces that `compile_draft`
+    # compiles (tensors in, tensors out, the same graph at every TTT step).
+    def attn_inputs(
+        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q, k, v, residual): the norms, the q/k/v projections and RoPE."""
         if self.first:
             normed = self.hidden_norm(h_BTH)
             residual = normed if self.norm_before_residual else h_BTH
@@ -324,7 +343,11 @@ class DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(embeds_BTH), normed], dim=-1)
         else:
             residual, x = h_BTH, self.input_layernorm(h_BTH)
-        h = residual + self.self_attn(x, cos, sin, attend)
+        return *self.self_attn.qkv(x, cos, sin), residual
+
+    def attn_output(self, out_BHTD: Tensor, residual_BTH: Tensor) -> Tensor:
+        """o_proj, the residual, post_attention_layernorm and the MLP."""
+        h = residual_BTH + self.self_attn.out(out_BHTD)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -359,6 +382,9 @@ class Eagle3Draft(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
         self._inv_freq_on: dict[torch.device, Tensor] = {}
+        # How the TTT attention folds in the diagonal keys: None is the reference
+        # (_merge_diagonal); compile_draft puts a compiled merge_diagonal_stacked here.
+        self.merge: Callable[..., Tensor] | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -403,9 +429,13 @@ class Eagle3Draft(nn.Module):
         h = hidden_BTH
         for i, layer in enumerate(self.layers):
             h = layer(h, embeds, cos, sin, partial(attend, i))
-        normed = self.norm(h)
+        return self.head(h)
+
+    def head(self, h_BTH: Tensor) -> tuple[Tensor, Tensor]:
+        """(hidden for the next step, logits [B,T,draft_vocab]) from the last layer's output."""
+        normed = self.norm(h_BTH)
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
-        return (normed if self.config.norm_output else h), self.lm_head(normed)
+        return (normed if self.config.norm_output else h_BTH), self.lm_head(normed)
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 
@@ -441,7 +471,7 @@ class Eagle3Draft(nn.Module):
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kv[layer].append((k, v))
             ks, vs = [k for k, _ in kv[layer]], [v for _, v in kv[layer]]
-            return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask)
+            return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask, merge=self.merge)
 
         hidden = self.project_aux(aux_BTA)
         for j in range(num_steps):
@@ -543,6 +573,25 @@ def compile_flex_attention(**compile_kwargs: Any) -> None:
     _flex_compiled = torch.compile(flex_attention, **compile_kwargs)
 
 
+def compile_draft(model: Eagle3Draft, **compile_kwargs: Any) -> Eagle3Draft:
+    """torch.compile the pieces of a TTT step, in place; returns the model.
+
+    Compiled: each decoder layer's `attn_inputs` (norms, q/k/v, RoPE) and `attn_output`
+    (o_proj, residual, norm, MLP), the `head` (final norm, lm_head), and the merge of the
+    diagonal keys into the step-0 attention (`merge_diagonal_stacked`). These are the
+    memory-bound elementwise chains around the matrix products that eager mode runs as one
+    kernel each. The attention call itself stays outside (flex_attention has its own
+    compile, `compile_flex_attention`), so each piece is one graph whatever the TTT step:
+    no recompilation per step, no graph breaks. Weights, state dict and export are untouched.
+    """
+    for layer in model.layers:
+        layer.attn_inputs = torch.compile(layer.attn_inputs, **compile_kwargs)
+        layer.attn_output = torch.compile(layer.attn_output, **compile_kwargs)
+    model.head = torch.compile(model.head, **compile_kwargs)
+    model.merge = torch.compile(merge_diagonal_stacked, **compile_kwargs)
+    return model
+
+
 def _flex_attention(q: Tensor, *args: Any, **kwargs: Any) -> Any:
     fn = _flex_compiled if (_flex_compiled is not None and q.is_cuda) else flex_attention
     return fn(q, *args, **kwargs)
@@ -589,9 +638,13 @@ def ttt_attention(
     doc_ids_BT: Tensor | None = None,
     block_mask: BlockMask | None = None,
     chunk: int = 256,
+    merge: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Attention of step j = len(ks)-1: step-0 keys causally (per document) + own-row keys
-    of steps 1..j. ks/vs: [B, Hkv, T, D] per step. Returns [B, Hq, T, D]."""
+    of steps 1..j. ks/vs: [B, Hkv, T, D] per step. Returns [B, Hq, T, D].
+
+    merge: None folds the diagonal keys in with `_merge_diagonal` (the reference); else a
+    function with `merge_diagonal_stacked`'s signature (compile_draft's compiled one)."""
     B, _, T, D = q_BHTD.shape
     scale = D**-0.5
     if impl == "naive":
@@ -606,6 +659,8 @@ def ttt_attention(
         raise ValueError(f"attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
     if len(ks) == 1:
         return out0.to(q_BHTD.dtype)
+    if merge is not None:
+        return merge(q_BHTD, out0, lse0, torch.stack(ks[1:]), torch.stack(vs[1:]), scale)
     return _merge_diagonal(q_BHTD, out0, lse0, ks[1:], vs[1:], scale)
 
 
@@ -688,4 +743,22 @@ def _merge_diagonal(
     out = weights[0, ..., None] * _acc(out0_BHTD).reshape(B, Hk, G, T, D)
     for w, v in zip(weights[1:], vs, strict=True):
         out = out + w[..., None] * _acc(v)[:, :, None]
+    return out.reshape(B, Hq, T, D).to(q_BHTD.dtype)
+
+
+def merge_diagonal_stacked(
+    q_BHTD: Tensor, out0_BHTD: Tensor, lse0_BHT: Tensor, k_JBKTD: Tensor, v_JBKTD: Tensor, scale: float
+) -> Tensor:
+    """`_merge_diagonal` with the j diagonal keys and values stacked on a leading dim: one
+    graph for every step when compiled (j becomes a dynamic size), no per-key Python loop.
+    The same values as `_merge_diagonal` up to the order of the final sum over keys."""
+    B, Hq, T, D = q_BHTD.shape
+    Hk = k_JBKTD.shape[2]
+    G = Hq // Hk
+    q = _acc(q_BHTD).reshape(B, Hk, G, T, D)
+    scores = (q[None] * _acc(k_JBKTD)[:, :, :, None]).sum(-1) * scale  # [J, B, Hk, G, T]
+    all_scores = torch.cat([_acc(lse0_BHT).reshape(1, B, Hk, G, T), scores], dim=0)
+    weights = torch.softmax(all_scores, dim=0)
+    out = weights[0, ..., None] * _acc(out0_BHTD).reshape(B, Hk, G, T, D)
+    out = out + (weights[1:, ..., None] * _acc(v_JBKTD)[:, :, :, None]).sum(0)
     return out.reshape(B, Hq, T, D).to(q_BHTD.dtype)

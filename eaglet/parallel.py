@@ -180,6 +180,7 @@ class Parallel:
     draft: nn.Module
     module: nn.Module
     teacher: nn.Module
+    compiled: bool = False  # the draft's step pieces are compiled; the loss should be too
 
     @contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
@@ -265,13 +266,20 @@ class Parallel:
 
 
 def parallelize(draft: nn.Module, teacher: nn.Module, strategy: str, device: torch.device,
-                frozen_dtype: torch.dtype | None = None, env: DistEnv | None = None) -> Parallel:
+                frozen_dtype: torch.dtype | None = None, env: DistEnv | None = None,
+                compile: bool = False) -> Parallel:
     """Move the draft and teacher to `device` and wrap them for `strategy` (see the module doc).
 
     `frozen_dtype`: the dtype the frozen embedding is kept in (the target's); None keeps it.
+    `compile`: torch.compile the draft's TTT-step pieces first (model.compile_draft), before
+    any wrapper, as torchtitan compiles its blocks before sharding them.
     A single process goes through here too (strategy 'none': nothing is wrapped).
     """
     env = env or dist_env()
+    if compile:
+        from .model import compile_draft
+
+        compile_draft(draft)
     emb = draft.embed_tokens.weight
     if frozen_dtype is not None and emb.dtype != frozen_dtype:  # before the move: never on the device in fp32
         draft.embed_tokens.weight = nn.Parameter(emb.detach().to(frozen_dtype), requires_grad=False)
@@ -281,7 +289,7 @@ def parallelize(draft: nn.Module, teacher: nn.Module, strategy: str, device: tor
     draft.to(device)
     teacher.to(device)
     if strategy == "none":
-        return Parallel("none", env, draft, draft, teacher)
+        return Parallel("none", env, draft, draft, teacher, compile)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -291,7 +299,7 @@ def parallelize(draft: nn.Module, teacher: nn.Module, strategy: str, device: tor
                           else {"broadcast_buffers": False})  # the older name (torch < 2.13)
         module = DDP(draft, device_ids=[device.index] if device.type == "cuda" else None,
                      gradient_as_bucket_view=True, **no_buffer_sync)
-        return Parallel("ddp", env, draft, module, teacher)
+        return Parallel("ddp", env, draft, module, teacher, compile)
     if strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -304,5 +312,5 @@ def parallelize(draft: nn.Module, teacher: nn.Module, strategy: str, device: tor
         fully_shard(draft.embed_tokens, mesh=mesh, reshard_after_forward=False)
         fully_shard(draft, mesh=mesh)
         fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
-        return Parallel("fsdp", env, draft, draft, teacher)
+        return Parallel("fsdp", env, draft, draft, teacher, compile)
     raise ValueError(f"unknown strategy {strategy!r}")

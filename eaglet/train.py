@@ -118,13 +118,20 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
     pos = torch.cat([torch.arange(n) for n in lens])
     doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])
 
+    def to_device(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # Over the bus in the stored dtype (bf16 states: half the bytes of fp32), converted
+        # on the device (the same values). From pinned memory: a copy from pageable memory
+        # waits for the GPU's queue to drain, a host sync per micro-batch.
+        if device.type == "cuda" and t.device.type == "cpu":
+            t = t.pin_memory()
+        t = t.unsqueeze(0).to(device, non_blocking=True)
+        return t.to(dtype) if dtype is not None else t
+
     def cat(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = torch.cat([p[key] for p in cut])
-        t = t.to(dtype) if dtype is not None else t
-        return t.unsqueeze(0).to(device, non_blocking=True)
+        return to_device(torch.cat([p[key] for p in cut]), dtype)
 
     return Batch(cat("aux", torch.float32), cat("final"), cat("input_ids", torch.int64), cat("loss_mask", torch.bool),
-                 pos.unsqueeze(0).to(device), doc.unsqueeze(0).to(device), sum(lens))
+                 to_device(pos), to_device(doc), sum(lens))
 
 
 # ---- the target's head and the draft -------------------------------------------------------------
@@ -395,13 +402,21 @@ class Sums:
         return out
 
 
+def resolve_compile(setting: str, device: torch.device) -> bool:
+    """`train.compile` -> whether to compile ('auto': on CUDA, where it pays; on a CPU the
+    compilation takes longer than a small run)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"train.compile {setting!r}: expected auto, on or off")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
 def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
     """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
     wrapper, or the bare draft for evaluation) and its loss."""
     teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t)
     with autocast:
         steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
-        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
 
 
 def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
@@ -434,7 +449,8 @@ class Trainer:
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
         self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk), strategy, self.device,
-                               frozen_dtype=head.lm_head.dtype, env=self.env)
+                               frozen_dtype=head.lm_head.dtype, env=self.env,
+                               compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
         use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")

@@ -1,0 +1,427 @@
+"""Training-step throughput of eaglet's draft, or of speculators' for comparison, on one GPU.
+
+    python bench/train_throughput.py --preset llama3-8b --tokens 8192 --doc-tokens 2048 --out t.json
+    python bench/train_throughput.py --preset llama3-8b --tokens 2048 --breakdown --profile
+    python bench/train_throughput.py --system speculators --preset kimi-k2 --tokens 4096
+    python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1       # CPU smoke test
+
+eaglet: its own step (`train.micro_batch` = `train.forward_loss` + backward, then
+`train.optimizer_step`) on a draft built by `parallel.parallelize` as the Trainer builds it
+(bf16 autocast over fp32 weights on CUDA, frozen embedding and teacher head in bf16,
+`train.compile` and `train.attn_impl` as given), on synthetic inputs of the real shapes (bench/
+scaling.py's presets and batches): random captured states and tokens, `--tokens` per
+micro-batch made of documents of `--doc-tokens`, a random target head for the teacher.
+speculators (`--system speculators`, needs the speculators 0.9.0 package): the step of
+../shared/anchors/speculators_train_step.py (its Eagle3DraftModel forward with its TTT loop,
+flex attention and loss, backward, clip, fused AdamW, bf16 autocast over fp32 weights),
+built the same way at the same preset's shapes, in the same timing harness.
+
+Timing: `--warmup` untimed steps (compilation happens there), then `--steps` timed ones
+between two device synchronisations; nothing in a step waits for the device. Peak memory:
+torch.cuda.max_memory_allocated over the timed steps.
+
+FLOPs: the anchor script's `train_flops_per_token` (copied verbatim below; the figures are
+comparable with its MFU): 6 x fc + k x 6 x (q, k, v, o, MLP, lm_head and causal attention
+within a document) + 2 x H x draft_vocab for the teacher, in multiply-accumulates x 2.
+It counts the teacher over the draft vocabulary only, as speculators computes it; eaglet's
+teacher takes the full-vocabulary argmax (to mask rows whose target token is not a draft
+token), 2 x H x (V - draft_vocab) more per token: reported as `gflop_per_token_full_teacher`,
+not in the MFU. MFU = tokens/s x FLOPs per token / `--peak` (790 TFLOP/s: the bf16 matrix
+rate measured on the H200s lent here).
+
+--breakdown (eaglet): CUDA events around the phases of every timed step, averaged: teacher,
+each TTT step's forward, each step's loss, backward, optimizer. Events do not synchronise.
+--profile: torch.profiler over `--profile-steps` more steps; the top kernels by device time
+are printed and saved in the JSON (`--trace FILE` also writes the Chrome trace).
+--check (eaglet with compile on): the first step's losses against an eager copy of the draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from scaling import PRESETS, _batch  # noqa: E402
+
+from eaglet.config import TrainSection  # noqa: E402
+import eaglet.loss as loss_mod  # noqa: E402
+from eaglet.model import DraftConfig, Eagle3Draft, compile_draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
+from eaglet.parallel import Parallel, parallelize  # noqa: E402
+from eaglet.train import (TargetHead, TeacherHead, forward_loss, lr_lambda, micro_batch, optimizer_step,  # noqa: E402
+                          resolve_compile)
+
+H200_BF16_PEAK = 790e12
+
+
+def train_flops_per_token(d: dict[str, int], seq: int, k: int) -> float:
+    """Verbatim from ../shared/anchors/speculators_train_step.py (keys: hidden, heads, kv,
+    inter, draft_vocab; seq: tokens per document)."""
+    H, I, Vd = d["hidden"], d["inter"], d["draft_vocab"]
+    kvd = H // d["heads"] * d["kv"]
+    fc = 3 * H * H
+    step = 2 * H * H + 2 * (2 * H * kvd) + H * H + 3 * H * I + H * Vd  # q,k,v,o,mlp,lm_head MACs
+    attn = seq / 2 * H * 2  # causal QK^T + AV MACs per token (diagonal extras ignored)
+    teacher = H * Vd  # speculators' teacher covers draft-vocab rows only
+    return 6 * fc + k * (6 * step + 6 * attn) + 2 * teacher
+
+
+def anchor_dims(shape: dict[str, int]) -> dict[str, int]:
+    """A scaling.py preset in the anchor script's keys."""
+    return dict(hidden=shape["hidden_size"], heads=shape["num_attention_heads"], kv=shape["num_key_value_heads"],
+                inter=shape["intermediate_size"], vocab=shape["vocab_size"], draft_vocab=shape["draft_vocab_size"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--system", choices=["eaglet", "speculators"], default="eaglet")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="Draft shape (bench/scaling.py).")
+    ap.add_argument("--tokens", type=int, default=8192, help="Tokens per micro-batch (one packed sequence).")
+    ap.add_argument("--doc-tokens", type=int, default=None, help="Tokens per document (default: --tokens, one document).")
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="As train.compile (eaglet).")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled pieces ('eager'/'aot_eager': capture only, to isolate).")
+    ap.add_argument("--attn-impl", default="auto", help="As train.attn_impl (eaglet).")
+    ap.add_argument("--loss-impl", choices=["eager", "fused"], default="eager", help="speculators' loss (anchor: eager).")
+    ap.add_argument("--device", default="auto", help="'auto' (cuda when there is one) or 'cpu'.")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="Peak FLOP/s for the MFU.")
+    ap.add_argument("--breakdown", action="store_true", help="Per-phase CUDA-event times (eaglet).")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler: top kernels by device time.")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25, help="Kernels listed by --profile.")
+    ap.add_argument("--trace", default=None, help="With --profile: also write the Chrome trace here.")
+    ap.add_argument("--check", action="store_true", help="First step's losses against an eager copy (eaglet).")
+    ap.add_argument("--out", default=None, help="Write the result JSON here.")
+    args = ap.parse_args(argv)
+    args.doc_tokens = args.doc_tokens or args.tokens
+    return args
+
+
+# ---- timing -----------------------------------------------------------------------------------------
+
+class PhaseTimer:
+    """Marks at named points of a step; `mean_ms()` averages each phase over the steps
+    recorded. CUDA events on a GPU (nothing is synchronised), the wall clock on a CPU (where
+    every op runs before the next starts); nothing at all when disabled."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.cuda = enabled, device.type == "cuda"
+        self.steps: list[list[tuple[str, Any]]] = []
+
+    def start_step(self) -> None:
+        if self.enabled:
+            self.steps.append([])
+            self.mark("start")
+
+    def mark(self, name: str) -> None:
+        if self.enabled and self.steps:
+            if self.cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+            else:
+                ev = time.perf_counter()
+            self.steps[-1].append((name, ev))
+
+    def mean_ms(self) -> dict[str, float]:
+        """Phase name -> mean ms; a phase runs from the previous mark to its own."""
+        sums: dict[str, float] = {}
+        for marks in self.steps:
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                sums[name] = sums.get(name, 0.0) + (a.elapsed_time(b) if self.cuda else 1000 * (b - a))
+        return {k: v / max(len(self.steps), 1) for k, v in sums.items()}
+
+
+class _TimedTeacher(nn.Module):
+    def __init__(self, teacher: nn.Module, timer: PhaseTimer):
+        super().__init__()
+        self.teacher, self.timer = teacher, timer
+
+    def forward(self, *args: Any) -> Any:
+        out = self.teacher(*args)
+        self.timer.mark("teacher")
+        return out
+
+
+class _TimedSteps(nn.Module):
+    """The training module with a mark after each TTT step's forward and each step's loss.
+    It computes what the draft's forward computes (all steps' logits, then the losses over
+    them, as forward_loss runs), through the `ttt_steps` generator to mark between steps."""
+
+    def __init__(self, module: nn.Module, timer: PhaseTimer):
+        super().__init__()
+        self.module, self.timer = module, timer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
+        if not (self.timer.enabled and isinstance(self.module, Eagle3Draft)):
+            return self.module(*args, **kwargs)
+        steps = []
+        for j, logits in enumerate(self.module.ttt_steps(*args, **kwargs)):
+            self.timer.mark(f"step{j}_forward")
+            steps.append(logits)
+        return self._losses_marked(steps)
+
+    def _losses_marked(self, steps: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for j, logits in enumerate(steps):
+            yield logits  # ttt_loss takes step j's loss before asking for the next
+            self.timer.mark(f"step{j}_loss")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.device,
+                timer: PhaseTimer | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if timer is not None:
+        timer.steps.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / steps
+    return {"step_ms": 1000 * seconds, "warmup_s": warm_s, "last_loss": float(last),
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+def _profile(step: Callable[[], Any], n: int, device: torch.device, top: int, trace: str | None) -> dict[str, Any]:
+    """torch.profiler over n steps: the top kernels (ops on CPU) by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        _sync(device)
+    if trace:
+        prof.export_chrome_trace(trace)
+    on_device = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        t = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if on_device \
+            else e.self_cpu_time_total
+        if t > 0:
+            rows.append((t, e.key, e.count))
+    rows.sort(reverse=True)
+    total = sum(t for t, _, _ in rows)
+    kernels = [{"name": k[:160], "ms_per_step": t / 1000 / n, "share": t / total if total else 0.0, "calls_per_step": c / n}
+               for t, k, c in rows[:top]]
+    print(f"profile: top {len(kernels)} {'kernels by device' if on_device else 'ops by CPU'} time "
+          f"({total / 1000 / n:.1f} ms per step in all):", flush=True)
+    for r in kernels:
+        print(f"  {r['ms_per_step']:8.2f} ms {r['share']:6.1%} x{r['calls_per_step']:<5.0f} {r['name']}", flush=True)
+    return {"total_ms_per_step": total / 1000 / n, "top": kernels,
+            "table": prof.key_averages().table(sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total",
+                                               row_limit=top)}
+
+
+# ---- eaglet -----------------------------------------------------------------------------------------
+
+def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    shape = PRESETS[args.preset]
+    cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
+    tc = TrainSection(max_tokens=args.tokens, ttt_steps=args.ttt_steps, attn_impl=args.attn_impl,
+                      compile=args.compile, warmup_steps=1, min_lr_ratio=1.0)
+    frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compiled = resolve_compile(tc.compile, device)
+    if resolve_attn_impl(tc.attn_impl, device) == "flex":
+        compile_flex_attention()
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
+                      norm_eps=cfg.rms_norm_eps, embed=None)
+    reference = copy.deepcopy(draft) if args.check and compiled else None
+    if args.compile_backend == "inductor":
+        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), "none", device, frozen_dtype=frozen,
+                          compile=compiled)
+    else:  # the same pieces through another backend
+        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), "none", device, frozen_dtype=frozen)
+        if compiled:
+            compile_draft(draft, backend=args.compile_backend)
+            loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)
+            par = replace(par, compiled=True)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1)
+
+    timer = PhaseTimer(args.breakdown, device)
+    timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
+
+    def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
+        timer.start_step()
+        out = micro_batch(timed, b, tc, autocast, sync=True)
+        timer.mark("backward")
+        optimizer_step(par, opt, sched, tc)
+        timer.mark("optimizer")
+        return out.total.detach()
+
+    check = None
+    if reference is not None:
+        check = _check_against_eager(reference, par, b, tc, autocast, device, frozen)
+        reference = None  # its device copy is freed before the timed steps
+    res = _timed_loop(step, args.warmup, args.steps, device, timer)
+    if args.breakdown:
+        res["breakdown_ms"] = timer.mean_ms()
+        _print_breakdown(res["breakdown_ms"], res["step_ms"])
+        timer.enabled = False
+    if args.profile:
+        res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
+    res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
+               attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
+               trainable_params_m=sum(p.numel() for p in params) / 1e6)
+    return res
+
+
+def _check_against_eager(reference: Eagle3Draft, par: Parallel, b: Any, tc: TrainSection, autocast: torch.autocast,
+                         device: torch.device, frozen: torch.dtype) -> dict[str, Any]:
+    """Losses of one forward of the compiled draft and of an eager copy with the same weights
+    (read back once, before the timed steps)."""
+    ref_par = parallelize(reference, par.teacher, "none", device, frozen_dtype=frozen, compile=False)
+    with torch.no_grad():
+        want = forward_loss(ref_par, reference, b, tc, autocast)
+    got = forward_loss(par, par.module, b, tc, autocast)  # with grad: the graphs training uses
+    w = torch.stack([want.total] + want.losses).float().cpu()
+    g = torch.stack([got.total] + got.losses).detach().float().cpu()
+    del got, want, ref_par
+    rel = ((g - w).abs() / w.abs().clamp(min=1e-6)).max().item()
+    print(f"check: compiled vs eager losses {g.tolist()} vs {w.tolist()}: max relative difference {rel:.2e}", flush=True)
+    return {"compiled": g.tolist(), "eager": w.tolist(), "max_rel_diff": rel}
+
+
+def _print_breakdown(ms: dict[str, float], step_ms: float) -> None:
+    fwd = sum(v for k, v in ms.items() if k.endswith("_forward"))
+    loss = sum(v for k, v in ms.items() if k.endswith("_loss"))
+    print(f"breakdown (ms per step, of {step_ms:.1f}): teacher {ms.get('teacher', 0):.1f}, TTT forward {fwd:.1f} "
+          f"({', '.join(f'{ms[k]:.1f}' for k in ms if k.endswith('_forward'))}), loss {loss:.1f}, backward "
+          f"{ms.get('backward', 0):.1f}, optimizer {ms.get('optimizer', 0):.1f}", flush=True)
+
+
+# ---- speculators --------------------------------------------------------------------------------------
+
+def run_speculators(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The anchor script's model, batch and step (its `main`), at this preset's shapes."""
+    from transformers import LlamaConfig
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from importlib.metadata import version
+
+    d = anchor_dims(PRESETS[args.preset])
+    tl = LlamaConfig(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                     num_hidden_layers=1, num_attention_heads=d["heads"], num_key_value_heads=d["kv"],
+                     max_position_embeddings=131072, rms_norm_eps=1e-5)
+    # CPU flex_attention has no backward: speculators' dense eager mask there (smoke tests only)
+    tl._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "eager"
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=d["draft_vocab"], norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=[2, 16, 29],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=args.ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if torch.isnan(p).any():
+                p.normal_(0, 0.02)
+    model.lm_head.weight.requires_grad_(True)
+    model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    T, H, docs = args.tokens, d["hidden"], args.tokens // args.doc_tokens
+    states = torch.bfloat16 if device.type == "cuda" else torch.float32  # no autocast on a CPU
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batch = dict(
+        hidden_states=torch.randn(1, T, 3 * H, generator=g).to(device, states),
+        input_ids=torch.randint(0, d["vocab"], (1, T), generator=g).to(device),
+        document_ids=torch.arange(docs).repeat_interleave(args.doc_tokens).unsqueeze(0).to(device),
+        loss_mask=torch.ones(1, T, dtype=torch.bool).to(device),
+        position_ids=torch.arange(args.doc_tokens).repeat(docs).unsqueeze(0).to(device),
+        verifier_last_hidden_states=torch.randn(1, T, H, generator=g).to(device, states),
+    )
+    loss_config = resolve_loss_config("kl_div", implementation=args.loss_impl)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            _, loss, _ = model(**batch, ttt_steps=args.ttt_steps, ttt_step_loss_decay=0.8, loss_config=loss_config)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.detach()
+
+    res = _timed_loop(step, args.warmup, args.steps, device)
+    if args.profile:
+        res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
+    res.update(speculators_version=version("speculators"), loss_impl=args.loss_impl,
+               trainable_params_m=sum(p.numel() for p in params) / 1e6)
+    return res
+
+
+# ---- main ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.tokens % args.doc_tokens:
+        raise SystemExit(f"--tokens {args.tokens} is not a multiple of --doc-tokens {args.doc_tokens}")
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    res = run_eaglet(args, device) if args.system == "eaglet" else run_speculators(args, device)
+    d = anchor_dims(PRESETS[args.preset])
+    flops = train_flops_per_token(d, args.doc_tokens, args.ttt_steps)
+    extra = 2 * d["hidden"] * (d["vocab"] - d["draft_vocab"])
+    tok_s = args.tokens / (res["step_ms"] / 1000)
+    report = {
+        "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
+        "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,
+        "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
+        "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
+        **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+    }
+    mem = f", peak {report['peak_mem_gib']:.1f} GiB" if report["peak_mem_gib"] is not None else ""
+    print(f"{args.system} {args.preset} {args.tokens // args.doc_tokens}x{args.doc_tokens}: {tok_s:,.0f} tokens/s, "
+          f"{report['step_ms']:.1f} ms/step{mem}, MFU {report['mfu']:.1%} ({report['gflop_per_token']:.2f} GFLOP/token, "
+          f"anchor formula); warmup {report['warmup_s']:.1f} s; loss {report['last_loss']:.4f}"
+          + (f"; compile {report['compile']}, attention {report['attn_impl']}" if args.system == "eaglet" else ""),
+          flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if not math.isfinite(report["last_loss"]):
+        raise SystemExit("non-finite loss")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Issue 7's benchmarks at tiny shapes on the CPU: bench/perf.sh running bench/train_throughput.py
+(eaglet's step with its per-phase breakdown, profile and compiled-vs-eager check; speculators'
+step when .venv-speculators exists) and writing its summary; bench/extract_throughput.py; the
+FLOP count against the anchor script's. EAGLET_PERF_FULL=1 also runs speculators' side (15 s more)."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import extract_throughput  # noqa: E402
+import train_throughput  # noqa: E402
+
+ANCHOR = REPO.parent / "shared" / "anchors" / "speculators_train_step.py"
+SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
+if not SPECULATORS_PYTHON.exists():  # a worktree: the main checkout's side environment
+    SPECULATORS_PYTHON = Path("/work/main/.venv-speculators/bin/python")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--tokens", "256", "--doc-tokens", "64", "--warmup", "1", "--steps", "2"]
+
+
+def test_flop_count_is_the_anchors():
+    d = train_throughput.anchor_dims(train_throughput.PRESETS["llama3-8b"])
+    got = train_throughput.train_flops_per_token(d, 2048, 7)
+    assert got / 1e9 == pytest.approx(16.64, abs=0.01)
+    if ANCHOR.exists():  # the function itself, from the anchor script (which needs speculators to import)
+        tree = ast.parse(ANCHOR.read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_flops_per_token")
+        ns: dict = {}
+        exec(compile(ast.Module([fn], []), str(ANCHOR), "exec"), ns)
+        for seq in (2048, 4096):
+            for preset in ("llama3-8b", "kimi-k2"):
+                dims = train_throughput.anchor_dims(train_throughput.PRESETS[preset])
+                assert ns["train_flops_per_token"](dims, seq, 7) == train_throughput.train_flops_per_token(dims, seq, 7)
+
+
+def test_extract_bench(tmp_path):
+    out = tmp_path / "e.json"
+    r = extract_throughput.main(["--preset", "tiny", "--device", "cpu", "--batches", "2", "--dir", str(tmp_path),
+                                 "--out", str(out)])
+    assert json.loads(out.read_text())["tokens"] == r["tokens"] == 2 * 8 * 64
+    assert r["aux_layers"] == [2, 4, 5] and r["store_bytes_per_token"] == 4 * 64 * 2 + 5
+    assert r["forward"]["tokens_per_s"] > 0 and r["extract"]["vs_forward"] > 0
+    # every byte written: 3 aux + final states, ids and mask, plus the shards' headers
+    assert r["extract"]["bytes"] >= r["tokens"] * r["store_bytes_per_token"]
+    assert r["write"]["bytes"] >= r["tokens"] * r["store_bytes_per_token"]
+    assert not list(tmp_path.glob("eaglet-extract-bench-*"))  # the stores are deleted
+
+
+def test_perf_sh_tiny(tmp_path):
+    """The driver end to end on eaglet's packed part (breakdown, profile, compiled-vs-eager
+    check: dynamo's capture, eager backend) and speculators' (run with EAGLET_PERF_FULL=1 and
+    .venv-speculators, else skipped as without wheels), and the summary with both columns."""
+    env = {**os.environ, "PERF_TINY": "1", "PY": sys.executable, "STEPS": "1", "WARMUP": "1",
+           "WHL": str(tmp_path / "no-wheels"), "OMP_NUM_THREADS": "1"}
+    have_spec = SPECULATORS_PYTHON.exists() and bool(os.environ.get("EAGLET_PERF_FULL"))  # +15 s: its import
+    if have_spec:
+        env["SPEC_PY"] = str(SPECULATORS_PYTHON)
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(REPO / "bench" / "perf.sh"), str(out), "e8p,s8p"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(f.name for f in out.iterdir()) == ["perf.log", "profile.txt", "summary.md", "train.json"]
+    train = json.loads((out / "train.json").read_text())
+    assert [r["part"] for r in train] == (["e8p", "s8p"] if have_spec else ["e8p"])
+    e = train[0]
+    assert e["system"] == "eaglet" and e["docs"] == 4 and e["compile"] and e["attn_impl"] == "chunked"
+    # forward_loss runs the draft's forward (all steps), then the loss of each step
+    phases = (["teacher"] + [f"step{j}_forward" for j in range(7)] + [f"step{j}_loss" for j in range(7)]
+              + ["backward", "optimizer"])
+    assert list(e["breakdown_ms"]) == phases
+    assert sum(e["breakdown_ms"].values()) == pytest.approx(e["step_ms"], rel=0.5)  # the phases cover the step
+    assert e["check"]["max_rel_diff"] < 1e-5  # the compiled pieces give the eager losses
+    assert len(e["profile"]["top"]) == 25 and "aten::" in (out / "profile.txt").read_text()
+    summary = (out / "summary.md").read_text()
+    row = next(line for line in summary.splitlines() if line.startswith("| Llama-3.1-8B draft dims, 4 x 2048 packed"))
+    assert "tok/s" in row.split("|")[2]
+    assert "- e8p (" in summary and "max relative difference" in summary
+    if have_spec:
+        assert "tok/s" in row.split("|")[3] and "x" in row.split("|")[4]
+        assert train[1]["system"] == "speculators" and train[1]["speculators_version"] == "0.9.0"
+    else:
+        assert "no speculators wheels" in row
