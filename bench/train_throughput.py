@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device needs an index
         torch.cuda.set_device(device)
     res = run_eaglet(args, device) if args.system == "eaglet" else run_speculators(args, device)
     d = anchor_dims(PRESETS[args.preset])
