@@ -7,7 +7,10 @@ real speculative decoding against the target (chain of 7 and the EAGLE-2 tree), 
                      (`eaglet regenerate`; the held-out conversations are left out of it);
   - `speculators`  : a draft trained by the speculators package's own model, TTT and loss
                      on the same states, in the same order, with the same step budget
-                     (bench/speculators_train.py);
+                     (bench/speculators_train.py), set to solve eaglet's problem (eaglet's
+                     loss mask and initial weights: the two implementations compared);
+  - `speculators-native`: the same with speculators' own loss mask and initialisation
+                     (its lm_head from the target's, frozen): what a speculators user gets;
   - `untrained`    : a randomly initialised draft of the same shape (the floor).
 All four are evaluated on the same prompts with the same settings.
 
@@ -153,10 +156,10 @@ def _load(work: Path, which: str):
         return draft, aux
     if which == "regen":
         return load_final(work / "regen" / "train" / FINAL_DIR)
-    if which == "speculators":
+    if which in ("speculators", "speculators-native"):
         from eaglet.model import Eagle3Draft as _D
 
-        dcfg, state, meta = load_draft(work / "speculators" / "draft")
+        dcfg, state, meta = load_draft(work / which / "draft")
         draft = _D(dcfg)
         missing, unexpected = draft.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
@@ -201,10 +204,13 @@ def cmd_speculators(args: argparse.Namespace) -> None:
 
     cfg = _cfg(args, "original", _setup(args.work)["data"])
     steps = args.steps  # None: one epoch of eaglet's plan, as eaglet's own run
-    res = train_with_speculators(cfg, cfg.run_dir, args.work / "speculators" / "draft", steps,
+    native = args.spec_mode == "native"
+    name = "speculators-native" if native else "speculators"
+    res = train_with_speculators(cfg, cfg.run_dir, args.work / name / "draft", steps,
                                  device="cuda" if torch.cuda.is_available() else "cpu", loss_impl="eager",
-                                 log_every=cfg.train.log_every)
-    atomic_write_json(args.work / "speculators" / "train.json", res)
+                                 log_every=cfg.train.log_every, mask="speculators" if native else "eaglet",
+                                 init="speculators" if native else "eaglet")
+    atomic_write_json(args.work / name / "train.json", res)
 
 
 def _train_summary(run: Path) -> dict[str, Any]:
@@ -239,7 +245,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     regenerated = w / "regenerated.jsonl"
     if regenerated.is_file():
         out["regenerated_records"] = sum(1 for _ in regenerated.open())
-    for extra in ("regenerate.json", "speculators/train.json"):
+    for extra in ("regenerate.json", "speculators/train.json", "speculators-native/train.json"):
         if (w / extra).is_file():
             out[extra.replace("/", "_").removesuffix(".json")] = json.loads((w / extra).read_text())
     atomic_write_json(w / "results.json", out)
@@ -261,7 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("EAGLET_BENCH", "runs/bench-quality")))
     ap.add_argument("--steps", type=int, default=None, help="Optimizer steps (default: one epoch).")
     ap.add_argument("--set", action="append", help="Extra config override for the training runs.")
-    ap.add_argument("--draft", choices=["eaglet", "regen", "speculators", "untrained"], default="eaglet")
+    ap.add_argument("--draft", choices=["eaglet", "regen", "speculators", "speculators-native", "untrained"],
+                    default="eaglet")
+    ap.add_argument("--spec-mode", choices=["parity", "native"], default="parity",
+                    help="speculators: eaglet's mask and init (parity) or speculators' own (native).")
     ap.add_argument("--method", choices=["chain", "tree"], default="chain")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -13,24 +13,29 @@ W=$1; STEPS=${2:-}; REGEN_S=${3:-0}
 cd "$(dirname "$0")/.."
 mkdir -p "$W/logs"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-Q=(python3 bench/quality.py --work "$W" ${STEPS:+--steps "$STEPS"})
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+Q=(python3 bench/quality.py --work "$W" ${STEPS:+--steps "$STEPS"} ${QUALITY_ARGS:-})  # QUALITY_ARGS: e.g. --set k=v
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")  # 0 on a CPU: everything on "GPU 0"
 G1=$(( NGPU > 1 ? 1 : 0 ))
 step() { local name=$1; shift; echo "[quality.sh] $(date +%T) start $name"; "$@" > "$W/logs/$name.log" 2>&1;
          local rc=$?; echo "[quality.sh] $(date +%T) end $name rc=$rc"; return $rc; }
 step setup "${Q[@]}" setup || exit 1
 CUDA_VISIBLE_DEVICES=0 step states "${Q[@]}" original --upto vocab || exit 1
 step heldout "${Q[@]}" heldout || exit 1
+# SPEC_MODES (environment, default "native"): which speculators drafts to train beside eaglet's
+# ("parity" and/or "native", see bench/quality.py). EVAL_ARGS: extra eval arguments (e.g.
+# --num-prompts 32). Evals are Python-bound: each GPU runs at most three at a time.
+SPEC_MODES=${SPEC_MODES:-native}
+EVAL_ARGS=(${EVAL_ARGS:-})
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
   step train "${Q[@]}" original &
-  step speculators "${Q[@]}" speculators &
+  for m in $SPEC_MODES; do step "speculators-$m" "${Q[@]}" speculators --spec-mode "$m" & done
   wait
-  step eval-eaglet-chain "${Q[@]}" eval --draft eaglet --method chain &
-  step eval-eaglet-tree "${Q[@]}" eval --draft eaglet --method tree &
-  step eval-untrained-chain "${Q[@]}" eval --draft untrained --method chain --no-baseline &
-  step eval-speculators-chain "${Q[@]}" eval --draft speculators --method chain --no-baseline &
-  step eval-speculators-tree "${Q[@]}" eval --draft speculators --method tree --no-baseline &
+  touch "$W/logs/.a_trained"
+  step eval-eaglet-chain "${Q[@]}" eval --draft eaglet --method chain "${EVAL_ARGS[@]}" &
+  step eval-eaglet-tree "${Q[@]}" eval --draft eaglet --method tree "${EVAL_ARGS[@]}" &
+  step eval-untrained-chain "${Q[@]}" eval --draft untrained --method chain --no-baseline --num-prompts 16 \
+    --max-new-tokens 128 &
   wait
 }
 lane_b() {
@@ -39,10 +44,21 @@ lane_b() {
   if [ "$REGEN_S" -gt 0 ]; then step regenerate timeout "$REGEN_S" "${Q[@]}" regenerate "${ra[@]}"
   else step regenerate "${Q[@]}" regenerate "${ra[@]}"; fi
   step regen "${Q[@]}" regen || return 1
-  step eval-regen-chain "${Q[@]}" eval --draft regen --method chain --no-baseline &
-  step eval-regen-tree "${Q[@]}" eval --draft regen --method tree --no-baseline &
+  step eval-regen-chain "${Q[@]}" eval --draft regen --method chain --no-baseline "${EVAL_ARGS[@]}" &
+  step eval-regen-tree "${Q[@]}" eval --draft regen --method tree --no-baseline "${EVAL_ARGS[@]}" &
   wait
 }
-lane_a & lane_b & wait
+lane_c() {  # the speculators drafts' evals, on GPU 1 once its trainings are done (GPU 0 is busy)
+  while [ ! -f "$W/logs/.a_trained" ]; do sleep 5; done
+  export CUDA_VISIBLE_DEVICES=$G1
+  for m in $SPEC_MODES; do
+    local d=speculators; [ "$m" = native ] && d=speculators-native
+    step "eval-$d-chain" "${Q[@]}" eval --draft "$d" --method chain --no-baseline "${EVAL_ARGS[@]}" &
+    step "eval-$d-tree" "${Q[@]}" eval --draft "$d" --method tree --no-baseline "${EVAL_ARGS[@]}" &
+  done
+  wait
+}
+rm -f "$W/logs/.a_trained"
+lane_a & lane_b & lane_c & wait
 step report "${Q[@]}" report
 cat "$W/results.md"
