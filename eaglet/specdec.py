@@ -211,13 +211,16 @@ class TargetRunner:
             return torch.zeros(a.shape, dtype=self.dtype).masked_fill(~a, masked)[None, None].to(self.device)
 
         kinds = set(self.layer_types) - {"full_attention"}
-        if not kinds:
+        uniform_window = not self.layer_types and self.sliding_window  # Mistral's config: every layer slides
+        if not kinds and not uniform_window:
             return additive(allowed)
-        if kinds != {"sliding_attention"} or not self.sliding_window:
+        if kinds - {"sliding_attention"} or not self.sliding_window:
             raise NotImplementedError(f"tree verification for attention layer types {sorted(kinds)}: use method 'chain'")
         q_pos = torch.tensor(tree.depths) + prefix
         k_pos = torch.cat([torch.arange(prefix), q_pos])
         in_window = k_pos[None, :] > q_pos[:, None] - int(self.sliding_window)
+        if uniform_window:
+            return additive(allowed & in_window)
         return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
 
     @torch.no_grad()

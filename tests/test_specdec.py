@@ -241,6 +241,18 @@ def test_lossless_with_sliding_window_layers():
         assert g.tokens == base
 
 
+def test_lossless_tree_when_every_layer_slides():
+    """Mistral's config has a sliding_window and no layer_types: every layer slides. The tree's
+    verification mask must apply the window too (window 6 < prompt), or its outputs differ."""
+    model = build_model("mistral", seed=3, sliding_window=6)
+    assert not getattr(model.config, "layer_types", None) and model.config.sliding_window == 6
+    tr = TargetRunner(model, AUX)
+    base = plain_generate(tr, PROMPT, 24).tokens
+    s = SpecSettings("tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8, max_new_tokens=24)
+    g = speculative_generate(tr, DraftRunner(make_draft(model)), PROMPT, s)
+    assert g.tokens == base
+
+
 class OracleDraft(Eagle3Draft):
     """A draft whose top token at every row is the target's own greedy token there: row at
     position p predicts position p+1, so it is boosted to oracle[p+1]."""
