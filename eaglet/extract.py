@@ -42,7 +42,6 @@ from tqdm import tqdm
 from .config import Config
 from .pipeline import StageContext
 from .prepared import PreparedData
-from .online import ONLINE
 from .selfcheck import pick_samples, run_selfcheck
 from .parallel import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed, run_on_main
 from .store import DTYPES, StoreReader, StoreWriter, finished_shards, prepare_folder, write_index
@@ -276,7 +275,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     save_target_head(parts, model, ctx.out_dir, write=env.is_main)
     try:
         todo = [i for i in range(len(data)) if int(data.sample_ids[i]) not in done]
-        if ecfg.mode == ONLINE:  # only what the self-check compares; training computes the rest
+        if ecfg.mode == "online":  # only what the self-check compares; training computes the rest
             picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
             todo = [i for i in todo if int(data.sample_ids[i]) in picked]
         new_tokens = _extract_loop(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size,

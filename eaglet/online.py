@@ -26,30 +26,27 @@ import numpy as np
 import torch
 
 from .config import TargetSection
+from .extract import capture, nonfinite_rows, pad_batch
 from .prepared import PreparedData
 from .store import StoreReader
+from .target import TargetParts, load_target
 
 ONLINE = "online"
 
 
 class OnlineStates:
-    """The `StoreReader` interface over prepared data, states computed by the target on demand."""
+    """The `StoreReader` interface over prepared data, states computed by the target on demand.
+
+    `base` is extract's (online) store: its meta, layers and dtype, and the folder that holds
+    head.safetensors and target_config.json."""
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection):
-        from .extract import capture  # noqa: F401  (fail here, not mid-training, if it moved)
-        from .target import TargetParts, load_target
-
-        self.folder = base.folder  # head.safetensors and target_config.json live here
-        self.meta: dict[str, Any] = dict(base.meta)
-        self.layers: list[int] = list(base.layers)
-        self.hidden_size = base.hidden_size
-        self.dtype = base.dtype
+        self.folder, self.meta, self.layers, self.dtype = base.folder, base.meta, base.layers, base.dtype
         self.data = PreparedData(prepared_folder)
         order = np.argsort(self.data.sample_ids, kind="stable")
-        self.sample_ids = self.data.sample_ids[order]
-        self.lengths = self.data.lengths[order]
-        keep = self.lengths > 0
-        self.sample_ids, self.lengths = self.sample_ids[keep], self.lengths[keep]
+        keep = self.data.lengths[order] > 0
+        self.sample_ids = self.data.sample_ids[order][keep]
+        self.lengths = self.data.lengths[order][keep]
         self._row = {int(s): int(i) for i, s in enumerate(self.data.sample_ids.tolist())}
         self.model, self.info = load_target(target)
         self.model.eval()
@@ -59,7 +56,12 @@ class OnlineStates:
                 f"online states: target.path has {self.parts.num_layers} decoder layers but extract ran on "
                 f"{self.meta['num_target_layers']} ({self.folder}); rerun extract for this target"
             )
-        self.nonfinite = 0  # samples whose states were not finite (their loss mask is cleared)
+        self._nonfinite: torch.Tensor | int = 0  # a device count: read only when asked (no sync per batch)
+
+    @property
+    def nonfinite(self) -> int:
+        """Samples whose states were not finite (their loss mask was cleared)."""
+        return int(self._nonfinite)
 
     def __len__(self) -> int:
         return int(self.sample_ids.shape[0])
@@ -75,34 +77,32 @@ class OnlineStates:
         return self.get_many([sample_id])[0]
 
     def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """Per sample: aux [T, n_aux*H], final [T, H] (store dtype, on the target's device),
+        """Per sample, on the target's device: aux [T, n_aux*H], final [T, H] (store dtype),
         input_ids int32 [T], loss_mask uint8 [T]; T cut at `max_tokens` before the forward
-        (states of a causal model's prefix do not depend on what follows)."""
-        from .extract import capture, nonfinite_rows, pad_batch
-
+        (states of a causal model's prefix do not depend on what follows). Nothing here waits
+        for the device: a sample with non-finite states gets its loss mask cleared on it."""
         samples = []
         for sid in sample_ids:
             if int(sid) not in self._row:
                 raise KeyError(f"sample {sid} is not in the prepared data {self.data.folder}")
             samples.append(self.data[self._row[int(sid)]])
         ids = [np.asarray(s.input_ids)[:max_tokens] for s in samples]
-        masks = [np.asarray(s.loss_mask)[:max_tokens] for s in samples]
         input_ids, attn = pad_batch(ids)
+        loss_mask = torch.zeros(input_ids.shape, dtype=torch.uint8)
+        for b, s in enumerate(samples):
+            loss_mask[b, :len(ids[b])] = torch.from_numpy(np.asarray(s.loss_mask)[:max_tokens])
         device = self.parts.input_device
-        input_ids, attn = input_ids.to(device, non_blocking=True), attn.to(device, non_blocking=True)
+        if device.type == "cuda":  # one pinned, asynchronous copy each
+            input_ids, attn, loss_mask = input_ids.pin_memory(), attn.pin_memory(), loss_mask.pin_memory()
+        input_ids, attn, loss_mask = (t.to(device, non_blocking=True) for t in (input_ids, attn, loss_mask))
         with torch.no_grad():  # not inference_mode: these tensors feed an autograd graph
             aux, final = capture(self.parts, self.layers, input_ids, attn, self.dtype)
-            bad = nonfinite_rows(aux, final, attn).tolist()
-        out = []
-        for b, (seq, mask) in enumerate(zip(ids, masks)):
-            n = len(seq)
-            loss_mask = torch.as_tensor(mask, dtype=torch.uint8)
-            if bad[b]:
-                self.nonfinite += 1
-                loss_mask = torch.zeros_like(loss_mask)
-            out.append({"aux": aux[b, :n], "final": final[b, :n], "input_ids": torch.as_tensor(seq, dtype=torch.int32),
-                        "loss_mask": loss_mask})
-        return out
+            bad = nonfinite_rows(aux, final, attn).to(device)
+        loss_mask = loss_mask * (~bad)[:, None]
+        self._nonfinite = self._nonfinite + bad.sum()
+        return [{"aux": aux[b, :len(seq)], "final": final[b, :len(seq)],
+                 "input_ids": input_ids[b, :len(seq)].to(torch.int32), "loss_mask": loss_mask[b, :len(seq)]}
+                for b, seq in enumerate(ids)]
 
 
 def is_online(store: StoreReader) -> bool:
@@ -125,5 +125,4 @@ def split_source(upstream: dict[str, Path]) -> np.ndarray:
     if not is_online(store):
         return store.sample_ids
     data = PreparedData(upstream["prepare"])
-    ids = np.sort(data.sample_ids[data.lengths > 0])
-    return ids
+    return np.sort(data.sample_ids[data.lengths > 0])
