@@ -139,35 +139,21 @@ def _prompts(work: Path) -> list[list[int]]:
 
 
 def _load(work: Path, which: str):
-    from eaglet.export import load_draft
-    from eaglet.model import Eagle3Draft
+    """(draft, aux layer ids) of one of the benchmark's drafts."""
+    from eaglet.demo import untrained_like
+    from eaglet.store import StoreReader
     from eaglet.train import FINAL_DIR, load_final
 
     if which in ("eaglet", "untrained"):
         draft, aux = load_final(work / "original" / "train" / FINAL_DIR)
-        if which == "untrained":
-            torch.manual_seed(0)
-            fresh = Eagle3Draft(draft.config)
-            fresh.reset_parameters()
-            with torch.no_grad():
-                for name in ("embed_tokens.weight", "d2t", "t2d"):
-                    fresh.state_dict()[name].copy_(draft.state_dict()[name])
-            draft = fresh
-        return draft, aux
+        return (untrained_like(draft, 0) if which == "untrained" else draft), aux
     if which == "regen":
         return load_final(work / "regen" / "train" / FINAL_DIR)
     if which in ("speculators", "speculators-native"):
-        from eaglet.model import Eagle3Draft as _D
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from speculators_train import load_saved_draft  # noqa: E402
 
-        dcfg, state, meta = load_draft(work / which / "draft")
-        draft = _D(dcfg)
-        missing, unexpected = draft.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if k != "embed_tokens.weight"]:
-            raise ValueError(f"speculators draft: missing {missing}, unexpected {unexpected}")
-        ref, _ = load_final(work / "original" / "train" / FINAL_DIR)
-        if "embed_tokens.weight" in missing:
-            with torch.no_grad():
-                draft.embed_tokens.weight.copy_(ref.embed_tokens.weight)
+        draft, meta = load_saved_draft(work / which / "draft", StoreReader(work / "original" / "extract", verify=False))
         return draft, meta["aux_layer_ids"]
     raise ValueError(which)
 

@@ -368,30 +368,45 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
 
 # ---- evaluation -----------------------------------------------------------------------------------
 
+def load_saved_draft(draft_dir: str | Path, store: Any) -> tuple[Any, dict[str, Any]]:
+    """(eaglet's Eagle3Draft, load_draft's meta) of the checkpoint in `draft_dir` (any format
+    load_draft reads), the target's embedding from `store`'s head file when the file lacks it."""
+    from eaglet.export import load_draft
+    from eaglet.model import Eagle3Draft
+
+    dcfg, state, meta = load_draft(draft_dir)
+    draft = Eagle3Draft(dcfg)
+    if "embed_tokens.weight" in meta["missing"]:
+        state["embed_tokens.weight"] = load_head(store, torch.device("cpu")).embed
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    return draft, meta
+
+
 def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path, states: Any = None) -> dict[str, Any]:
     """eaglet's evaluate_draft of the draft in `draft_dir` (any format load_draft reads) on the
     run's held-out prompts, with cfg.eval's settings (chain or tree, temperature, ...)."""
     from eaglet.chat import load_tokenizer
     from eaglet.evaluate import evaluate_draft, heldout_prompts, resolve_eval_dtype
-    from eaglet.export import load_draft
-    from eaglet.model import Eagle3Draft
     from eaglet.prepared import PreparedData
     from eaglet.target import load_target
 
     run_dir = Path(run_dir)
-    states = states if states is not None else open_states(run_dir, cfg.target)
-    dcfg, state, meta = load_draft(draft_dir)
-    draft = Eagle3Draft(dcfg)
-    if "embed_tokens.weight" in meta["missing"]:
-        state["embed_tokens.weight"] = load_head(states, torch.device("cpu")).embed
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    if states is None:  # the held-out split and the head need no target, even for an online run
+        from eaglet.online import split_source
+        from eaglet.pipeline import STAGE_NAMES
+
+        store = StoreReader(run_dir / "extract", verify=False)
+        split = split_source({name: run_dir / name for name in STAGE_NAMES})
+    else:
+        store, split = states, states.sample_ids
+    draft, meta = load_saved_draft(draft_dir, store)
     data = PreparedData(run_dir / "prepare")
-    named = heldout_prompts(data, states.sample_ids, cfg.train.eval_fraction, cfg.run.seed, cfg.eval.num_prompts)
+    named = heldout_prompts(data, split, cfg.train.eval_fraction, cfg.run.seed, cfg.eval.num_prompts)
     if not named:
         raise ValueError("eval: no held-out sample has a prompt before its first assistant turn")
     target, _info = load_target(replace(cfg.target, device=cfg.eval.device, dtype=resolve_eval_dtype(cfg.eval)))
     tokenizer = load_tokenizer(cfg.target)
-    aux_layers = meta["aux_layer_ids"] or list(states.meta["layers"])
+    aux_layers = meta["aux_layer_ids"] or list(store.meta["layers"])
     result = evaluate_draft(target, tokenizer, draft, aux_layers, [p for _, p in named], cfg.eval, seed=cfg.run.seed)
     atomic_write_json(Path(draft_dir) / "eval.json", result)
     return result

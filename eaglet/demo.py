@@ -164,21 +164,29 @@ def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: l
     return summary
 
 
-def untrained_baseline(cfg: Config) -> dict[str, Any]:
-    """The eval of a randomly initialised draft of the trained one's shape (the target's
-    embedding and the same vocabulary maps), on the same held-out prompts."""
-    from .evaluate import eval_inputs, evaluate_draft
+def untrained_like(trained: Any, seed: int) -> Any:
+    """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
+    vocabulary maps: the floor a trained draft is compared with."""
     from .model import Eagle3Draft
-    from .pipeline import STAGE_NAMES
 
-    upstream = {name: cfg.run_dir / name for name in STAGE_NAMES}
-    named, trained, aux_layers, target, tokenizer, _info, _dtype = eval_inputs(cfg, upstream)
-    torch.manual_seed(cfg.run.seed)
+    torch.manual_seed(seed)
     untrained = Eagle3Draft(trained.config)
     untrained.reset_parameters()
     with torch.no_grad():
         for name in ("embed_tokens.weight", "d2t", "t2d"):
             untrained.state_dict()[name].copy_(trained.state_dict()[name])
+    return untrained
+
+
+def untrained_baseline(cfg: Config) -> dict[str, Any]:
+    """The eval of a randomly initialised draft of the trained one's shape (the target's
+    embedding and the same vocabulary maps), on the same held-out prompts."""
+    from .evaluate import eval_inputs, evaluate_draft
+    from .pipeline import STAGE_NAMES
+
+    upstream = {name: cfg.run_dir / name for name in STAGE_NAMES}
+    named, trained, aux_layers, target, tokenizer, _info, _dtype = eval_inputs(cfg, upstream)
+    untrained = untrained_like(trained, cfg.run.seed)
     quiet = replace(cfg.eval, baseline=False, lossless_check=False)
     result = evaluate_draft(target, tokenizer, untrained, aux_layers, [p for _, p in named], quiet, seed=cfg.run.seed)
     atomic_write_json(cfg.run_dir / "eval" / "eval_untrained.json", result)
