@@ -229,28 +229,23 @@ def test_lossless_with_random_draft(target, settings, draft_vocab):
     assert sum(a + 1 for a in g.accepted) + 1 >= len(g.tokens)
 
 
-def test_lossless_with_sliding_window_layers():
-    """Qwen2 with sliding-window layers (window 6 < prompt): the chain runs under the model's
-    own masks on a full DynamicCache, the tree under the {full, sliding} mask dict."""
-    model = build_model("qwen2", seed=3, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+@pytest.mark.parametrize("family, kw", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=2)),  # some layers slide
+    ("mistral", dict(sliding_window=6)),  # a sliding_window and no layer_types: every layer slides
+], ids=["qwen2-some-layers", "mistral-every-layer"])
+def test_lossless_with_sliding_window_layers(family, kw):
+    """Window 6 < prompt: the chain runs under the model's own masks on a full DynamicCache; the
+    tree's verification mask applies the window to the layers that slide ({full, sliding} mask
+    dict for Qwen2, one windowed mask for Mistral), or its outputs differ."""
+    model = build_model(family, seed=3, **kw)
+    if family == "mistral":
+        assert not getattr(model.config, "layer_types", None) and model.config.sliding_window == 6
     tr = TargetRunner(model, AUX)
     base = plain_generate(tr, PROMPT, 24).tokens
     for s in (SpecSettings("chain", chain_tokens=3, max_new_tokens=24),
               SpecSettings("tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8, max_new_tokens=24)):
         g = speculative_generate(tr, DraftRunner(make_draft(model)), PROMPT, s)
         assert g.tokens == base
-
-
-def test_lossless_tree_when_every_layer_slides():
-    """Mistral's config has a sliding_window and no layer_types: every layer slides. The tree's
-    verification mask must apply the window too (window 6 < prompt), or its outputs differ."""
-    model = build_model("mistral", seed=3, sliding_window=6)
-    assert not getattr(model.config, "layer_types", None) and model.config.sliding_window == 6
-    tr = TargetRunner(model, AUX)
-    base = plain_generate(tr, PROMPT, 24).tokens
-    s = SpecSettings("tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8, max_new_tokens=24)
-    g = speculative_generate(tr, DraftRunner(make_draft(model)), PROMPT, s)
-    assert g.tokens == base
 
 
 class OracleDraft(Eagle3Draft):
