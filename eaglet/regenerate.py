@@ -33,6 +33,7 @@ import torch
 from .chat import load_tokenizer, resolve_chat_template
 from .config import Config
 from .data import RecordError, check_data_file, iter_records, normalize_record
+from .evaluate import eos_ids
 from .target import load_target
 from .utils import log
 
@@ -64,11 +65,6 @@ def _truncate_partial_line(path: Path) -> None:
 FALLBACK_BATCH = 16  # prompts per padded batch when continuous batching left some unanswered
 
 
-def _eos_set(model: Any, tokenizer: Any) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
-
-
 def _reply(tokenizer: Any, tokens: list[int], eos: set[int]) -> tuple[str, int]:
     n = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokenizer.decode(tokens[:n], skip_special_tokens=True).strip(), n
@@ -87,7 +83,7 @@ def padded_generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_ne
     out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          do_sample=sample, temperature=temperature if sample else None, top_p=None, top_k=None,
                          pad_token_id=pad)
-    eos = _eos_set(model, tokenizer)
+    eos = set(eos_ids(model, tokenizer))
     return [_reply(tokenizer, row, eos) for row in out[:, width:].tolist()]
 
 
@@ -115,15 +111,13 @@ def continuous_generate(model: Any, tokenizer: Any, prompts: list[list[int]], ma
     Not under inference_mode: the engine's thread updates tensors made here in place (an
     error in transformers 5.17 on a GPU); it disables gradients itself.
     """
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     sample = temperature > 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = _eos_set(model, tokenizer)
+    eos = set(eos_ids(model, tokenizer))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
                            top_p=None, top_k=None, eos_token_id=sorted(eos), pad_token_id=pad)
-    from transformers import ContinuousBatchingConfig
-
     kwargs = {}
     if next(model.parameters()).device.type == "cuda":
         # Left to size itself, the paged cache takes ~all free GPU memory and the first batch's
