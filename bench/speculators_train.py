@@ -71,7 +71,8 @@ Differences between the two trainers and what is done about each:
   batch padded to a fixed multiple of 128 rows with document id -1, as its collator
   pads); its dense "eager" mask on CPU (CPU flex_attention has no backward).
 
-The states source is a seam: `open_states` returns the offline store; anything with the
+The states source is a seam: `open_states` returns what eaglet's trainer reads (the offline
+store, or online states for an extract.mode online run); anything with the
 interface this module and eaglet's Trainer use can be passed as `states=`: get(sample id)
 -> {aux, final, input_ids, loss_mask}, sample_ids and lengths (aligned arrays), meta
 (layers, final_state, norm_eps), n_aux, and folder holding extract's head.safetensors and
