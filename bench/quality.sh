@@ -40,6 +40,8 @@ lane_a() {
 }
 lane_b() {
   export CUDA_VISIBLE_DEVICES=$G1
+  # LANE_B_AFTER (environment): a file to wait for first (another job using GPU 1 is done)
+  while [ -n "${LANE_B_AFTER:-}" ] && [ ! -e "$LANE_B_AFTER" ]; do sleep 5; done
   local ra=(${REGEN_ARGS:-})
   if [ "$REGEN_S" -gt 0 ]; then step regenerate timeout "$REGEN_S" "${Q[@]}" regenerate "${ra[@]}"
   else step regenerate "${Q[@]}" regenerate "${ra[@]}"; fi
