@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=4096, help="train.max_tokens")
     ap.add_argument("--smoke", action="store_true", help="Small dims on the CPU: checks this script only.")
+    ap.add_argument("--set", action="append", default=[], help="Extra config override (after this script's own).")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -104,7 +105,8 @@ def main() -> None:
             f"target.device={dev}", f"train.device={dev}", f"eval.device={dev}",
             f"extract.layers={list(range(1, args.layers))}", "extract.batch_tokens=32768", "vocab.size=2048",
             f"train.max_steps={args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
-            "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0"]
+            "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0", *args.set]
+    res["overrides"] = args.set
     cfg = load_config(None, sets)
     lines: list[str] = []
     res["doctor_rc"] = run_doctor(cfg, shadow=True, out=lambda s: (lines.append(s), print(s)))
@@ -119,7 +121,7 @@ def main() -> None:
         stages[stage] = {"seconds": round(time.time() - t1, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                          "stats": {k: v for k, v in m["stats"].items() if k not in ("files", "selfcheck")}}
         if stage == "extract":
-            stages[stage]["selfcheck"] = {k: m["stats"]["selfcheck"].get(k) for k in ("top1_agreement",)}
+            stages[stage]["selfcheck"] = m["stats"]["selfcheck"]
     train_log = [json.loads(x) for x in (cfg.run_dir / "train" / "log.jsonl").read_text().splitlines()]
     tr = [r for r in train_log if r["split"] == "train"]
     stages["train"]["tokens_per_s"] = [round(r["tokens_per_s"]) for r in tr]

@@ -122,7 +122,8 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     src = _cfg(args, "regen", str(args.work / "regen-input.jsonl"), ["prepare.max_records=null"])
     t0 = time.time()
     stats = run_regenerate(src, args.work / "regenerated.jsonl", batch_size=args.batch_size,
-                           max_new_tokens=args.reply_tokens, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns)
+                           max_new_tokens=args.reply_tokens, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns,
+                           kv_cache=args.kv_cache)
     stats["wall_s"] = round(time.time() - t0, 1)
     atomic_write_json(args.work / "regenerate.json", stats)
 
@@ -261,11 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="float32", help="Eval dtype (float32: the lossless check is exact).")
-    ap.add_argument("--batch-size", type=int, default=2048, help="regenerate: conversations per chunk.")
+    ap.add_argument("--batch-size", type=int, default=None, help="regenerate: conversations per chunk.")
     ap.add_argument("--reply-tokens", type=int, default=512, help="regenerate: longest generated reply.")
-    ap.add_argument("--engine", default="auto", help="regenerate: generate | continuous | auto.")
+    ap.add_argument("--engine", default="generate", help="regenerate: generate | continuous | auto.")
     ap.add_argument("--generate-batch", type=int, default=None, help="regenerate --engine generate: prompts per batch.")
     ap.add_argument("--max-turns", type=int, default=None, help="regenerate: replies per conversation (default all).")
+    ap.add_argument("--kv-cache", default="auto", help="regenerate --engine generate: auto | static | dynamic.")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     globals()[f"cmd_{args.command}"](args)

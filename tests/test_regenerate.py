@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from eaglet import cli, tiny
@@ -136,3 +138,80 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
         rec = json.loads(ln)
         assert [m["role"] for m in rec["messages"]] == ["user", "assistant"]
         assert rec["messages"] == full[rec["source"]["row"]][:2]  # the same first reply as the full run
+
+
+def test_static_kv_cache_gives_the_dynamic_caches_replies(tmp_path):
+    """The static cache (one preallocated size for every call, compiled on a GPU) changes how
+    replies are computed, not what they are: the same greedy replies as the growing cache."""
+    from eaglet.regenerate import run_regenerate
+
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(9, seed=5, max_turns=3))
+    sets = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]",
+            "prepare.max_length=160"]
+    outs = {}
+    for kv in ("dynamic", "static"):
+        stats = run_regenerate(load_config(None, sets), tmp_path / f"{kv}.jsonl", max_new_tokens=6, kv_cache=kv,
+                               generate_batch=4)
+        assert stats["kv_cache"] == kv and stats["replies"] > 9
+        outs[kv] = [json.loads(ln) for ln in (tmp_path / f"{kv}.jsonl").read_text().splitlines()]
+    assert outs["static"] == outs["dynamic"]
+
+
+def test_static_cache_too_short_is_refused():
+    from eaglet.regenerate import padded_generate
+
+    model = tiny.build_model()
+    tok = tiny.build_tokenizer()
+    with pytest.raises(ValueError, match="static KV cache of 8 positions"):
+        padded_generate(model, tok, [[1, 2, 3, 4, 5]], max_new_tokens=4, temperature=0.0, static_len=8)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2", "deepseek_v3", "gpt_oss"])
+def test_kv_bytes_per_token_matches_the_cache_transformers_fills(family):
+    """The batch sizing's estimate against the bytes a real forward leaves in its cache."""
+    from transformers import DynamicCache
+
+    from eaglet.regenerate import auto_generate_batch, kv_bytes_per_token
+    from eaglet.specdec import cache_kwarg
+
+    model = tiny.build_model(family)
+    n = 7  # under the tiny configs' sliding windows (8): every layer keeps every token
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.arange(2, 2 + n)[None], use_cache=True, **{cache_kwarg(model): cache})
+    filled = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(model) == filled // n
+    assert auto_generate_batch(model, 100) == 16  # on a CPU
+
+
+def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
+    """bench/regen_throughput.py on a tiny target: each variant counts exactly the reply tokens
+    (up to EOS) that regenerate's own batched_generate gives for the same prompts."""
+    import importlib.util
+    from pathlib import Path
+
+    from eaglet.regenerate import batched_generate
+
+    spec = importlib.util.spec_from_file_location("regen_bench", Path(__file__).parent.parent / "bench/regen_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(10, seed=6, max_turns=2))
+    sets = ["--set", "target.dtype=float32", "--set", "target.device=cpu"]
+    res = bench.main(["--target", str(target), "--data", str(data), "--prompts", "7", "--new-tokens", "5",
+                      "--max-length", "256", "--variants", "dynamic:2,static:3", "--out", str(tmp_path / "r.json"), *sets])
+    assert json.loads((tmp_path / "r.json").read_text()) == res and res["prompts"] == 7
+    cfg = load_config(None, [f"target.path={target}", f"prepare.data=[{data}]", "prepare.max_length=256",
+                             "target.dtype=float32", "target.device=cpu"])
+    tok = load_tokenizer(cfg.target)
+    tok.padding_side = "left"
+    prompts = sorted(bench.first_turn_prompts(cfg, tok, 7), key=len, reverse=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for row, batch in zip(res["variants"], (2, 3)):
+        ref = batched_generate(model, tok, prompts, 5, 0.0, 1)  # one prompt at a time: no padding at all
+        assert row["first_call_tokens"] == sum(n for _, n in ref[:batch])
+        assert row["tokens"] == sum(n for _, n in ref[batch:])
+        assert row["calls"] == -(-(7 - batch) // batch)

@@ -1,0 +1,108 @@
+"""Throughput of `eaglet regenerate`'s padded engine: KV cache kind x prompts per call.
+
+    python bench/regen_throughput.py --target DIR --data SHAREGPT.json --prompts 2048 \
+        --variants dynamic:1024,static:256,static:1024 --out regen-throughput.json
+
+Takes the first user turn of the first --prompts usable records of --data (rendered with the
+target's chat template, as regenerate renders them), and for each variant `cache:batch`
+generates --new-tokens greedy tokens for every prompt with `batched_generate` (prompts sorted
+longest first, as regenerate does). The first call of a variant is timed apart (a static cache
+compiles the decoding step there); tokens/s counts the reply tokens up to EOS over the
+remaining calls. Prints one line per variant and saves the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eaglet.chat import load_tokenizer, resolve_chat_template  # noqa: E402
+from eaglet.config import load_config  # noqa: E402
+from eaglet.data import RecordError, iter_records, normalize_record  # noqa: E402
+from eaglet.regenerate import batched_generate  # noqa: E402
+from eaglet.target import load_target  # noqa: E402
+from eaglet.utils import atomic_write_json, log  # noqa: E402
+
+
+def first_turn_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
+    template = resolve_chat_template(tokenizer, cfg.target)
+    prompts: list[list[int]] = []
+    for _row, item in iter_records(cfg.prepare.data[0], None):
+        if isinstance(item, RecordError):
+            continue
+        try:
+            msgs = normalize_record(item, cfg.prepare.format)
+        except RecordError:
+            continue
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+        if not first:
+            continue
+        text = tokenizer.apply_chat_template(msgs[:first], chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < cfg.prepare.max_length:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--prompts", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-length", type=int, default=2048, help="prepare.max_length (the static cache's prompt part)")
+    ap.add_argument("--variants", default="dynamic:1024,static:256,static:1024")
+    ap.add_argument("--set", action="append", default=[], help="Extra config override (e.g. target.dtype=float32).")
+    ap.add_argument("--out", type=Path, default=Path("regen-throughput.json"))
+    args = ap.parse_args(argv)
+    cfg = load_config(None, [f"target.path={args.target}", f"prepare.data=[{args.data}]",
+                             f"prepare.max_length={args.max_length}", *args.set])
+    tokenizer = load_tokenizer(cfg.target)
+    tokenizer.padding_side = "left"
+    prompts = first_turn_prompts(cfg, tokenizer, args.prompts)
+    model, info = load_target(cfg.target)
+    model.eval()
+    res = {"target": info["class"], "device": str(info["device"]), "prompts": len(prompts),
+           "prompt_tokens": sum(map(len, prompts)), "new_tokens": args.new_tokens, "torch": torch.__version__,
+           "variants": []}
+    log(f"[regen-bench] {len(prompts)} prompts ({res['prompt_tokens']} tokens) on {info['device']}")
+    for spec in args.variants.split(","):
+        kind, batch = spec.split(":")
+        batch = int(batch)
+        static_len = args.max_length + args.new_tokens if kind == "static" else None
+        order = sorted(prompts, key=len, reverse=True)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        t0 = time.perf_counter()
+        first = batched_generate(model, tokenizer, order[:batch], args.new_tokens, 0.0, batch, static_len)
+        sync()
+        t1 = time.perf_counter()
+        rest = batched_generate(model, tokenizer, order[batch:], args.new_tokens, 0.0, batch, static_len)
+        sync()
+        t2 = time.perf_counter()
+        tokens = sum(n for _, n in rest)
+        row = {"variant": spec, "first_call_s": round(t1 - t0, 2), "first_call_tokens": sum(n for _, n in first),
+               "seconds": round(t2 - t1, 2), "tokens": tokens, "calls": -(-len(rest) // batch),
+               "tokens_per_s": round(tokens / (t2 - t1), 1) if rest else None,
+               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
+        res["variants"].append(row)
+        log(f"[regen-bench] {spec}: {row['tokens_per_s']} tok/s over {row['calls']} calls "
+            f"(first call {row['first_call_s']} s)")
+        atomic_write_json(args.out, res)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+if __name__ == "__main__":
+    main()
