@@ -16,7 +16,10 @@ store holds after a round trip through the shards:
   vs the argmax of the model's own logits.
 
 Per state the cosine similarity of the whole sample, the max absolute error and the
-relative error ||stored - ref|| / ||ref|| are measured. A state fails when its cosine is
+relative error ||stored - ref|| / ||ref|| are measured, and, over all checked tokens, the share
+of tokens whose own cosine is below the threshold (`tokens_below`: a wrong layer, order or norm
+moves nearly every token; a mixture-of-experts router that sends a few near-tied tokens to other
+experts in the batched forward moves only those). A state fails when its cosine is
 below `extract.selfcheck_min_cosine`, or when its relative error exceeds
 sqrt(2 * (1 - min_cosine)) (the error that cosine allows, 0.045 at 0.999: catches a wrong
 scale, which cosine cannot see). The teacher also fails when top-1 agreement is below
@@ -87,6 +90,22 @@ def reference(model: torch.nn.Module, parts: TargetParts, layers: list[int], inp
     return states, seen[0][0, :T].float().cpu(), out.logits[0, :T].float().cpu()
 
 
+def moe_hint(config: Any) -> str:
+    """For a mixture-of-experts target, the one benign cause of a failed check, and how to tell it."""
+    from .model import is_moe_config
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not is_moe_config(text):
+        return ""
+    return ("\nThis target routes tokens to experts. A batched forward sums in another order than the "
+            "unbatched reference, and a token whose expert scores are nearly tied can go to other experts, "
+            "which moves that token's state from that layer on (seen on a random-weight DeepSeek-V3 in "
+            "bfloat16, whose routers have no margins). That is the cause when the states before the first "
+            "MoE layer match and only a small share of the tokens is below the threshold; a wrong layer, "
+            "order or norm moves nearly all of them. Confirm it with target.dtype=float32 on the same samples "
+            "before lowering the thresholds.")
+
+
 def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader, layers: list[int],
                   num_samples: int, min_cosine: float, min_top1: float, seed: int = 0) -> dict[str, Any]:
     """Compare `num_samples` stored samples with the reference path; raise SelfCheckError on
@@ -97,6 +116,7 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
     H = store.hidden_size
     names = [f"layer {i}" for i in layers] + ["final"]
     worst: dict[str, dict[str, Any]] = {n: {"cosine": 1.0, "max_abs_error": 0.0, "rel_error": 0.0} for n in names}
+    below = dict.fromkeys(names, 0)
     agree = total = 0
     for sid in ids:
         got = store.get(sid)
@@ -106,6 +126,7 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
         stored = [got["aux"][:n, j * H:(j + 1) * H] for j in range(len(layers))] + [got["final"][:n]]
         for name, s, r in zip(names, stored, ref_states + [ref_final]):
             m = compare(s, r)
+            below[name] += int((torch.nn.functional.cosine_similarity(s.float(), r, dim=-1, eps=1e-12) < min_cosine).sum())
             w = worst[name]
             if m["cosine"] < w["cosine"]:
                 w["cosine"], w["sample"] = m["cosine"], sid
@@ -117,6 +138,8 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
         agree += int((teacher.argmax(-1) == ref_logits.argmax(-1)).sum())
         total += n
     top1 = agree / max(total, 1)
+    for name in names:
+        worst[name]["tokens_below"] = below[name] / max(total, 1)
     max_rel = math.sqrt(2 * max(0.0, 1 - min_cosine))
     problems = []
     for name, w in worst.items():
@@ -124,7 +147,7 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
         if w["cosine"] < min_cosine:
             problems.append(f"{name}: cosine {w['cosine']:.6f} < extract.selfcheck_min_cosine {min_cosine} "
                             f"(sample {w['sample']}; max abs error {w['max_abs_error']:.4g}, relative error "
-                            f"{w['rel_error']:.4g}) for {what}")
+                            f"{w['rel_error']:.4g}; {w['tokens_below']:.1%} of the tokens below) for {what}")
         elif w["rel_error"] > max_rel:
             problems.append(f"{name}: relative error {w['rel_error']:.4g} > {max_rel:.4g} (sample {w['rel_sample']}; "
                             f"max abs error {w['max_abs_error']:.4g}; cosine {w['cosine']:.6f}: a wrong scale) "
@@ -150,5 +173,6 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
             "causes: a hook on the wrong layer, batched rows mapped to the wrong samples, a teacher state without "
             "the final norm, a padding/attention-mask bug in the model's batched path. Thresholds: "
             "extract.selfcheck_min_cosine / selfcheck_min_top1 (selfcheck_samples=0 turns the check off)."
+            + moe_hint(model.config)
         )
     return result

@@ -150,3 +150,28 @@ def test_pick_samples_is_seeded_and_bounded():
     assert a == pick_samples(ids, 4, seed=0) and len(set(a)) == 4 and a == sorted(a)
     assert pick_samples(ids, 4, seed=1) != a
     assert pick_samples(ids[:3], 4, seed=0) == [100, 101, 102]
+
+
+def test_tokens_below_tells_a_few_moved_tokens_from_a_wrong_state(tmp_path, target, prepared, monkeypatch):
+    """A state wrong at two tokens of one sample (what a flipped expert route does) fails the
+    check with a small share of tokens below; the report says which share, per state."""
+    def two_tokens(real, parts, layers, input_ids, attention_mask, dtype):
+        out = real(parts, layers, input_ids, attention_mask, dtype)
+        aux = out[0] if isinstance(out, tuple) else out
+        aux[0, 1:3] = -aux[0, 1:3]  # the first row's tokens 1 and 2, every captured layer
+        return out
+
+    _plant(monkeypatch, two_tokens)
+    with pytest.raises(SelfCheckError, match=r"of the tokens below") as e:
+        _extract(tmp_path, target, prepared)
+    shares = [float(x) / 100 for x in __import__("re").findall(r"; ([\d.]+)% of the tokens below", str(e.value))]
+    assert len(shares) == 3 and all(abs(s - 2 / sum(LENGTHS)) < 6e-4 for s in shares)  # 2 tokens, 3 layers
+    assert "routes tokens to experts" not in str(e.value)  # a dense target: no MoE hint
+
+
+def test_moe_hint_only_for_mixture_of_experts_targets():
+    from eaglet.selfcheck import moe_hint
+
+    assert moe_hint(tiny.tiny_config("llama")) == ""
+    assert "routes tokens to experts" in moe_hint(tiny.tiny_config("deepseek_v3"))
+    assert "routes tokens to experts" in moe_hint(tiny.tiny_config("qwen3_moe"))
