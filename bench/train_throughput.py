@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=25, help="Kernels listed by --profile.")
     ap.add_argument("--trace", default=None, help="With --profile: also write the Chrome trace here.")
     ap.add_argument("--check", action="store_true", help="First step's losses against an eager copy (eaglet).")
+    ap.add_argument("--no-vocab-mask", action="store_true",
+                    help="eaglet with train.mask_out_of_vocab false: the teacher over the draft columns only, "
+                         "as speculators computes it (no full-vocabulary argmax).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -245,7 +248,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     shape = PRESETS[args.preset]
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
     tc = TrainSection(max_tokens=args.tokens, ttt_steps=args.ttt_steps, attn_impl=args.attn_impl,
-                      compile=args.compile, warmup_steps=1, min_lr_ratio=1.0)
+                      compile=args.compile, warmup_steps=1, min_lr_ratio=1.0,
+                      mask_out_of_vocab=not args.no_vocab_mask)
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
     compiled = resolve_compile(tc.compile, device)
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
@@ -256,10 +260,10 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                       norm_eps=cfg.rms_norm_eps, embed=None)
     reference = copy.deepcopy(draft) if args.check and compiled else None
     if args.compile_backend == "inductor":
-        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), "none", device, frozen_dtype=frozen,
+        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), "none", device, frozen_dtype=frozen,
                           compile=compiled)
     else:  # the same pieces through another backend
-        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk), "none", device, frozen_dtype=frozen)
+        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), "none", device, frozen_dtype=frozen)
         if compiled:
             compile_draft(draft, backend=args.compile_backend)
             loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)
@@ -405,6 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
         "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,
+        "mask_out_of_vocab": not args.no_vocab_mask if args.system == "eaglet" else None,
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),

@@ -169,6 +169,11 @@ class TrainSection:
     ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).")
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.")
     teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.")
+    mask_out_of_vocab: bool = _f(
+        True, "Leave out of the loss the rows whose target top-1 token is not a draft token (takes the teacher's "
+        "full-vocabulary logits); false: every masked row learns the target's distribution over the draft "
+        "vocabulary, as speculators trains, and the teacher computes the draft columns only (a quarter of the "
+        "work for a 128k target and a 32k draft).")
     tensorboard: bool = _f(True, "Also log to TensorBoard (when the tensorboard package is installed).")
 
 

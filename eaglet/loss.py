@@ -42,6 +42,7 @@ def teacher_targets(
     norm_eps: float = 1e-6,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    full_vocab: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(teacher probs over the draft vocab [B,T,N] fp32, in_vocab bool [B,T]).
 
@@ -54,6 +55,9 @@ def teacher_targets(
     the draft columns (target id = draft id + d2t). in_vocab: the full-vocab argmax is a
     draft token (t2d). `logit_scale` and `logit_softcap` (tanh softcap, Gemma) turn the LM
     head's output into the target's own logits, as its CausalLM does.
+    full_vocab=False: only the draft columns are computed (the LM head rows of the draft
+    vocabulary, gathered once per call), and in_vocab is all True: the same probabilities
+    without the full-vocabulary argmax, for training without the out-of-vocabulary mask.
     """
     B, T, H = final_BTH.shape
     x_NH = final_BTH.reshape(B * T, H)
@@ -70,11 +74,17 @@ def teacher_targets(
             logits = torch.tanh(logits / logit_softcap) * logit_softcap
         return logits
 
+    if not full_vocab:
+        draft_head_NH = lm_head_weight_VH[draft_cols]
+        in_vocab.fill_(True)
     for a in range(0, B * T, chunk):
         x = x_NH[a : a + chunk]
         if norm_weight_H is not None:
             x32 = _acc(x)
             x = norm_weight_H * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+        if not full_vocab:
+            probs[a : a + chunk] = target_logits(x.to(draft_head_NH.dtype) @ draft_head_NH.T).softmax(-1)
+            continue
         raw = x.to(lm_head_weight_VH.dtype) @ lm_head_weight_VH.T  # [chunk, V] in the head's dtype
         # The full-vocabulary logits serve only the argmax. Without a scale or softcap the
         # argmax of the raw (bf16) logits is the same index: the cast to fp32 is exact and

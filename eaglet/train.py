@@ -172,8 +172,9 @@ class TeacherHead(nn.Module):
     """The target's LM head (and final norm, for a pre-norm store) as a frozen module whose
     forward is `teacher_targets`: a module, so that parallelize can shard it like any other."""
 
-    def __init__(self, head: TargetHead, chunk: int):
+    def __init__(self, head: TargetHead, chunk: int, mask_out_of_vocab: bool = True):
         super().__init__()
+        self.full_vocab = mask_out_of_vocab  # the mask needs the full-vocabulary argmax
         self.lm_head = nn.Parameter(head.lm_head, requires_grad=False)
         self.norm = nn.Parameter(head.norm, requires_grad=False) if head.norm is not None else None
         self.norm_eps, self.chunk = head.norm_eps, chunk
@@ -182,7 +183,7 @@ class TeacherHead(nn.Module):
     def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T])."""
         return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
-                               self.logit_scale, self.logit_softcap)
+                               self.logit_scale, self.logit_softcap, full_vocab=self.full_vocab)
 
 
 def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.Tensor, head: TargetHead) -> Eagle3Draft:
@@ -448,7 +449,7 @@ class Trainer:
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
-        self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk), strategy, self.device,
+        self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk, self.tc.mask_out_of_vocab), strategy, self.device,
                                frozen_dtype=head.lm_head.dtype, env=self.env,
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive

@@ -59,6 +59,24 @@ def test_teacher_chunked_equals_unchunked():
     assert 0 < whole[1].sum() < whole[1].numel()  # both cases occur
 
 
+def test_teacher_over_draft_columns_only_gives_the_same_probs_and_no_mask():
+    """train.mask_out_of_vocab false: the teacher computes only the draft vocabulary's rows of
+    the LM head; the probabilities are the full-vocabulary path's (pre-norm state, softcap and
+    scale included) and no row is flagged out of vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    V, H = 60, 16
+    used = sorted(torch.randperm(V, generator=g)[:25].tolist())
+    d2t, t2d = vocab_maps(used, V)
+    final = torch.randn(2, 9, H, generator=g) * 3
+    W = torch.randn(V, H, generator=g)
+    norm = torch.rand(H, generator=g) + 0.5
+    for kw in ({}, {"norm_weight_H": norm}, {"logit_scale": 0.5, "logit_softcap": 2.0}):
+        full = teacher_targets(final, W, t2d, d2t, chunk=4, **kw)
+        draft_only = teacher_targets(final, W, t2d, d2t, chunk=4, full_vocab=False, **kw)
+        torch.testing.assert_close(draft_only[0], full[0])
+        assert draft_only[1].all() and not full[1].all()  # the full path does flag some rows
+
+
 def test_teacher_prenorm_flag_applies_the_final_rmsnorm():
     g = torch.Generator().manual_seed(1)
     V, H, eps = 30, 8, 1e-5
