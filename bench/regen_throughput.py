@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eaglet.chat import load_tokenizer, resolve_chat_template  # noqa: E402
 from eaglet.config import load_config  # noqa: E402
-from eaglet.data import RecordError, iter_records, normalize_record  # noqa: E402
-from eaglet.regenerate import batched_generate  # noqa: E402
+from eaglet.data import RecordError, normalize_record  # noqa: E402
+from eaglet.regenerate import batched_generate, generation_prompt, source_records  # noqa: E402
 from eaglet.target import load_target  # noqa: E402
 from eaglet.utils import atomic_write_json, log  # noqa: E402
 
@@ -34,19 +34,17 @@ from eaglet.utils import atomic_write_json, log  # noqa: E402
 def first_turn_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
     template = resolve_chat_template(tokenizer, cfg.target)
     prompts: list[list[int]] = []
-    for _row, item in iter_records(cfg.prepare.data[0], None):
-        if isinstance(item, RecordError):
-            continue
+    for _file, _row, item in source_records(cfg):
         try:
+            if isinstance(item, RecordError):
+                raise item
             msgs = normalize_record(item, cfg.prepare.format)
         except RecordError:
             continue
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
         if not first:
             continue
-        text = tokenizer.apply_chat_template(msgs[:first], chat_template=template, add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = generation_prompt(tokenizer, template, msgs[:first])
         if len(ids) < cfg.prepare.max_length:
             prompts.append(ids)
         if len(prompts) == n:

@@ -203,7 +203,14 @@ def auto_generate_batch(model: Any, positions: int, memory_fraction: float = 0.5
     return max(1, min(cap, n // 8 * 8 or n))
 
 
-def _records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
+def generation_prompt(tokenizer: Any, template: str, conv: list[dict[str, str]]) -> list[int]:
+    """The token ids the target answers `conv` from: its chat template with the generation prompt."""
+    text = tokenizer.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def source_records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
+    """(file, row, record or RecordError) of every `prepare.data` file, as prepare reads them."""
     for f in cfg.prepare.data:
         path = check_data_file(f)
         for row, item in iter_records(path, cfg.prepare.max_records):
@@ -240,8 +247,9 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     if engine == "continuous":
         batch_size = batch_size or 1024
     else:
-        generate_batch = generate_batch or (min(batch_size, auto_generate_batch(model, max_length + max_new_tokens))
-                                            if batch_size else auto_generate_batch(model, max_length + max_new_tokens))
+        if not generate_batch:  # sized to memory, and never more prompts than a chunk's round has
+            generate_batch = auto_generate_batch(model, max_length + max_new_tokens)
+            generate_batch = min(generate_batch, batch_size) if batch_size else generate_batch
         batch_size = batch_size or 4 * generate_batch
     log(f"[regenerate] target {info['class']} on {info['device']}; engine {engine}"
         + (f" ({generate_batch} prompts per call, KV cache {'static' if static_len else 'dynamic'})"
@@ -251,9 +259,6 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
              "cut_at_max_length": 0, "cut_at_max_turns": 0, "redone": 0, "kept_opening_assistant": 0, "engine": engine,
              "kv_cache": "static" if static_len else "dynamic"}
 
-    def prompt_ids(conv: list[dict[str, str]]) -> list[int]:
-        text = tokenizer.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
     t0 = time.time()
     bar = tqdm(desc="regenerate", unit="rec", dynamic_ncols=True)
 
@@ -302,7 +307,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
                 if max_turns is not None and generated[k] >= max_turns:
                     end_here(k, "cut_at_max_turns")
                     continue
-                ids = prompt_ids(convs[k])
+                ids = generation_prompt(tokenizer, template, convs[k])
                 if len(ids) >= max_length:
                     # Training cuts every sample at prepare.max_length: a reply past it is never seen.
                     end_here(k, "cut_at_max_length")
@@ -337,7 +342,7 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
 
     batch: list[tuple[str, int, list[dict[str, str]]]] = []
     with skipped_path.open("a") as skipped:
-        for file, row, item in _records(cfg):
+        for file, row, item in source_records(cfg):
             if (file, row) in done:
                 continue
             stats["records"] += 1
