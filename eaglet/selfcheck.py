@@ -53,15 +53,18 @@ def pick_samples(sample_ids: np.ndarray, n: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng([seed, 11]).choice(ids, size=n, replace=False).tolist())
 
 
-def compare(stored: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """Cosine (whole sample flattened), max |error| and relative error, in fp32."""
-    a, b = stored.float().reshape(-1), ref.float().reshape(-1)
+def compare(stored: torch.Tensor, ref: torch.Tensor, min_cosine: float = 1.0) -> dict[str, float]:
+    """Cosine (whole sample flattened), max |error| and relative error, in fp32, and how many
+    tokens (rows [T, H]) have their own cosine below `min_cosine`."""
+    s, r = stored.float(), ref.float()
+    a, b = s.reshape(-1), r.reshape(-1)
     diff = a - b
     cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0, eps=1e-12))
     return {
         "cosine": cos,
         "max_abs_error": float(diff.abs().max()) if diff.numel() else 0.0,
         "rel_error": float(diff.norm() / b.norm().clamp_min(1e-12)),
+        "tokens_below": int((torch.nn.functional.cosine_similarity(s, r, dim=-1, eps=1e-12) < min_cosine).sum()),
     }
 
 
@@ -125,8 +128,8 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
         ref_states, ref_final, ref_logits = reference(model, parts, layers, ids_T)
         stored = [got["aux"][:n, j * H:(j + 1) * H] for j in range(len(layers))] + [got["final"][:n]]
         for name, s, r in zip(names, stored, ref_states + [ref_final]):
-            m = compare(s, r)
-            below[name] += int((torch.nn.functional.cosine_similarity(s.float(), r, dim=-1, eps=1e-12) < min_cosine).sum())
+            m = compare(s, r, min_cosine)
+            below[name] += m["tokens_below"]
             w = worst[name]
             if m["cosine"] < w["cosine"]:
                 w["cosine"], w["sample"] = m["cosine"], sid
