@@ -115,23 +115,26 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
         parts = [store.get(i) for i in ids]
     cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
     lens = [int(p["input_ids"].shape[0]) for p in cut]
-    pos = torch.cat([torch.arange(n) for n in lens])
-    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])
 
-    def to_device(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def cat(pieces: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         # Over the bus in the stored dtype (bf16 states: half the bytes of fp32), converted
-        # on the device (the same values). From pinned memory: a copy from pageable memory
-        # waits for the GPU's queue to drain, a host sync per micro-batch.
-        if device.type == "cuda" and t.device.type == "cpu":
-            t = t.pin_memory()
+        # on the device (the same values). Host pieces are concatenated straight into pinned
+        # memory (one host copy): a copy from pageable memory waits for the GPU's queue to
+        # drain, a host sync per micro-batch.
+        if device.type == "cuda" and pieces[0].device.type == "cpu":
+            shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
+            t = torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=True))
+        else:
+            t = torch.cat(pieces)
         t = t.unsqueeze(0).to(device, non_blocking=True)
         return t.to(dtype) if dtype is not None else t
 
-    def cat(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return to_device(torch.cat([p[key] for p in cut]), dtype)
+    def stored(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return cat([p[key] for p in cut], dtype)
 
-    return Batch(cat("aux", torch.float32), cat("final"), cat("input_ids", torch.int64), cat("loss_mask", torch.bool),
-                 to_device(pos), to_device(doc), sum(lens))
+    return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64),
+                 stored("loss_mask", torch.bool), cat([torch.arange(n) for n in lens]),
+                 cat([torch.full((n,), d) for d, n in enumerate(lens)]), sum(lens))
 
 
 # ---- the target's head and the draft -------------------------------------------------------------

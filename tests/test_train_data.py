@@ -1,9 +1,11 @@
-"""Training data order: packing, the held-out split, and the micro-batch stream."""
+"""Training data order: packing, the held-out split, the micro-batch stream, and the packed batch."""
 
 from itertools import islice
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+import torch
 
 from eaglet.train import Trainer, epoch_plan, pack, split_ids
 
@@ -38,3 +40,37 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
     assert len(seen) == len(set(seen)) == sum(counts)
     for e, i, batch in stream:
         assert batch == epoch_plan(ids, lengths, 512, 0, e)[i]
+
+
+class _Samples:
+    """A stand-in store: `get` as StoreReader's, from tensors in memory."""
+
+    def __init__(self, lengths, H=4, n_aux=3, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.samples = {i: {"aux": torch.randn(n, n_aux * H, generator=g).to(torch.bfloat16),
+                            "final": torch.randn(n, H, generator=g).to(torch.bfloat16),
+                            "input_ids": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+                            "loss_mask": (torch.rand(n, generator=g) > 0.5).to(torch.uint8)}
+                        for i, n in enumerate(lengths)}
+
+    def get(self, i):
+        return self.samples[i]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the pinned host path)"))])
+def test_load_batch_packs_documents_with_their_positions(device):
+    from eaglet.train import load_batch
+
+    store = _Samples([5, 3, 9])
+    b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device))  # sample 2 cut at 7
+    cut = [store.get(i) for i in (2, 0, 1)]
+    cut = [{k: v[:7] for k, v in s.items()} for s in cut]
+    assert b.tokens == 7 + 5 + 3
+    torch.testing.assert_close(b.aux.cpu(), torch.cat([s["aux"] for s in cut])[None].float(), rtol=0, atol=0)
+    assert torch.equal(b.final.cpu(), torch.cat([s["final"] for s in cut])[None])
+    assert torch.equal(b.input_ids.cpu(), torch.cat([s["input_ids"] for s in cut])[None].long())
+    assert torch.equal(b.loss_mask.cpu(), torch.cat([s["loss_mask"] for s in cut])[None].bool())
+    assert b.position_ids.cpu().tolist() == [list(range(7)) + list(range(5)) + list(range(3))]
+    assert b.doc_ids.cpu().tolist() == [[0] * 7 + [1] * 5 + [2] * 3]
+    assert b.aux.device.type == device
