@@ -123,15 +123,19 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     t0 = time.time()
     stats = run_regenerate(src, args.work / "regenerated.jsonl", batch_size=args.batch_size,
                            max_new_tokens=args.reply_tokens, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns,
-                           kv_cache=args.kv_cache)
+                           kv_cache=args.kv_cache, shard=args.shard)
     stats["wall_s"] = round(time.time() - t0, 1)
-    atomic_write_json(args.work / "regenerate.json", stats)
+    name = "regenerate.json" if not args.shard else f"regenerate-shard-{args.shard.replace('/', '-of-')}.json"
+    atomic_write_json(args.work / name, stats)
 
 
 def cmd_regen(args: argparse.Namespace) -> None:
     """Prepare, extract (online), vocab, train and export on the regenerated conversations;
     every one trains (the eval prompts come from prompts.json)."""
-    cfg = _cfg(args, "regen", str(args.work / "regenerated.jsonl"), ["train.eval_fraction=0.0", "prepare.max_records=null"])
+    from eaglet.regenerate import output_files
+
+    files = output_files(args.work / "regenerated.jsonl")  # and the shards, when GPUs split the work
+    cfg = _cfg(args, "regen", ",".join(map(str, files)), ["train.eval_fraction=0.0", "prepare.max_records=null"])
     pipeline.run_all(cfg, upto="train")
 
 
@@ -229,9 +233,13 @@ def cmd_report(args: argparse.Namespace) -> None:
         if pm.is_file():
             s = json.loads(pm.read_text())["stats"]
             out[f"prepare_{name}"] = {k: s.get(k) for k in ("records", "samples", "tokens", "loss_tokens", "skipped")}
-    regenerated = w / "regenerated.jsonl"
-    if regenerated.is_file():
-        out["regenerated_records"] = sum(1 for _ in regenerated.open())
+    from eaglet.regenerate import output_files
+
+    files = output_files(w / "regenerated.jsonl")
+    if files:
+        out["regenerated_records"] = sum(1 for p in files for _ in p.open())
+    for shard in sorted(w.glob("regenerate-shard-*.json")):
+        out[shard.stem] = json.loads(shard.read_text())
     for extra in ("regenerate.json", "speculators/train.json", "speculators-native/train.json"):
         if (w / extra).is_file():
             out[extra.replace("/", "_").removesuffix(".json")] = json.loads((w / extra).read_text())
@@ -267,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", default="generate", help="regenerate: generate | continuous | auto.")
     ap.add_argument("--generate-batch", type=int, default=None, help="regenerate --engine generate: prompts per batch.")
     ap.add_argument("--max-turns", type=int, default=None, help="regenerate: replies per conversation (default all).")
+    ap.add_argument("--shard", default=None, help="regenerate: R/N, this GPU's share of the records.")
     ap.add_argument("--kv-cache", default="auto", help="regenerate --engine generate: auto | static | dynamic.")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)

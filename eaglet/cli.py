@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a GPU, dynamic on a CPU.")
     p.add_argument("--max-turns", type=int, default=None,
                    help="Replies regenerated per conversation; it ends after the last of them (default: all).")
+    p.add_argument("--shard", default=None, metavar="R/N",
+                   help="Take every N-th record, from the R-th, into OUT's stem + .shard-R-of-N (one process per GPU; "
+                        "under torchrun: RANK/WORLD_SIZE). List the shard files in prepare.data.")
     p.add_argument("--engine", choices=["auto", "generate", "continuous"], default="auto",
                    help="'generate': padded batches; 'continuous': transformers' continuous batching "
                         "(generate_batch, paged KV cache); auto: generate (the faster of the two, measured on an H200).")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
                            args.temperature, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns,
-                           kv_cache=args.kv_cache)
+                           kv_cache=args.kv_cache, shard=args.shard)
             return 0
         if args.command == "demo":
             from .demo import run_demo

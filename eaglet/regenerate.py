@@ -20,12 +20,19 @@ Each round generates the next assistant turn of every conversation of a chunk of
 Resumable: the output is appended one batch at a time and flushed to disk; a rerun skips the
 records already written (by source file and row). Records that cannot be used go to
 `<out>.skipped.jsonl` with their reason, as in prepare.
+
+Many GPUs: `--shard R/N` (or torchrun, which sets RANK and WORLD_SIZE) makes this process take
+every N-th source record, starting at the R-th, and write `<out stem>.shard-R-of-N<suffix>`.
+The processes share nothing and need no process group; list their files in `prepare.data`. A
+rerun skips every record that any file of the same output already holds, so N may change
+between runs, and a run without shards after sharded ones finishes only what is left.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,9 +47,43 @@ from .target import load_target
 from .utils import log
 
 
+def shard_path(out: str | Path, rank: int, world: int) -> Path:
+    """The file shard `rank` of `world` writes for the output `out`."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.shard-{rank}-of-{world}{out.suffix}")
+
+
+def resolve_shard(shard: str | None) -> tuple[int, int]:
+    """(rank, world) from `--shard R/N`, else from torchrun's RANK and WORLD_SIZE, else (0, 1)."""
+    if shard is None:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        rank, world = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"regenerate --shard {shard!r}: expected R/N, e.g. 0/4") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"regenerate --shard {shard!r}: need N >= 1 and 0 <= R < N")
+    return rank, world
+
+
+def _output_paths(out: Path) -> list[Path]:
+    """`out` and every shard path of it that has a file (its records or its skipped records)."""
+    shard = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(out.suffix) + r"(\.skipped\.jsonl)?")
+    found = {m.groups()[:2]: out.with_name(f"{out.stem}.shard-{m[1]}-of-{m[2]}{out.suffix}")
+             for m in map(shard.fullmatch, (p.name for p in out.parent.glob(f"{out.stem}.shard-*"))) if m}
+    return [out, *(found[k] for k in sorted(found, key=lambda k: (int(k[1]), int(k[0]))))]
+
+
+def output_files(out: str | Path) -> list[Path]:
+    """Every file the output `out` has so far: itself and the shards of any split, in that order."""
+    return [p for p in _output_paths(Path(out)) if p.is_file()]
+
+
 def _done_rows(out: Path) -> set[tuple[str, int]]:
+    """(file, row) of every record written or skipped in any file of the output `out`."""
     done: set[tuple[str, int]] = set()
-    for path in (out, out.with_name(out.name + ".skipped.jsonl")):
+    paths = _output_paths(out)
+    for path in [*paths, *(p.with_name(p.name + ".skipped.jsonl") for p in paths)]:
         if not path.is_file():
             continue
         with path.open() as f:
@@ -219,22 +260,26 @@ def source_records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
 
 def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, max_new_tokens: int = 512,
                    temperature: float = 0.0, engine: str = "auto", generate_batch: int | None = None,
-                   max_turns: int | None = None, kv_cache: str = "auto") -> dict[str, Any]:
+                   max_turns: int | None = None, kv_cache: str = "auto", shard: str | None = None) -> dict[str, Any]:
     """`batch_size`: conversations regenerated together (a chunk, round by round; default 4 x
     generate_batch, so that each call's prompts are of similar length);
     `generate_batch`: prompts in one padded `generate` call (engine 'generate'; default: sized to
     half the free GPU memory for the KV cache, 16 on a CPU);
     `kv_cache`: 'static' (one preallocated size, compiled decoding on a GPU), 'dynamic' or 'auto';
     `max_turns`: replies regenerated per conversation, which ends after the last of them (None:
-    all; 1: one round, the first reply of every conversation at once)."""
+    all; 1: one round, the first reply of every conversation at once);
+    `shard`: 'R/N', this process's share of the records (default: torchrun's rank, else all)."""
     from tqdm import tqdm
 
+    rank, world = resolve_shard(shard)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_rows(out)  # over every file of this output, before this shard's own is named
+    if world > 1:
+        out = shard_path(out, rank, world)
     skipped_path = out.with_name(out.name + ".skipped.jsonl")
     for p in (out, skipped_path):
         _truncate_partial_line(p)
-    done = _done_rows(out)
     tokenizer = load_tokenizer(cfg.target)
     tokenizer.padding_side = "left"
     template = resolve_chat_template(tokenizer, cfg.target)
@@ -254,10 +299,11 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
     log(f"[regenerate] target {info['class']} on {info['device']}; engine {engine}"
         + (f" ({generate_batch} prompts per call, KV cache {'static' if static_len else 'dynamic'})"
            if engine == "generate" else "")
-        + f", {batch_size} conversations at a time; {len(done)} records already done; -> {out}")
+        + f", {batch_size} conversations at a time; {len(done)} records already done"
+        + (f"; shard {rank} of {world} (every {world}th record)" if world > 1 else "") + f"; -> {out}")
     stats = {"records": 0, "written": 0, "skipped": 0, "resumed": len(done), "new_tokens": 0, "replies": 0,
              "cut_at_max_length": 0, "cut_at_max_turns": 0, "redone": 0, "kept_opening_assistant": 0, "engine": engine,
-             "kv_cache": "static" if static_len else "dynamic"}
+             "kv_cache": "static" if static_len else "dynamic", "shard": [rank, world], "out": str(out)}
 
     t0 = time.time()
     bar = tqdm(desc="regenerate", unit="rec", dynamic_ncols=True)
@@ -342,8 +388,8 @@ def run_regenerate(cfg: Config, out: str | Path, batch_size: int | None = None, 
 
     batch: list[tuple[str, int, list[dict[str, str]]]] = []
     with skipped_path.open("a") as skipped:
-        for file, row, item in source_records(cfg):
-            if (file, row) in done:
+        for i, (file, row, item) in enumerate(source_records(cfg)):
+            if i % world != rank or (file, row) in done:
                 continue
             stats["records"] += 1
             try:

@@ -215,3 +215,56 @@ def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
         assert row["first_call_tokens"] == sum(n for _, n in ref[:batch])
         assert row["tokens"] == sum(n for _, n in ref[batch:])
         assert row["calls"] == -(-(7 - batch) // batch)
+
+
+def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, monkeypatch):
+    """Two shards (as two GPUs would run them) write every record once between them, with the
+    replies of one unsharded run; a rerun with another split, or none, redoes nothing, and a
+    shard stopped early is finished by a rerun under a different split."""
+    from eaglet.regenerate import output_files, resolve_shard, run_regenerate, shard_path
+
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(7, seed=3, max_turns=2))
+    with data.open("a") as f:
+        f.write("{broken\n")  # row 8: shard 1 of 2 skips it, and only its skipped file holds it
+    cfg = load_config(None, [f"target.path={target}", "target.dtype=float32", "target.device=cpu",
+                             f"prepare.data=[{data}]"])
+    run = dict(max_new_tokens=4, engine="generate", generate_batch=4)
+    whole = {json.loads(ln)["source"]["row"]: json.loads(ln) for ln in
+             (lambda p: (run_regenerate(cfg, p, **run), p.read_text())[1])(tmp_path / "whole.jsonl").splitlines()}
+
+    out = tmp_path / "regen.jsonl"
+    s0 = run_regenerate(cfg, out, shard="0/2", **run)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's variables name the shard when --shard is not given
+    s1 = run_regenerate(cfg, out, **run)
+    assert s0["out"] == str(shard_path(out, 0, 2)) and s1["out"] == str(shard_path(out, 1, 2))
+    rows = {p.name: sorted(json.loads(ln)["source"]["row"] for ln in p.read_text().splitlines()) for p in output_files(out)}
+    assert rows == {"regen.shard-0-of-2.jsonl": [1, 3, 5, 7], "regen.shard-1-of-2.jsonl": [2, 4, 6]}
+    got = {json.loads(ln)["source"]["row"]: json.loads(ln) for p in output_files(out) for ln in p.read_text().splitlines()}
+    assert got == whole
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    for shard in ("1/3", "1/2", None):
+        stats = run_regenerate(cfg, out, shard=shard, **run)
+        assert stats["written"] == stats["skipped"] == 0
+    skipped = [ln for p in tmp_path.glob("regen*.skipped.jsonl") for ln in p.read_text().splitlines()]
+    assert len(skipped) == 1 and json.loads(skipped[0])["source"]["row"] == 8
+
+    # Shard 0 of 2 stopped after two records; a 3-way rerun finishes exactly the rest.
+    part = tmp_path / "part.jsonl"
+    run_regenerate(load_config(None, [*cfg_sets(cfg), "prepare.max_records=3"]), part, shard="0/2", **run)
+    assert sorted(json.loads(ln)["source"]["row"] for ln in shard_path(part, 0, 2).read_text().splitlines()) == [1, 3]
+    for r in range(3):
+        run_regenerate(cfg, part, shard=f"{r}/3", **run)
+    rows = sorted(json.loads(ln)["source"]["row"] for p in output_files(part) for ln in p.read_text().splitlines())
+    assert rows == list(range(1, 8))  # and row 8 skipped
+    assert resolve_shard(None) == (0, 1)
+    for bad in ("2/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            resolve_shard(bad)
+
+
+def cfg_sets(cfg):
+    return [f"target.path={cfg.target.path}", "target.dtype=float32", "target.device=cpu",
+            f"prepare.data=[{cfg.prepare.data[0]}]"]
