@@ -6,9 +6,12 @@
 Takes the first user turn of the first --prompts usable records of --data (rendered with the
 target's chat template, as regenerate renders them), and for each variant `cache:batch`
 generates --new-tokens greedy tokens for every prompt with `batched_generate` (prompts sorted
-longest first, as regenerate does). The first call of a variant is timed apart (a static cache
-compiles the decoding step there); tokens/s counts the reply tokens up to EOS over the
-remaining calls. Prints one line per variant and saves the JSON.
+longest first, as regenerate does). A static cache is sized per call, as in regenerate: the
+smallest of a few doubling sizes that holds the call's prompts and replies, up to --max-length +
+--new-tokens; `cache_sizes` lists the sizes the variant's calls took. The first call of a variant
+is timed apart (a static cache compiles the decoding step there); tokens/s counts the reply
+tokens up to EOS over the remaining calls, and so includes the compiling for each smaller cache
+size that they reach. Prints one line per variant and saves the JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eaglet.chat import load_tokenizer, resolve_chat_template  # noqa: E402
 from eaglet.config import load_config  # noqa: E402
 from eaglet.data import RecordError, normalize_record  # noqa: E402
-from eaglet.regenerate import batched_generate, generation_prompt, source_records  # noqa: E402
+from eaglet.regenerate import batched_generate, generation_prompt, source_records, static_cache_len  # noqa: E402
 from eaglet.target import load_target  # noqa: E402
 from eaglet.utils import atomic_write_json, log  # noqa: E402
 
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", required=True)
     ap.add_argument("--prompts", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--max-length", type=int, default=2048, help="prepare.max_length (the static cache's prompt part)")
+    ap.add_argument("--max-length", type=int, default=2048,
+                    help="prepare.max_length (+ --new-tokens: the largest static cache)")
     ap.add_argument("--variants", default="dynamic:1024,static:256,static:1024")
     ap.add_argument("--set", action="append", default=[], help="Extra config override (e.g. target.dtype=float32).")
     ap.add_argument("--out", type=Path, default=Path("regen-throughput.json"))
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"variant": spec, "first_call_s": round(t1 - t0, 2), "first_call_tokens": sum(n for _, n in first),
                "seconds": round(t2 - t1, 2), "tokens": tokens, "calls": -(-len(rest) // batch),
                "tokens_per_s": round(tokens / (t2 - t1), 1) if rest else None,
+               "cache_sizes": sorted({static_cache_len(len(order[a]), args.new_tokens, static_len)
+                                      for a in range(0, len(order), batch)}) if static_len else None,
                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
         res["variants"].append(row)
         log(f"[regen-bench] {spec}: {row['tokens_per_s']} tok/s over {row['calls']} calls "

@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--engine generate: prompts per padded batch, grouped by length (default: sized to half "
                         "the free GPU memory for the KV cache; 16 on a CPU).")
     p.add_argument("--kv-cache", choices=["auto", "static", "dynamic"], default="auto",
-                   help="--engine generate: 'static' preallocates prepare.max_length + --max-new-tokens positions "
-                        "per prompt, so that transformers compiles the decoding step once on a GPU; auto: static "
-                        "on a GPU, dynamic on a CPU.")
+                   help="--engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes "
+                        "that holds its prompts + --max-new-tokens (at most prepare.max_length + --max-new-tokens "
+                        "positions per prompt), so that transformers compiles the decoding step once per size on a "
+                        "GPU; auto: dynamic (the faster on an H200 in bench/regen_throughput.py).")
     p.add_argument("--max-turns", type=int, default=None,
                    help="Replies regenerated per conversation; it ends after the last of them (default: all).")
     p.add_argument("--shard", default=None, metavar="R/N",

@@ -141,8 +141,8 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
 
 
 def test_static_kv_cache_gives_the_dynamic_caches_replies(tmp_path):
-    """The static cache (one preallocated size for every call, compiled on a GPU) changes how
-    replies are computed, not what they are: the same greedy replies as the growing cache."""
+    """The static cache (preallocated in a few sizes, compiled on a GPU) changes how replies are
+    computed, not what they are: the same greedy replies as the growing cache."""
     from eaglet.regenerate import run_regenerate
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
@@ -156,6 +156,56 @@ def test_static_kv_cache_gives_the_dynamic_caches_replies(tmp_path):
         assert stats["kv_cache"] == kv and stats["replies"] > 9
         outs[kv] = [json.loads(ln) for ln in (tmp_path / f"{kv}.jsonl").read_text().splitlines()]
     assert outs["static"] == outs["dynamic"]
+
+
+def test_static_cache_len_is_one_of_a_few_doubling_sizes_up_to_the_limit():
+    """Each call's cache holds its prompts and replies, in at most log2(limit / 256) + 2 sizes
+    over every width (so few compiled decoding steps), never past the limit, which refuses more."""
+    import math
+
+    from eaglet.regenerate import static_cache_len
+
+    for new_tokens, limit in ((256, 2048 + 256), (6, 160 + 6), (512, 4096)):
+        sizes = set()
+        for width in range(1, limit - new_tokens + 1):
+            n = static_cache_len(width, new_tokens, limit)
+            assert width + new_tokens <= n <= limit
+            sizes.add(n)
+        assert len(sizes) <= math.log2(limit / 256) + 2
+        with pytest.raises(ValueError, match=f"static KV cache of {limit} positions"):
+            static_cache_len(limit - new_tokens + 1, new_tokens, limit)
+    assert sorted({static_cache_len(w, 256, 2304) for w in range(1, 2049)}) == [512, 1024, 2048, 2304]
+    assert static_cache_len(80, 256, 2304) == 512  # a call of short prompts: not 2304 positions per step
+
+
+def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_caches_replies(monkeypatch):
+    """Prompts of very different lengths, two per call: each call's static cache is sized to its
+    own prompts (transformers alone would keep the first, longest call's size for all), and the
+    replies are the growing cache's."""
+    from eaglet.regenerate import batched_generate, generation_prompt, static_cache_len
+    from eaglet.specdec import cache_kwarg
+
+    model, tok = tiny.build_model(), tiny.build_tokenizer()
+    tok.padding_side = "left"
+    text = " ".join(c["conversations"][0]["value"] for c in tiny.make_conversations(6, seed=7))  # ~90 tokens
+    prompts = [generation_prompt(tok, tok.chat_template, [{"role": "user", "content": content}])
+               for content in [" ".join([text] * reps) for reps in (1, 8, 3, 7, 2)] + ["Hi?"]]
+    widths = sorted(map(len, prompts), reverse=True)
+    limit = 800  # under the 1024 that the longest call would take: that call gets the limit
+    assert widths[0] + 6 <= limit and widths[2] + 6 > 256 and widths[4] + 6 <= 256
+
+    sizes, generate = [], model.generate
+
+    def recording(*args, **kwargs):
+        sizes.append(kwargs[cache_kwarg(model)].layers[0].max_cache_len if cache_kwarg(model) in kwargs else None)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    static = batched_generate(model, tok, prompts, 6, 0.0, 2, static_len=limit)
+    assert sizes == [limit, 512, 256] == [static_cache_len(widths[i], 6, limit) for i in (0, 2, 4)]
+    sizes.clear()
+    assert static == batched_generate(model, tok, prompts, 6, 0.0, 2) and sizes == [None] * 3
+    assert any(n for _, n in static)
 
 
 def test_static_cache_too_short_is_refused():
