@@ -16,7 +16,9 @@ Three timings, each over the same batches after one untimed warm-up batch:
   the aux layers into one buffer, non-finite check, non-blocking copies to pinned host
   memory, the previous batch handed to the StoreWriter while the next forward runs) and
   the StoreWriter's background threads (sha256 + safetensors + fsync, `--writer-threads`),
-  until `close()` returns: every shard on disk. Tokens/s end to end, and the ratio to forward;
+  until `close()` returns: every shard on disk. Tokens/s end to end, the ratio to forward,
+  and where the loop's host thread waited (`host_waits`: pinned allocations, copies, the
+  writer's full queue, and the shards still to write after the last forward);
 - write: the StoreWriter alone, fed host tensors of the same sizes: its bandwidth (GB/s)
   and the tokens/s that bandwidth is worth at the store's bytes per token.
 The store goes to `--dir` (a temporary folder on local disk by default), deleted after each part.
@@ -155,21 +157,26 @@ def time_forward(parts: TargetParts, data: _Samples, B: int, device: torch.devic
 
 
 def time_extract(parts: TargetParts, layers: list[int], data: _Samples, B: int, folder: Path,
-                 args: argparse.Namespace) -> tuple[float, int]:
-    """Seconds for eaglet's extract loop over `data` until the writer has every shard on disk."""
+                 args: argparse.Namespace) -> tuple[float, int, dict[str, float]]:
+    """Seconds for eaglet's extract loop over `data` until the writer has every shard on disk,
+    the bytes written, and where the loop's host thread waited (`_extract_loop`'s `waits`, plus
+    'close_s': from the last batch handed over to the last shard on disk)."""
     meta = _meta(parts, layers, "bfloat16")
     writer = _writer(folder, meta, args)
+    waits: dict[str, float] = {}
     _sync(parts.input_device)
     t0 = time.perf_counter()
     try:
         tokens = _extract_loop(data, list(range(len(data))), parts, layers, DTYPES["bfloat16"], writer,
-                               batch_tokens=B * args.seq, max_batch_size=B, show=False)
+                               batch_tokens=B * args.seq, max_batch_size=B, show=False, waits=waits)
+        t1 = time.perf_counter()
         records = writer.close(index=False)
     except BaseException:
         writer.abort()
         raise
     seconds = time.perf_counter() - t0
-    return seconds, sum(r["bytes"] for r in records.values()) if tokens else 0
+    waits["close_s"] = time.perf_counter() - t1
+    return seconds, sum(r["bytes"] for r in records.values()) if tokens else 0, waits
 
 
 def time_write(parts: TargetParts, layers: list[int], n: int, seq: int, folder: Path,
@@ -230,15 +237,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "extract" in parts_wanted:
             time_extract(parts, layers, warm, B, root / "warm", args)  # warm-up: pinned memory, threads
             shutil.rmtree(root / "warm", ignore_errors=True)
-            s, nbytes = time_extract(parts, layers, data, B, root / "extract", args)
+            s, nbytes, waits = time_extract(parts, layers, data, B, root / "extract", args)
             shutil.rmtree(root / "extract", ignore_errors=True)
-            report["extract"] = {"seconds": s, "tokens_per_s": tokens / s, "bytes": nbytes, "gb_per_s": nbytes / s / 1e9}
+            report["extract"] = {"seconds": s, "tokens_per_s": tokens / s, "bytes": nbytes, "gb_per_s": nbytes / s / 1e9,
+                                 "host_waits": {k: round(v, 3) for k, v in waits.items()}}
             if "forward" in report:
                 report["extract"]["vs_forward"] = report["forward"]["seconds"] / s
             print(f"extract (capture + copy + checksummed write{'' if not args.no_fsync else ', no fsync'}): "
                   f"{tokens / s:,.0f} tokens/s, {nbytes / s / 1e9:.2f} GB/s written"
                   + (f", {report['extract']['vs_forward']:.2f}x the forward" if "forward" in report else ""),
                   flush=True)
+            print("  host waits: " + ", ".join(f"{k} {v:.2f}" for k, v in waits.items()), flush=True)
         if "write" in parts_wanted:
             s, nbytes = time_write(parts, layers, n, args.seq, root / "write", args)
             shutil.rmtree(root / "write", ignore_errors=True)

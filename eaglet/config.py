@@ -107,7 +107,10 @@ class ExtractSection:
     )
     batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).")
     max_batch_size: int = _f(64, "Most samples in one forward batch.")
-    shard_mb: float = _f(1024.0, "Target size of one store shard in MiB.")
+    shard_mb: float = _f(
+        256.0, "Target size of one store shard in MiB. What is still unwritten when the last forward ends is "
+        "written after it; smaller shards spread that over the writer threads (on an H200, 256 against 1024 "
+        "cut it from 1.6 s to 0.5 s).")
     store_dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the stored hidden states.")
     writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.")
     writer_threads: int = _f(4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).")

@@ -126,11 +126,15 @@ def nonfinite_rows(aux_BTA: torch.Tensor, final_BTH: torch.Tensor, attention_mas
     return (bad_BT & attention_mask.to(bad_BT.device).bool()).any(-1)
 
 
-def _to_host(t: torch.Tensor, events: list) -> torch.Tensor:
-    """Start a copy to (pinned) host memory; CPU tensors are returned as they are."""
+def _to_host(t: torch.Tensor, events: list, waits: dict[str, float] | None = None) -> torch.Tensor:
+    """Start a copy to (pinned) host memory; CPU tensors are returned as they are. `waits`
+    adds the seconds spent allocating the pinned buffer under 'pin_alloc_s'."""
     if t.device.type != "cuda":
         return t
+    t0 = time.perf_counter()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    if waits is not None:
+        waits["pin_alloc_s"] = waits.get("pin_alloc_s", 0.0) + time.perf_counter() - t0
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
@@ -278,9 +282,17 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         if ecfg.mode == "online":  # only what the self-check compares; training computes the rest
             picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
             todo = [i for i in todo if int(data.sample_ids[i]) in picked]
+        waits: dict[str, float] = {}
         new_tokens = _extract_loop(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size,
-                                   data_rank, data_world, show=env.is_main)
+                                   data_rank, data_world, show=env.is_main, waits=waits)
+        t_close = time.perf_counter()
         records = writer.close(index=False) if isinstance(writer, StoreWriter) else {}
+        waits["close_s"] = time.perf_counter() - t_close
+        waits = {k: round(v, 3) for k, v in waits.items()}
+        if env.is_main and waits["loop_s"] > 0:
+            log(f"[extract] host waits over {waits['loop_s']:.1f} s of forwards: store writer (disk) "
+                f"{waits['writer_wait_s']:.1f} s, device-to-host copies {waits['copy_wait_s']:.1f} s, pinned buffers "
+                f"{waits['pin_alloc_s']:.1f} s; the last shards took {waits['close_s']:.1f} s after the last forward")
     except BaseException:
         if isinstance(writer, StoreWriter):
             writer.abort()
@@ -312,15 +324,26 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "hidden_size": parts.hidden_size,
         "world_size": env.world_size,
         "parallel": "tensor" if tensor_parallel else "data" if env.active else "none",
+        "host_waits": waits,  # this rank's (rank 0's in the manifest)
         "selfcheck": check,
     }
 
 
 def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layers: list[int], dtype: torch.dtype,
                   writer: StoreWriter | _Discard, batch_tokens: int, max_batch_size: int, rank: int = 0,
-                  world_size: int = 1, show: bool = True) -> int:
+                  world_size: int = 1, show: bool = True, waits: dict[str, float] | None = None) -> int:
     """Forward this rank's share of `todo` (prepared-data positions): batches rank, rank +
-    world_size, ... of the plan over all of `todo`. Returns the tokens this rank processed."""
+    world_size, ... of the plan over all of `todo`. Returns the tokens this rank processed.
+
+    `waits` (filled when given) says where the host thread that launches the forwards stood
+    still, in seconds: 'pin_alloc_s' allocating pinned buffers, 'copy_wait_s' waiting for a
+    batch's device-to-host copies (that is, for the GPU), 'writer_wait_s' handing rows to the
+    store (blocked while its queue is full: the disk is behind), and 'loop_s' in all. Time the
+    host stands still while a forward is queued costs nothing; past that, the GPU idles."""
+    waits = {} if waits is None else waits
+    for k in ("pin_alloc_s", "copy_wait_s", "writer_wait_s"):
+        waits.setdefault(k, 0.0)
+    t_loop = time.perf_counter()
     lengths = [int(data.lengths[i]) for i in todo]
     for i, n in zip(todo, lengths):
         if n == 0 and rank == 0:
@@ -336,8 +359,11 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
     pending: _InFlight | None = None
 
     def finish(f: _InFlight) -> None:
+        t0 = time.perf_counter()
         for ev in f.events:
             ev.synchronize()
+        t1 = time.perf_counter()
+        waits["copy_wait_s"] += t1 - t0
         for b, (i, n) in enumerate(zip(f.rows, f.lengths)):
             s = data[i]
             if bool(f.bad[b]):
@@ -346,6 +372,7 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                 continue
             writer.add(s.sample_id, f.aux[b, :n], f.final[b, :n], s.input_ids, s.loss_mask)
             stored["samples"] += 1
+        waits["writer_wait_s"] += time.perf_counter() - t1
         bar.update(sum(f.lengths))
         bar.set_postfix(samples=f"{stored['samples']}/{todo_count}", set_aside=stored["set_aside"], refresh=False)
 
@@ -362,8 +389,9 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                     continue  # a tensor-parallel rank other than 0: rank 0 stores these states
                 bad = nonfinite_rows(aux, final, mask)
                 events: list = []
-                flight = _InFlight(rows, [lengths[p] for p in batch], _to_host(aux, events), _to_host(final, events),
-                                   _to_host(bad, events), events, keep=(aux, final, bad))
+                flight = _InFlight(rows, [lengths[p] for p in batch], _to_host(aux, events, waits),
+                                   _to_host(final, events, waits), _to_host(bad, events, waits), events,
+                                   keep=(aux, final, bad))
                 if pending is not None:
                     finish(pending)  # the previous batch's rows, while this batch's copies run
                 pending = flight
@@ -371,4 +399,5 @@ def _extract_loop(data: PreparedData, todo: list[int], parts: TargetParts, layer
                 finish(pending)
     finally:
         bar.close()
+        waits["loop_s"] = time.perf_counter() - t_loop
     return sum(lengths[p] for b in batches for p in b)

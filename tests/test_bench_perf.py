@@ -90,3 +90,38 @@ def test_perf_sh_tiny(tmp_path):
         assert train[1]["system"] == "speculators" and train[1]["speculators_version"] == "0.9.0"
     else:
         assert "no speculators wheels" in row
+
+
+def test_extract_loop_reports_where_the_host_waited(tmp_path):
+    """A store writer slower than the forwards shows as 'writer_wait_s' (the host blocked on its
+    queue), within the loop's own time; nothing is charged to pinned buffers on a CPU."""
+    import time
+
+    import torch
+
+    from eaglet.extract import _extract_loop
+    from eaglet.target import TargetParts, resolve_layers
+
+    model = extract_throughput.build_target("tiny", None, torch.device("cpu"), torch.float32)
+    parts = TargetParts.of(model)
+    layers = resolve_layers(None, parts.num_layers)
+    data = extract_throughput._Samples(6, 16, model.config.vocab_size, seed=0)
+
+    class SlowWriter:  # takes 50 ms per sample, as a writer behind on its disk would
+        added: list[int] = []
+
+        def add(self, sample_id, aux, final, ids, mask):
+            time.sleep(0.05)
+            self.added.append(int(sample_id))
+
+        def set_aside(self, sample_id, reason):
+            raise AssertionError(f"{sample_id} set aside: {reason}")
+
+    waits: dict[str, float] = {}
+    writer = SlowWriter()
+    tokens = _extract_loop(data, list(range(6)), parts, layers, torch.float32, writer, batch_tokens=32,
+                           max_batch_size=2, show=False, waits=waits)
+    assert tokens == 6 * 16 and sorted(writer.added) == sorted(int(i) for i in data.sample_ids)
+    assert set(waits) == {"pin_alloc_s", "copy_wait_s", "writer_wait_s", "loop_s"}
+    assert 0.3 <= waits["writer_wait_s"] <= waits["loop_s"]
+    assert waits["pin_alloc_s"] == 0.0
