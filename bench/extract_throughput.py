@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(root / "warm", ignore_errors=True)
             s, nbytes, waits = time_extract(parts, layers, data, B, root / "extract", args)
             shutil.rmtree(root / "extract", ignore_errors=True)
-            report["extract"] = {"seconds": s, "tokens_per_s": tokens / s, "bytes": nbytes, "gb_per_s": nbytes / s / 1e9,
-                                 "host_waits": {k: round(v, 3) for k, v in waits.items()}}
+            report["extract"] = {"seconds": s, "tokens_per_s": tokens / s, "bytes": nbytes,
+                                 "gb_per_s": nbytes / s / 1e9, "host_waits": {k: round(v, 3) for k, v in waits.items()}}
             if "forward" in report:
                 report["extract"]["vs_forward"] = report["forward"]["seconds"] / s
             print(f"extract (capture + copy + checksummed write{'' if not args.no_fsync else ', no fsync'}): "

@@ -13,8 +13,9 @@ the target's chat template. A conversation stops at the turn whose prompt alread
 Two engines: `generate` (left-padded batches of prompts of similar length through
 `model.generate`, the default, with the growing KV cache or, `--kv-cache static`, a
 preallocated one that transformers compiles the decoding step for, in a few sizes: each call
-takes the smallest that holds its own prompts and replies) and `continuous` (transformers' continuous batching, `generate_batch`: no
-padding and no waiting for the longest reply of a batch, but slower on an H200 in practice).
+takes the smallest that holds its own prompts and replies) and `continuous` (transformers'
+continuous batching, `generate_batch`: no padding and no waiting for the longest reply of a
+batch, but slower on an H200 in practice).
 Each round generates the next assistant turn of every conversation of a chunk of
 `--batch-size` conversations at once.
 

@@ -12,9 +12,10 @@
 # the contract checks do not need). Measured on the 2-core dev machine: ~260 s for vLLM, 9.4 GB.
 #
 # Usage: bash scripts/vllm_venv.sh                 # VLLM_VERSION=0.33.0 by default
+#        VLLM_VERSION=0.25.0 VLLM_VENV=.venv-vllm25 bash scripts/vllm_venv.sh   # the oldest vLLM eaglet accepts
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-vllm
+VENV=${VLLM_VENV:-.venv-vllm}  # VLLM_VENV: another folder, e.g. for a second vLLM version
 VERSION=${VLLM_VERSION:-0.33.0}
 PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q)
 

@@ -289,9 +289,12 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's variables name the shard when --shard is not given
     s1 = run_regenerate(cfg, out, **run)
     assert s0["out"] == str(shard_path(out, 0, 2)) and s1["out"] == str(shard_path(out, 1, 2))
-    rows = {p.name: sorted(json.loads(ln)["source"]["row"] for ln in p.read_text().splitlines()) for p in output_files(out)}
+    def rows_of(p):
+        return sorted(json.loads(ln)["source"]["row"] for ln in p.read_text().splitlines())
+
+    rows = {p.name: rows_of(p) for p in output_files(out)}
     assert rows == {"regen.shard-0-of-2.jsonl": [1, 3, 5, 7], "regen.shard-1-of-2.jsonl": [2, 4, 6]}
-    got = {json.loads(ln)["source"]["row"]: json.loads(ln) for p in output_files(out) for ln in p.read_text().splitlines()}
+    got = {r["source"]["row"]: r for p in output_files(out) for r in map(json.loads, p.read_text().splitlines())}
     assert got == whole
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
