@@ -46,7 +46,8 @@ from typing import Any
 PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet is tested with)"
 # The oldest vLLM the backend accepts: load_hidden_states / cleanup_hidden_states exist from
 # 0.22.0, but DeepSeek-V2/V3 (and Kimi-K2.5, which wraps it) return the state after the last
-# layer for id L only from 0.25.0 (read from the 0.22-0.25 wheels' source; not run).
+# layer for id L only from 0.25.0 (read from the 0.22-0.25 wheels' source). The contract test
+# passes against 0.25.0 as well (VLLM_VERSION=0.25.0 VLLM_VENV=.venv-vllm25 scripts/vllm_venv.sh).
 VLLM_MIN = "0.25.0"
 VLLM_TESTED = "0.33.0"  # the vLLM the contract test (tests/test_vllm_contracts.py) runs against
 VLLM_FIX = (f"install the vLLM eaglet is tested with into its own venv: VLLM_VERSION={VLLM_TESTED} bash "

@@ -44,7 +44,7 @@ def test_healthy_target_passes(report):
     case = report["cases"]["healthy"]
     assert case["bad"] == [], case["bad"]
     text = "\n".join(case["lines"])
-    assert "ok    vLLM version" in text and "found 0.33.0" in text
+    assert "ok    vLLM version" in text and f"found {report['vllm_version']}" in text
     assert "ok    vLLM model class: expected vLLM's class for LlamaForCausalLM" in text
     assert "ok    API contracts: expected 24 signatures as eaglet calls them; found 24 of 24 match" in text
     assert "found [2, 4, 5, 8]" in text  # eaglet's layers, then L
@@ -76,7 +76,7 @@ def test_model_class_without_aux_layers(report):
     assert [ln.split(":")[0] for ln in bad] == [
         "FAIL  API vllm.model_executor.models.gemma3.Gemma3ForCausalLM.supports_eagle3",
         "FAIL  API vllm.model_executor.models.gemma3.Gemma3ForCausalLM.set_aux_hidden_state_layers"]
-    classes = report["classes"]  # vLLM 0.33's own classes, as they are
+    classes = report["classes"]  # the installed vLLM's own classes, as they are
     assert classes["KimiK25ForConditionalGeneration"] == classes["DeepseekV3ForCausalLM"] == []
     assert classes["LlamaForCausalLM"] == classes["Qwen3MoeForCausalLM"] == classes["GptOssForCausalLM"] == []
     assert len(classes["Gemma3ForCausalLM"]) == 2

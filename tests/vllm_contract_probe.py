@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -101,7 +102,8 @@ def main(out: str) -> None:
         "unknown engine argument": (cfg(llama, "extract.vllm_engine_args={tensor_paralel_size: 2}"),
                                     contextlib.nullcontext()),
     }
-    result = {"vllm_import_s": round(time.time() - t0, 2), "cases": {}}
+    result = {"vllm_import_s": round(time.time() - t0, 2), "vllm_version": importlib.metadata.version("vllm"),
+              "cases": {}}
     for name, (c, patch) in cases.items():
         t = time.time()
         with patch:
@@ -138,11 +140,19 @@ def parse_serve_command(c) -> dict:
     import shlex
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # the serve parser moved out of the OpenAI entrypoint after 0.25
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+    from vllm.platforms import current_platform
 
     line = next(f.found for f in diagnose(c, "extract").findings if f.check == "vllm serve command")
     words = shlex.split(line)
+    if not current_platform.device_type:  # vLLM 0.25 ignores VLLM_TARGET_DEVICE here: name the GPU it serves on
+        current_platform.device_type = "cuda"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(words[2:])
     args.model = args.model_tag
     parsed = EngineArgs.from_cli_args(args)
