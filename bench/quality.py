@@ -63,7 +63,8 @@ COMMON = [
 def _cfg(args: argparse.Namespace, name: str, data: str, extra: list[str] = ()) -> Config:
     """The run config: COMMON, then --set (applies to every step), then this step's own."""
     target = args.work / "cache" / "smollm2-135m-instruct"
-    steps = [f"train.max_steps={args.steps}"] if args.steps else []
+    # --steps is the budget: as many epochs as it takes (train stops at the earlier of the two)
+    steps = [f"train.max_steps={args.steps}", "train.epochs=1000"] if args.steps else []
     return load_config(None, [f"run.dir={args.work / name}", f"target.path={target}", f"prepare.data=[{data}]",
                               *COMMON, *(args.set or []), *steps, *extra])
 
