@@ -82,7 +82,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tens
 
     `tensors[name] = (pieces, shape)`: the pieces (CPU, one dtype) concatenated along dim 0
     make a tensor of `shape`. They are streamed to the file and the hash without being
-    concatenated in memory first (a shard is ~1 GiB). The layout is the one
+    concatenated in memory first (a shard is extract.shard_mb, 256 MiB by default). The layout is the one
     safetensors.torch.save writes: 8-byte header length, JSON header padded with spaces to
     a multiple of 8, then the data ordered by dtype size (largest first) and name.
     """
