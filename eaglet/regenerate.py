@@ -71,10 +71,10 @@ def resolve_shard(shard: str | None) -> tuple[int, int]:
 
 def _output_paths(out: Path) -> list[Path]:
     """`out` and every shard path of it that has a file (its records or its skipped records)."""
-    shard = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(out.suffix) + r"(\.skipped\.jsonl)?")
-    found = {m.groups()[:2]: out.with_name(f"{out.stem}.shard-{m[1]}-of-{m[2]}{out.suffix}")
-             for m in map(shard.fullmatch, (p.name for p in out.parent.glob(f"{out.stem}.shard-*"))) if m}
-    return [out, *(found[k] for k in sorted(found, key=lambda k: (int(k[1]), int(k[0]))))]
+    name = re.compile(re.escape(out.stem) + r"\.shard-(\d+)-of-(\d+)" + re.escape(out.suffix) + r"(\.skipped\.jsonl)?")
+    splits = {(int(m[2]), int(m[1])) for m in map(name.fullmatch, (p.name for p in out.parent.glob(f"{out.stem}.shard-*")))
+              if m}  # (world, rank)
+    return [out, *(shard_path(out, rank, world) for world, rank in sorted(splits))]
 
 
 def output_files(out: str | Path) -> list[Path]:
