@@ -31,8 +31,6 @@ from .prepared import PreparedData
 from .store import StoreReader
 from .target import TargetParts, load_target
 
-ONLINE = "online"
-
 
 class OnlineStates:
     """The `StoreReader` interface over prepared data, states computed by the target on demand.
@@ -106,7 +104,7 @@ class OnlineStates:
 
 
 def is_online(store: StoreReader) -> bool:
-    return store.meta.get("mode") == ONLINE
+    return store.meta.get("mode") == "online"  # extract.mode, as the store records it
 
 
 def open_states(upstream: dict[str, Path], target: TargetSection, verify: bool = True) -> StoreReader | OnlineStates:
