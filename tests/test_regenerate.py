@@ -277,11 +277,21 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(7, seed=3, max_turns=2))
     with data.open("a") as f:
         f.write("{broken\n")  # row 8: shard 1 of 2 skips it, and only its skipped file holds it
-    cfg = load_config(None, [f"target.path={target}", "target.dtype=float32", "target.device=cpu",
-                             f"prepare.data=[{data}]"])
+    sets = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]"]
+    cfg = load_config(None, sets)
     run = dict(max_new_tokens=4, engine="generate", generate_batch=4)
-    whole = {json.loads(ln)["source"]["row"]: json.loads(ln) for ln in
-             (lambda p: (run_regenerate(cfg, p, **run), p.read_text())[1])(tmp_path / "whole.jsonl").splitlines()}
+
+    def records(*files):
+        return [json.loads(ln) for p in files for ln in p.read_text().splitlines()]
+
+    def by_row(*files):
+        return {r["source"]["row"]: r for r in records(*files)}
+
+    def rows(*files):  # every record's row, repeats included
+        return sorted(r["source"]["row"] for r in records(*files))
+
+    run_regenerate(cfg, tmp_path / "whole.jsonl", **run)
+    whole = by_row(tmp_path / "whole.jsonl")
 
     out = tmp_path / "regen.jsonl"
     s0 = run_regenerate(cfg, out, shard="0/2", **run)
@@ -289,12 +299,9 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's variables name the shard when --shard is not given
     s1 = run_regenerate(cfg, out, **run)
     assert s0["out"] == str(shard_path(out, 0, 2)) and s1["out"] == str(shard_path(out, 1, 2))
-    def rows_of(p):
-        return sorted(json.loads(ln)["source"]["row"] for ln in p.read_text().splitlines())
-
-    rows = {p.name: rows_of(p) for p in output_files(out)}
-    assert rows == {"regen.shard-0-of-2.jsonl": [1, 3, 5, 7], "regen.shard-1-of-2.jsonl": [2, 4, 6]}
-    got = {r["source"]["row"]: r for p in output_files(out) for r in map(json.loads, p.read_text().splitlines())}
+    assert {p.name: rows(p) for p in output_files(out)} == {"regen.shard-0-of-2.jsonl": [1, 3, 5, 7],
+                                                            "regen.shard-1-of-2.jsonl": [2, 4, 6]}
+    got = by_row(*output_files(out))
     assert got == whole
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
@@ -306,18 +313,12 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
 
     # Shard 0 of 2 stopped after two records; a 3-way rerun finishes exactly the rest.
     part = tmp_path / "part.jsonl"
-    run_regenerate(load_config(None, [*cfg_sets(cfg), "prepare.max_records=3"]), part, shard="0/2", **run)
-    assert sorted(json.loads(ln)["source"]["row"] for ln in shard_path(part, 0, 2).read_text().splitlines()) == [1, 3]
+    run_regenerate(load_config(None, [*sets, "prepare.max_records=3"]), part, shard="0/2", **run)
+    assert rows(shard_path(part, 0, 2)) == [1, 3]
     for r in range(3):
         run_regenerate(cfg, part, shard=f"{r}/3", **run)
-    rows = sorted(json.loads(ln)["source"]["row"] for p in output_files(part) for ln in p.read_text().splitlines())
-    assert rows == list(range(1, 8))  # and row 8 skipped
+    assert rows(*output_files(part)) == list(range(1, 8))  # and row 8 skipped
     assert resolve_shard(None) == (0, 1)
     for bad in ("2/2", "1", "a/b", "0/0"):
         with pytest.raises(ValueError, match="--shard"):
             resolve_shard(bad)
-
-
-def cfg_sets(cfg):
-    return [f"target.path={cfg.target.path}", "target.dtype=float32", "target.device=cpu",
-            f"prepare.data=[{cfg.prepare.data[0]}]"]
