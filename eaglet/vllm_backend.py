@@ -363,6 +363,10 @@ class LocalEngine:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
+        # vLLM starts its engine core with fork unless told otherwise, and a CUDA context made in
+        # this process before (the preflight's free-memory check makes one) cannot cross a fork:
+        # the engine core would fail at its first CUDA call. A choice the user made is kept.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.llm = LLM(**{**args, "kv_transfer_config": KVTransferConfig(**args["kv_transfer_config"])})
         self.read, self.discard = _connector_helpers()
 

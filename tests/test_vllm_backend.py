@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -455,6 +457,27 @@ def test_vllm_extract_matches_hf_on_gpu(tmp_path, prep):
     kernel takes."""
     _matches_hf(tmp_path, prep, "bfloat16", {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_num_seqs": 8,
                                              "skip_tokenizer_init": True}, min_top1=0.9, min_cos=0.99)
+
+
+def test_local_engine_starts_vllm_with_spawn(monkeypatch):
+    """A CUDA context in eaglet's process (the preflight's free-memory check makes one) cannot
+    cross the fork vLLM starts its engine core with by default (found on the GPU: "Cannot
+    re-initialize CUDA in forked subprocess"): the in-process engine asks for spawn, and keeps
+    a method the user chose."""
+    seen = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
+    monkeypatch.setitem(sys.modules, "vllm.config", SimpleNamespace(KVTransferConfig=dict))
+    monkeypatch.setattr(vb, "_connector_helpers", lambda: (None, None))
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    vb.LocalEngine({"kv_transfer_config": {}})
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    vb.LocalEngine({"kv_transfer_config": {}})
+    assert seen == ["spawn", "fork"]
 
 
 def test_vllm_device_line_needs_cuda(target):
