@@ -143,6 +143,23 @@ def read_states(path: str) -> dict[str, torch.Tensor]:
     return load_file(path, device="cpu")
 
 
+STATES_VISIBLE_S = 30.0  # how long a path the server returned may take to appear here
+
+
+def await_states(path: str, sid: int, timeout: float | None = None) -> None:
+    """Return once the connector's file or its lock file is visible here. vLLM's connector
+    creates the lock (held while it writes) before the server answers and writes the file
+    itself afterwards, so the file may not exist yet: `read_states` waits on the lock. Neither
+    appearing within `timeout` (STATES_VISIBLE_S) means this machine does not see the server's
+    storage."""
+    deadline = time.monotonic() + (STATES_VISIBLE_S if timeout is None else timeout)
+    while not (os.path.exists(path) or os.path.exists(path + ".lock")):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"the server wrote sample {sid}'s states to {path}, which is not visible here: run "
+                                    "eaglet where the server's storage path (extract.vllm_storage) is mounted")
+        time.sleep(0.05)
+
+
 def remove_states(path: str) -> None:
     for p in (path + ".lock", path):
         if os.path.exists(p):
@@ -413,9 +430,7 @@ class ServerEngine:
             raise RuntimeError(f"vLLM server {self.url} refused sample {sid}: HTTP {e.code} "
                                f"{e.read().decode(errors='replace')[:500]}") from e
         path = _states_path(out.get("kv_transfer_params"), sid)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"the server wrote sample {sid}'s states to {path}, which is not readable here: run "
-                                    "eaglet where the server's storage path (extract.vllm_storage) is mounted")
+        await_states(path, sid)
         return Result(sid, path, out["choices"][0].get("prompt_logprobs"))
 
     def run(self, requests: list[tuple[int, np.ndarray]], prompt_logprobs: int | None) -> list[Result]:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -80,8 +83,9 @@ def prep(tmp_path_factory):
 class FakeVLLM:
     """The connector's side of vLLM, computed with the HF model (see the module doc)."""
 
-    def __init__(self, model, storage: Path, layer_ids, corrupt=(), final_layer=None, unwritten=()):
+    def __init__(self, model, storage: Path, layer_ids, corrupt=(), final_layer=None, unwritten=(), late_write=False):
         self.model, self.storage, self.ids = model, Path(storage), list(layer_ids)
+        self.late_write = late_write  # as vLLM's connector: answer first, write under the held lock after
         self.corrupt, self.final_layer, self.calls, self.n = set(corrupt), final_layer, [], 0
         self.unwritten = set(unwritten)  # samples whose cache slots vLLM never wrote (zeros)
         self.read, self.discard = vb.read_states, vb.remove_states
@@ -116,8 +120,20 @@ class FakeVLLM:
             path = str(self.storage / f"req-{self.n}.safetensors")
             self.n += 1
             self.storage.mkdir(parents=True, exist_ok=True)
-            Path(path + ".lock").touch()
-            save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(stored)}, path)
+            payload = {"hidden_states": hs.contiguous(), "token_ids": torch.tensor(stored)}
+            if self.late_write:
+                fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+
+                def write(path=path, payload=payload, fd=fd):
+                    time.sleep(0.2)
+                    save_file(payload, path)
+                    os.close(fd)  # releases the lock
+
+                threading.Thread(target=write, daemon=True).start()
+            else:
+                Path(path + ".lock").touch()
+                save_file(payload, path)
             pl = None
             if prompt_logprobs:
                 pl = [None]
@@ -337,8 +353,10 @@ def test_engine_args_and_serve_command(target):
 
 def test_server_mode(tmp_path, target, model, prep):
     """extract.vllm_server: one completion request per sample to an OpenAI-style server
-    (here a stand-in answering as vLLM's does, from FakeVLLM)."""
-    fake = _engine(model, tmp_path)
+    (here a stand-in answering as vLLM's does, from FakeVLLM). As vLLM's connector does, the
+    stand-in answers once the lock file exists and writes the states 0.2 s later (found on the
+    GPU: a check for the file itself failed there)."""
+    fake = _engine(model, tmp_path, late_write=True)
     seen = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -383,6 +401,16 @@ def test_server_mode(tmp_path, target, model, prep):
         assert torch.equal(a.get(sid)["aux"], b.get(sid)["aux"]) and torch.equal(a.get(sid)["final"], b.get(sid)["final"])
 
 
+def test_states_the_server_cannot_share_are_named(tmp_path):
+    """A path from the server that never appears here (its storage is not mounted): a clear
+    error naming the sample, after the wait; a lock file alone is enough to go on."""
+    path = str(tmp_path / "req-1.safetensors")
+    with pytest.raises(FileNotFoundError, match="sample 3's states.*extract.vllm_storage"):
+        vb.await_states(path, 3, timeout=0.1)
+    threading.Timer(0.1, lambda: Path(path + ".lock").touch()).start()
+    vb.await_states(path, 3, timeout=5)  # returns once the lock appears
+
+
 def _vllm_importable() -> bool:
     import importlib.util
 
@@ -414,13 +442,19 @@ def _vllm_platform() -> str | None:
     return current_platform.device_type or None
 
 
-def _matches_hf(tmp_path, prep, dtype, engine_args, min_top1, min_cos):
+def _gpu_target(tmp_path):
+    if (tmp_path / "llama256" / "config.json").exists():  # a server may have it loaded already
+        return tmp_path / "llama256"
+    return save_target(tmp_path / "llama256", family="llama", num_hidden_layers=L, hidden_size=256,
+                       intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _matches_hf(tmp_path, prep, dtype, engine_args, min_top1, min_cos, **extract):
     """Extract through the real vLLM and through the HF backend; the stores agree: the same
     token ids, aux states by cosine, and the teacher (the vLLM store's pre-norm final state,
     normed in training) by argmax."""
-    target = save_target(tmp_path / "llama256", family="llama", num_hidden_layers=L, hidden_size=256,
-                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-    cfg = _cfg(target, vllm_engine_args=engine_args)
+    target = _gpu_target(tmp_path)
+    cfg = _cfg(target, vllm_engine_args=engine_args, **extract)
     cfg.target.dtype = dtype
     cfg.extract.selfcheck_min_top1 = min_top1
     stats, out = _extract(tmp_path, cfg, prep)
@@ -457,6 +491,50 @@ def test_vllm_extract_matches_hf_on_gpu(tmp_path, prep):
     kernel takes."""
     _matches_hf(tmp_path, prep, "bfloat16", {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_num_seqs": 8,
                                              "skip_tokenizer_init": True}, min_top1=0.9, min_cos=0.99)
+
+
+@pytest.mark.skipif(not _vllm_importable() or not torch.cuda.is_available(),
+                    reason="needs vLLM and a CUDA GPU: run with .venv-vllm/bin/python -m pytest on a GPU machine")
+def test_vllm_server_extract_matches_hf_on_gpu(tmp_path, prep):
+    """extract.vllm_server against a real `vllm serve`, started with the command the doctor
+    prints for the same config (storage, layer ids, max_model_len), then the same comparison
+    with the HF backend's store as the in-process test."""
+    engine_args = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_num_seqs": 8,
+                   "skip_tokenizer_init": True}
+    storage = tmp_path / "served-states"
+    cfg = _cfg(_gpu_target(tmp_path), vllm_engine_args=engine_args, vllm_storage=str(storage))
+    cfg.target.dtype = "bfloat16"
+    from eaglet.target import resolve_layers
+
+    ids = vb.vllm_layer_ids(resolve_layers(cfg.extract.layers, L), L)
+    words = shlex.split(vb.serve_command(cfg, ids, storage, max(LENGTHS)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", *words[1:], "--host", "127.0.0.1",
+                                 "--port", str(port)], stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+            try:
+                if vb.server_version(url):
+                    break
+            except OSError:
+                assert time.time() < deadline, f"vllm serve not up after 600 s:\n{log.read_text()[-4000:]}"
+                time.sleep(2)
+        stats = _matches_hf(tmp_path, prep, "bfloat16", engine_args, min_top1=0.9, min_cos=0.99,
+                            vllm_storage=str(storage), vllm_server=url)
+        assert stats["vllm_version"] == vb.server_version(url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_local_engine_starts_vllm_with_spawn(monkeypatch):
