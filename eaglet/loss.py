@@ -120,13 +120,17 @@ class TTTLoss:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
 
 
-def masked_soft_ce(logits_BLN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(mean soft CE over the rows where m, correct, count): the reference formula.
 
+    logits_BTN: the step's logits, T >= L rows, of which the first L are the step's rows (the
+    rest get a zero gradient). Slicing here rather than in the caller lets torch.compile write
+    the whole gradient in its backward kernel, where autograd's slice backward would fill a
+    full-size zero tensor and copy the rows into it, once per step.
     top_BL: the teacher's argmax per row (draft ids). Eager mode runs `chunked_soft_ce`
     instead (the same numbers in less memory); torch.compile fuses this one (`compiled_soft_ce`).
     """
-    logits = _acc(logits_BLN)
+    logits = _acc(logits_BTN[:, : m_BL.shape[1]])
     # Soft CE without materialising log-softmax: lse(z) - sum_v p_v z_v (sum_v p_v = 1).
     ce = torch.logsumexp(logits, dim=-1) - (p_BLN * logits).sum(-1)
     count = m_BL.sum()
@@ -137,47 +141,52 @@ def masked_soft_ce(logits_BLN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tens
 
 
 class _SoftCE(torch.autograd.Function):
-    """Per-row soft CE lse(z) - p.z over rows of logits, `chunk` rows at a time, with the
-    draft's argmax per row. Saves the logits in their own dtype (bf16 under autocast) and
-    the row lse, where autograd on the reference formula saves an fp32 copy of the logits;
-    temporaries are chunk-sized. The gradient is computed as autograd computes the
-    reference's, g * exp(z - lse) - g * p, so the values are the same bit for bit."""
+    """Per-row soft CE lse(z) - p.z over the first L rows of logits [B, T, N] (L = p's rows),
+    `chunk` rows at a time, with the draft's argmax per row. Saves the logits in their own
+    dtype (bf16 under autocast) and the row lse, where autograd on the reference formula
+    saves an fp32 copy of the logits; temporaries are chunk-sized. The gradient is computed
+    as autograd computes the reference's, g * exp(z - lse) - g * p, so the values are the
+    same bit for bit; rows past L get zeros (no full-size zero tensor and copy)."""
 
     @staticmethod
-    def forward(ctx: Any, logits_RN: Tensor, p_RN: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-        R = logits_RN.shape[0]
-        acc_dtype = torch.float64 if logits_RN.dtype == torch.float64 else torch.float32
-        ce = torch.empty(R, dtype=acc_dtype, device=logits_RN.device)
-        lse = torch.empty(R, dtype=acc_dtype, device=logits_RN.device)
-        top = torch.empty(R, dtype=torch.int64, device=logits_RN.device)
-        for a in range(0, R, chunk):
-            z = _acc(logits_RN[a : a + chunk])
-            lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
-            ce[a : a + chunk] = lse[a : a + chunk] - (p_RN[a : a + chunk] * z).sum(-1)
-            top[a : a + chunk] = z.argmax(-1)
-        ctx.save_for_backward(logits_RN, p_RN, lse)
+    def forward(ctx: Any, logits_BTN: Tensor, p_BLN: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+        B, L, _ = p_BLN.shape
+        acc_dtype = torch.float64 if logits_BTN.dtype == torch.float64 else torch.float32
+        ce = torch.empty(B, L, dtype=acc_dtype, device=logits_BTN.device)
+        lse = torch.empty(B, L, dtype=acc_dtype, device=logits_BTN.device)
+        top = torch.empty(B, L, dtype=torch.int64, device=logits_BTN.device)
+        for b in range(B):
+            for a in range(0, L, chunk):
+                e = min(a + chunk, L)
+                z = _acc(logits_BTN[b, a:e])
+                lse[b, a:e] = torch.logsumexp(z, dim=-1)
+                ce[b, a:e] = lse[b, a:e] - (p_BLN[b, a:e] * z).sum(-1)
+                top[b, a:e] = z.argmax(-1)
+        ctx.save_for_backward(logits_BTN, p_BLN, lse)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(top)
         return ce, top
 
     @staticmethod
     def backward(ctx: Any, grad_ce: Tensor, _grad_top: Tensor | None) -> tuple[Tensor | None, None, None]:
-        logits_RN, p_RN, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits_RN)
-        for a in range(0, logits_RN.shape[0], ctx.chunk):
-            z = _acc(logits_RN[a : a + ctx.chunk])
-            g = grad_ce[a : a + ctx.chunk, None]
-            grad[a : a + ctx.chunk] = g * (z - lse[a : a + ctx.chunk, None]).exp() + (-g) * p_RN[a : a + ctx.chunk]
+        logits_BTN, p_BLN, lse = ctx.saved_tensors
+        B, L, _ = p_BLN.shape
+        grad = torch.empty_like(logits_BTN)
+        grad[:, L:].zero_()
+        for b in range(B):
+            for a in range(0, L, ctx.chunk):
+                e = min(a + ctx.chunk, L)
+                z = _acc(logits_BTN[b, a:e])
+                g = grad_ce[b, a:e, None]
+                grad[b, a:e] = g * (z - lse[b, a:e, None]).exp() + (-g) * p_BLN[b, a:e]
         return grad, None, None
 
 
 def chunked_soft_ce(
-    logits_BLN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, chunk: int = 1024
+    logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, chunk: int = 1024
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`masked_soft_ce` through `_SoftCE`: the same values, no fp32 copy of the logits kept."""
-    N = logits_BLN.shape[-1]
-    ce, draft_top = _SoftCE.apply(logits_BLN.reshape(-1, N), p_BLN.reshape(-1, N), chunk)
-    ce, draft_top = ce.view(m_BL.shape), draft_top.view(m_BL.shape)
+    ce, draft_top = _SoftCE.apply(logits_BTN, p_BLN, chunk)
     count = m_BL.sum()
     loss = (ce * m_BL).sum() / count.clamp(min=1)
     correct = ((draft_top == top_BL) & m_BL).sum()
@@ -214,7 +223,7 @@ def step_loss(
     L = m.shape[1]
     p = teacher_BTN[:, 1 + step : 1 + step + L]
     top = p.argmax(-1) if teacher_top_BT is None else teacher_top_BT[:, 1 + step : 1 + step + L]
-    return soft_ce(logits_BTN[:, :L], p, m, top)
+    return soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
 
 
 def ttt_loss(

@@ -271,6 +271,31 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+# A decoder layer's linear weights (and biases) as one TTT unroll uses them: the linear's own
+# name ("q_proj", "q_proj.bias", ...) -> the weight cast to the autocast dtype. See `cast_linears`.
+Weights = dict[str, Tensor]
+
+
+def cast_linears(module: nn.Module, dtype: torch.dtype) -> Weights:
+    """Every nn.Linear weight (and bias) inside `module`, cast to `dtype`, keyed by the
+    linear's own name, the last part of its path (unique within a decoder layer)."""
+    out: Weights = {}
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Linear):
+            key = name.rsplit(".", 1)[-1]
+            out[key] = mod.weight.to(dtype)
+            if mod.bias is not None:
+                out[key + ".bias"] = mod.bias.to(dtype)
+    return out
+
+
+def _linear(mod: nn.Linear, name: str, x: Tensor, w: Weights | None) -> Tensor:
+    """mod(x); with `w`, the same product through w's copy of the weights."""
+    if w is None:
+        return mod(x)
+    return F.linear(x, w[name], w.get(name + ".bias"))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -278,8 +303,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, w: Weights | None = None) -> Tensor:
+        gate, up = _linear(self.gate_proj, "gate_proj", x, w), _linear(self.up_proj, "up_proj", x, w)
+        return _linear(self.down_proj, "down_proj", F.silu(gate) * up, w)
 
 
 class SelfAttention(nn.Module):
@@ -294,17 +320,18 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
 
-    def qkv(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, w: Weights | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [B,Hq,T,D], rotated keys and values [B,Hkv,T,D]."""
         B, T, _ = x_BTI.shape
-        q = self.q_proj(x_BTI).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = _linear(self.q_proj, "q_proj", x_BTI, w).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = _linear(self.k_proj, "k_proj", x_BTI, w).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = _linear(self.v_proj, "v_proj", x_BTI, w).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos_BTD, sin_BTD), apply_rope(k, cos_BTD, sin_BTD), v
 
-    def out(self, out_BHTD: Tensor) -> Tensor:
+    def out(self, out_BHTD: Tensor, w: Weights | None = None) -> Tensor:
         B, _, T, _ = out_BHTD.shape
-        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        return _linear(self.o_proj, "o_proj", out_BHTD.transpose(1, 2).reshape(B, T, -1), w)
 
     def forward(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, attend: Callable[..., Tensor]) -> Tensor:
         return self.out(attend(*self.qkv(x_BTI, cos_BTD, sin_BTD)))
@@ -325,15 +352,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
 
     def forward(
-        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]
+        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor],
+        w: Weights | None = None,
     ) -> Tensor:
-        q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin)
-        return self.attn_output(attend(q, k, v), residual)
+        q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin, w)
+        return self.attn_output(attend(q, k, v), residual, w)
 
     # The layer in two halves around the attention call: the pieces that `compile_draft`
-    # compiles (tensors in, tensors out, the same graph at every TTT step).
+    # compiles (tensors in, tensors out, the same graph at every TTT step). `w`: the linear
+    # weights to use instead of the parameters (`cast_linears`; the TTT unroll's once-cast copies).
     def attn_inputs(
-        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor
+        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, w: Weights | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q, k, v, residual): the norms, the q/k/v projections and RoPE."""
         if self.first:
@@ -343,12 +372,12 @@ class DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(embeds_BTH), normed], dim=-1)
         else:
             residual, x = h_BTH, self.input_layernorm(h_BTH)
-        return *self.self_attn.qkv(x, cos, sin), residual
+        return *self.self_attn.qkv(x, cos, sin, w), residual
 
-    def attn_output(self, out_BHTD: Tensor, residual_BTH: Tensor) -> Tensor:
+    def attn_output(self, out_BHTD: Tensor, residual_BTH: Tensor, w: Weights | None = None) -> Tensor:
         """o_proj, the residual, post_attention_layernorm and the MLP."""
-        h = residual_BTH + self.self_attn.out(out_BHTD)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = residual_BTH + self.self_attn.out(out_BHTD, w)
+        return h + self.mlp(self.post_attention_layernorm(h), w)
 
 
 # attend(layer_index, q_BHTD, k_BKTD, v_BKTD) -> out_BHTD; the TTT unroll and the KV cache
@@ -421,21 +450,34 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def step(
-        self, hidden_BTH: Tensor, input_ids_BT: Tensor, position_ids_BT: Tensor, attend: Attend
+        self, hidden_BTH: Tensor, input_ids_BT: Tensor, position_ids_BT: Tensor, attend: Attend,
+        weights: tuple[list[Weights], Weights] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab])."""
+        """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab]).
+        weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`)."""
         embeds = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
         cos, sin = self.rope(position_ids_BT, hidden_BTH.dtype)
         h = hidden_BTH
         for i, layer in enumerate(self.layers):
-            h = layer(h, embeds, cos, sin, partial(attend, i))
-        return self.head(h)
+            h = layer(h, embeds, cos, sin, partial(attend, i), None if weights is None else weights[0][i])
+        return self.head(h, None if weights is None else weights[1])
 
-    def head(self, h_BTH: Tensor) -> tuple[Tensor, Tensor]:
+    def head(self, h_BTH: Tensor, w: Weights | None = None) -> tuple[Tensor, Tensor]:
         """(hidden for the next step, logits [B,T,draft_vocab]) from the last layer's output."""
         normed = self.norm(h_BTH)
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
-        return (normed if self.config.norm_output else h_BTH), self.lm_head(normed)
+        return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", normed, w)
+
+    def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights], Weights]:
+        """The linear weights every TTT step uses (the layers', lm_head's), cast to `dtype` once.
+
+        Under autocast each step's product would cast the fp32 weight itself; compiled, every
+        step's graph repeats that cast, and the backward turns each step's bf16 gradient into
+        fp32 and adds it to the parameter's: per weight, 7 casts forward, 7 back and 6 fp32 adds
+        at k = 7, all memory-bound and all as large as the weights. With one cast per unroll the
+        steps' gradients meet in the cast's own (bf16) gradient, which is cast to fp32 once: the
+        gradients eager autocast computes, which caches the cast the same way."""
+        return [cast_linears(layer, dtype) for layer in self.layers], {"lm_head": self.lm_head.weight.to(dtype)}
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 
@@ -474,10 +516,12 @@ class Eagle3Draft(nn.Module):
             return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask, merge=self.merge)
 
         hidden = self.project_aux(aux_BTA)
+        lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+        weights = self.cast_weights(lowp) if lowp is not None and num_steps > 1 else None
         for j in range(num_steps):
             shift = min(1 + j, T)
             ids = torch.cat([input_ids_BT[:, shift:], input_ids_BT.new_zeros(B, shift)], dim=1)
-            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend)
+            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights)
             yield logits
 
     def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:

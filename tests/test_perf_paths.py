@@ -54,6 +54,41 @@ def test_chunked_soft_ce_is_the_reference_bit_for_bit(dtype):
     assert torch.equal(logits.grad, want_grad)
 
 
+@pytest.mark.parametrize("how", ["chunked", "reference", "compiled"])
+def test_soft_ce_takes_the_steps_rows_from_the_whole_logits(how):
+    """A step's loss gets the step's whole logits [B, T, N] and uses the first L rows: the
+    values and gradient of the reference on the slice, zeros for the rows past L, and (eager)
+    the gradient written once, not by autograd's slice backward into a full-size zero tensor."""
+    g = torch.Generator().manual_seed(3)
+    B, T, L, N = 2, 30, 26, 17
+    logits = (torch.randn(B, T, N, generator=g) * 3).requires_grad_(True)
+    p = torch.softmax(torch.randn(B, L, N, generator=g), -1)
+    m = torch.rand(B, L, generator=g) > 0.3
+    top = p.argmax(-1)
+    sliced = logits.detach()[:, :L].clone().requires_grad_(True)
+    want = masked_soft_ce(sliced, p, m, top)
+    want[0].backward()
+    fn = {"chunked": lambda *a: chunked_soft_ce(*a, chunk=7), "reference": masked_soft_ce,
+          "compiled": torch.compile(masked_soft_ce, backend="aot_eager")}[how]
+    got = fn(logits, p, m, top)
+    seen = []
+
+    class Slices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Slices():
+        got[0].backward()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad[:, :L], sliced.grad, rtol=1e-6, atol=1e-7)
+    assert torch.equal(logits.grad[:, L:], torch.zeros(B, T - L, N))
+    if how == "chunked":
+        assert "aten.slice_backward" not in seen, seen
+    torch._dynamo.reset()
+
+
 def _saved_bytes(fn):
     saved = [0]
 
@@ -189,6 +224,65 @@ def test_compile_draft_matches_eager_one_graph_per_piece(monkeypatch):
     _loss_and_grads(comp, True, steps=4)  # the next micro-batch of the same shape compiles nothing
     assert graphs["n"] == 3 + 2 + 2
     torch._dynamo.reset()
+
+
+def _bf16_loss_and_grads(model, compiled=False, steps=4, T=40):
+    """The TTT loss and gradients with the forward under CPU bf16 autocast (as training runs on a GPU)."""
+    aux, ids, pos, doc, final, W = _tiny_inputs(T)
+    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab,
+                       torch.ones(1, T, dtype=torch.bool), doc, compiled=compiled)
+    model.zero_grad(set_to_none=True)
+    out.total.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _linear_weight_shapes(model):
+    return {tuple(m.weight.shape) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)}
+
+
+def test_unroll_casts_each_linear_weight_once(monkeypatch):
+    """Under autocast the TTT unroll casts each linear weight once (Eagle3Draft.cast_weights)
+    and every step uses that copy. Eager: exactly the loss and gradients of autocast's own
+    cached casts. Compiled: no piece's graph takes an fp32 linear weight, which it would cast
+    again at every step and whose gradient it would hand back in fp32 at every step (the
+    memory-bound cost this removes); with the casts turned off the same check sees them."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG)
+    got, got_g = _bf16_loss_and_grads(model)
+    with monkeypatch.context() as m:
+        m.setattr(model, "cast_weights", lambda dtype: None)  # autocast casts inside each product, cached
+        want, want_g = _bf16_loss_and_grads(model)
+    assert torch.equal(got.total, want.total)
+    assert got_g.keys() == want_g.keys() and all(torch.equal(got_g[k], want_g[k]) for k in want_g)
+    assert all(g.dtype == torch.float32 for g in got_g.values())
+
+    shapes = _linear_weight_shapes(model)
+
+    def fp32_weights_taken(cast):
+        torch._dynamo.reset()
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
+            return gm.forward
+
+        comp = Eagle3Draft(CFG)
+        comp.load_state_dict(model.state_dict())
+        if not cast:
+            comp.cast_weights = lambda dtype: None
+        compile_draft(comp, backend=backend)
+        out, grads = _bf16_loss_and_grads(comp)
+        torch._dynamo.reset()
+        return sum(x.dtype == torch.float32 and tuple(x.shape) in shapes for x in seen), out, grads
+
+    n, out, grads = fp32_weights_taken(cast=True)
+    assert n == 0
+    torch.testing.assert_close(out.total, got.total, rtol=1e-5, atol=1e-5)
+    for k in got_g:
+        torch.testing.assert_close(grads[k], got_g[k], rtol=1e-3, atol=1e-3 * got_g[k].abs().max().item())
+    assert fp32_weights_taken(cast=False)[0] > 0
 
 
 @pytest.mark.skipif(not os.environ.get("EAGLET_PERF_FULL"), reason="set EAGLET_PERF_FULL=1 (about a minute)")
