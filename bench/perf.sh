@@ -20,6 +20,8 @@
 #   e8p0 eaglet, 8B packed, train.compile off (what compiling the step pieces buys)
 #   e8pm, em8, ekm  eaglet at e8p's, e8's and ek's shapes with train.mask_out_of_vocab false: the
 #        teacher over the draft columns only, the work speculators' step does (not in the default list)
+#   e8pc eaglet at e8p's shape with each product casting its own weight, as before the TTT unroll
+#        cast each weight once (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -122,6 +124,7 @@ for p in ${parts//,/ }; do
     e8pm) train e8pm 120 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 2048 --no-vocab-mask --breakdown ;;
     em8) train em8 120 eaglet --preset llama3-8b --tokens 2048 --no-vocab-mask --breakdown ;;
     ekm) train ekm 150 eaglet --preset kimi-k2 --tokens 4096 --no-vocab-mask --breakdown ;;
+    e8pc) train e8pc 120 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 2048 --per-product-casts --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

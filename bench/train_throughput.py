@@ -111,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-vocab-mask", action="store_true",
                     help="eaglet with train.mask_out_of_vocab false: the teacher over the draft columns only, "
                          "as speculators computes it (no full-vocabulary argmax).")
+    ap.add_argument("--per-product-casts", action="store_true",
+                    help="eaglet without the unroll's once-cast weights (Eagle3Draft.cast_weights): each product "
+                         "casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -258,6 +261,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     draft = Eagle3Draft(cfg)
     head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
                       norm_eps=cfg.rms_norm_eps, embed=None)
+    if args.per_product_casts:
+        draft.cast_weights = lambda dtype: None  # ttt_steps then leaves the casts to autocast in each product
     reference = copy.deepcopy(draft) if args.check and compiled else None
     if args.compile_backend == "inductor":
         par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), "none", device, frozen_dtype=frozen,
@@ -410,6 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
         "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,
         "mask_out_of_vocab": not args.no_vocab_mask if args.system == "eaglet" else None,
+        "per_product_casts": args.per_product_casts if args.system == "eaglet" else None,
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),
