@@ -51,6 +51,11 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
 ATTN_IMPLS = ("auto", "flex", "chunked", "naive")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -276,12 +281,20 @@ class RMSNorm(nn.Module):
 Weights = dict[str, Tensor]
 
 
-def cast_linears(module: nn.Module, dtype: torch.dtype) -> Weights:
+def _sharded(t: Tensor) -> bool:
+    """A DTensor: FSDP2 holds a unit's parameters whole only inside that unit's own forward."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def cast_linears(module: nn.Module, dtype: torch.dtype) -> Weights | None:
     """Every nn.Linear weight (and bias) inside `module`, cast to `dtype`, keyed by the
-    linear's own name, the last part of its path (unique within a decoder layer)."""
+    linear's own name, the last part of its path (unique within a decoder layer). None when
+    they are sharded (an FSDP2 unit outside its forward): its products then cast as before."""
     out: Weights = {}
     for name, mod in module.named_modules():
         if isinstance(mod, nn.Linear):
+            if _sharded(mod.weight):
+                return None
             key = name.rsplit(".", 1)[-1]
             out[key] = mod.weight.to(dtype)
             if mod.bias is not None:
@@ -451,7 +464,7 @@ class Eagle3Draft(nn.Module):
 
     def step(
         self, hidden_BTH: Tensor, input_ids_BT: Tensor, position_ids_BT: Tensor, attend: Attend,
-        weights: tuple[list[Weights], Weights] | None = None,
+        weights: tuple[list[Weights | None], Weights | None] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab]).
         weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`)."""
@@ -468,7 +481,7 @@ class Eagle3Draft(nn.Module):
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
         return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", normed, w)
 
-    def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights], Weights]:
+    def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None]:
         """The linear weights every TTT step uses (the layers', lm_head's), cast to `dtype` once.
 
         Under autocast each step's product would cast the fp32 weight itself; compiled, every
@@ -476,8 +489,11 @@ class Eagle3Draft(nn.Module):
         fp32 and adds it to the parameter's: per weight, 7 casts forward, 7 back and 6 fp32 adds
         at k = 7, all memory-bound and all as large as the weights. With one cast per unroll the
         steps' gradients meet in the cast's own (bf16) gradient, which is cast to fp32 once: the
-        gradients eager autocast computes, which caches the cast the same way."""
-        return [cast_linears(layer, dtype) for layer in self.layers], {"lm_head": self.lm_head.weight.to(dtype)}
+        gradients eager autocast computes, which caches the cast the same way. Under FSDP2 the
+        layers (units of their own, sharded here) keep casting in their products; lm_head, whole
+        in the root unit's forward, is cast once."""
+        return [cast_linears(layer, dtype) for layer in self.layers], cast_linears(
+            nn.ModuleDict({"lm_head": self.lm_head}), dtype)
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 

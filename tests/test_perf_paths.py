@@ -285,6 +285,36 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     assert fp32_weights_taken(cast=False)[0] > 0
 
 
+def test_unroll_under_fsdp_casts_only_what_is_whole(tmp_path, monkeypatch):
+    """Under FSDP2 (parallelize 'fsdp', one gloo rank here) each decoder layer is a unit of its
+    own, sharded when the unroll starts: its products keep autocast's casts (a sharded weight in
+    a product fails: "mixed torch.Tensor and DTensor"). lm_head, whole in the root unit's
+    forward, is cast once. Loss and gradients are the plain model's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = Eagle3Draft(CFG)
+        want, want_g = _bf16_loss_and_grads(plain)
+        draft = Eagle3Draft(CFG)
+        draft.load_state_dict(plain.state_dict())
+        head = TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size), norm=None, norm_eps=1e-6,
+                          embed=None)
+        par = parallelize(draft, TeacherHead(head, 16), "fsdp", torch.device("cpu"))
+        casts = []
+        cast = draft.cast_weights
+        monkeypatch.setattr(draft, "cast_weights", lambda dtype: casts.append(cast(dtype)) or casts[-1])
+        got, got_g = _bf16_loss_and_grads(par.module)
+        ((layers, lm_head),) = casts
+        assert layers == [None] * len(draft.layers) and set(lm_head) == {"lm_head"}
+        assert torch.equal(got.total, want.total)
+        assert got_g.keys() == want_g.keys()
+        assert all(torch.equal(got_g[k].full_tensor(), want_g[k]) for k in want_g)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(not os.environ.get("EAGLET_PERF_FULL"), reason="set EAGLET_PERF_FULL=1 (about a minute)")
 def test_compile_draft_inductor_matches_eager(monkeypatch):
     torch._dynamo.reset()
