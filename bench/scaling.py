@@ -102,7 +102,7 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     draft = Eagle3Draft(cfg)
     head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
                       norm_eps=cfg.rms_norm_eps, embed=None)
-    par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), strategy, device, frozen_dtype=frozen,
+    par = parallelize(draft, TeacherHead.for_training(head, tc), strategy, device, frozen_dtype=frozen,
                       compile=resolve_compile(tc.compile, device))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")

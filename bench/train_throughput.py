@@ -264,11 +264,11 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     if args.per_product_casts:
         draft.cast_weights = lambda dtype: None  # ttt_steps then leaves the casts to autocast in each product
     reference = copy.deepcopy(draft) if args.check and compiled else None
+    teacher = TeacherHead.for_training(head, tc)
     if args.compile_backend == "inductor":
-        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), "none", device, frozen_dtype=frozen,
-                          compile=compiled)
+        par = parallelize(draft, teacher, "none", device, frozen_dtype=frozen, compile=compiled)
     else:  # the same pieces through another backend
-        par = parallelize(draft, TeacherHead(head, tc.teacher_chunk, tc.mask_out_of_vocab), "none", device, frozen_dtype=frozen)
+        par = parallelize(draft, teacher, "none", device, frozen_dtype=frozen)
         if compiled:
             compile_draft(draft, backend=args.compile_backend)
             loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)

@@ -183,6 +183,11 @@ class TeacherHead(nn.Module):
         self.norm_eps, self.chunk = head.norm_eps, chunk
         self.logit_scale, self.logit_softcap = head.logit_scale, head.logit_softcap
 
+    @classmethod
+    def for_training(cls, head: TargetHead, tc: TrainSection) -> TeacherHead:
+        """The teacher as `train.*` sets it up (chunk, out-of-vocabulary mask)."""
+        return cls(head, tc.teacher_chunk, tc.mask_out_of_vocab)
+
     def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T])."""
         return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
@@ -452,7 +457,7 @@ class Trainer:
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
-        self.par = parallelize(model, TeacherHead(head, self.tc.teacher_chunk, self.tc.mask_out_of_vocab), strategy, self.device,
+        self.par = parallelize(model, TeacherHead.for_training(head, self.tc), strategy, self.device,
                                frozen_dtype=head.lm_head.dtype, env=self.env,
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
