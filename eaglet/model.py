@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -286,12 +286,13 @@ def _sharded(t: Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def cast_linears(module: nn.Module, dtype: torch.dtype) -> Weights | None:
-    """Every nn.Linear weight (and bias) inside `module`, cast to `dtype`, keyed by the
-    linear's own name, the last part of its path (unique within a decoder layer). None when
-    they are sharded (an FSDP2 unit outside its forward): its products then cast as before."""
+def cast_linears(modules: Iterable[tuple[str, nn.Module]], dtype: torch.dtype) -> Weights | None:
+    """The weight (and bias) of every nn.Linear among `modules` ((path, module) pairs, as
+    `named_modules()` gives them), cast to `dtype`, keyed by the last part of its path (unique
+    within a decoder layer). None when they are sharded (an FSDP2 unit outside its forward):
+    the products then cast as before."""
     out: Weights = {}
-    for name, mod in module.named_modules():
+    for name, mod in modules:
         if isinstance(mod, nn.Linear):
             if _sharded(mod.weight):
                 return None
@@ -492,8 +493,8 @@ class Eagle3Draft(nn.Module):
         gradients eager autocast computes, which caches the cast the same way. Under FSDP2 the
         layers (units of their own, sharded here) keep casting in their products; lm_head, whole
         in the root unit's forward, is cast once."""
-        return [cast_linears(layer, dtype) for layer in self.layers], cast_linears(
-            nn.ModuleDict({"lm_head": self.lm_head}), dtype)
+        return ([cast_linears(layer.named_modules(), dtype) for layer in self.layers],
+                cast_linears([("lm_head", self.lm_head)], dtype))
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 
