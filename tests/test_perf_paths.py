@@ -179,12 +179,14 @@ def _tiny_inputs(T=40, seed=1):
     return aux, ids, pos, doc, final, W
 
 
-def _loss_and_grads(model, compiled, steps=4, T=40):
+def _loss_and_grads(model, compiled=False, steps=4, T=40, bf16=False):
+    """The TTT loss and gradients; bf16: the forward under CPU bf16 autocast (as training runs on a GPU)."""
     aux, ids, pos, doc, final, W = _tiny_inputs(T)
     teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
     mask = torch.ones(1, T, dtype=torch.bool)
-    out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab, mask, doc,
-                   compiled=compiled)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab, mask, doc,
+                       compiled=compiled)
     model.zero_grad(set_to_none=True)
     out.total.backward()
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -226,18 +228,6 @@ def test_compile_draft_matches_eager_one_graph_per_piece(monkeypatch):
     torch._dynamo.reset()
 
 
-def _bf16_loss_and_grads(model, compiled=False, steps=4, T=40):
-    """The TTT loss and gradients with the forward under CPU bf16 autocast (as training runs on a GPU)."""
-    aux, ids, pos, doc, final, W = _tiny_inputs(T)
-    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab,
-                       torch.ones(1, T, dtype=torch.bool), doc, compiled=compiled)
-    model.zero_grad(set_to_none=True)
-    out.total.backward()
-    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _linear_weight_shapes(model):
     return {tuple(m.weight.shape) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)}
 
@@ -250,10 +240,10 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     memory-bound cost this removes); with the casts turned off the same check sees them."""
     torch.manual_seed(0)
     model = Eagle3Draft(CFG)
-    got, got_g = _bf16_loss_and_grads(model)
+    got, got_g = _loss_and_grads(model, bf16=True)
     with monkeypatch.context() as m:
         m.setattr(model, "cast_weights", lambda dtype: None)  # autocast casts inside each product, cached
-        want, want_g = _bf16_loss_and_grads(model)
+        want, want_g = _loss_and_grads(model, bf16=True)
     assert torch.equal(got.total, want.total)
     assert got_g.keys() == want_g.keys() and all(torch.equal(got_g[k], want_g[k]) for k in want_g)
     assert all(g.dtype == torch.float32 for g in got_g.values())
@@ -273,7 +263,7 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
         if not cast:
             comp.cast_weights = lambda dtype: None
         compile_draft(comp, backend=backend)
-        out, grads = _bf16_loss_and_grads(comp)
+        out, grads = _loss_and_grads(comp, bf16=True)
         torch._dynamo.reset()
         return sum(x.dtype == torch.float32 and tuple(x.shape) in shapes for x in seen), out, grads
 
@@ -296,7 +286,7 @@ def test_unroll_under_fsdp_casts_only_what_is_whole(tmp_path, monkeypatch):
     try:
         torch.manual_seed(0)
         plain = Eagle3Draft(CFG)
-        want, want_g = _bf16_loss_and_grads(plain)
+        want, want_g = _loss_and_grads(plain, bf16=True)
         draft = Eagle3Draft(CFG)
         draft.load_state_dict(plain.state_dict())
         head = TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size), norm=None, norm_eps=1e-6,
@@ -305,7 +295,7 @@ def test_unroll_under_fsdp_casts_only_what_is_whole(tmp_path, monkeypatch):
         casts = []
         cast = draft.cast_weights
         monkeypatch.setattr(draft, "cast_weights", lambda dtype: casts.append(cast(dtype)) or casts[-1])
-        got, got_g = _bf16_loss_and_grads(par.module)
+        got, got_g = _loss_and_grads(par.module, bf16=True)
         ((layers, lm_head),) = casts
         assert layers == [None] * len(draft.layers) and set(lm_head) == {"lm_head"}
         assert torch.equal(got.total, want.total)
