@@ -38,9 +38,9 @@ def first_turn_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
     template = resolve_chat_template(tokenizer, cfg.target)
     prompts: list[list[int]] = []
     for _file, _row, item in source_records(cfg):
+        if isinstance(item, RecordError):  # a record prepare would report: not a prompt here
+            continue
         try:
-            if isinstance(item, RecordError):
-                raise item
             msgs = normalize_record(item, cfg.prepare.format)
         except RecordError:
             continue
