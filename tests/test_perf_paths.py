@@ -331,7 +331,8 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_micro_batch_makes_no_host_sync():
+@pytest.mark.parametrize("bf16", [False, True])  # bf16: autocast, the unroll's once-cast weights included
+def test_micro_batch_makes_no_host_sync(bf16):
     torch.manual_seed(0)
     T = 64
     draft = Eagle3Draft(CFG)
@@ -343,6 +344,6 @@ def test_micro_batch_makes_no_host_sync():
     tc = TrainSection(max_tokens=T, ttt_steps=3, attn_impl="chunked", precision="fp32")
     mode = _Ops()
     with mode:
-        micro_batch(par, b, tc, torch.autocast("cpu", enabled=False), sync=True)
+        micro_batch(par, b, tc, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), sync=True)
     assert sum(mode.ops.values()) > 100  # the mode saw the step
     assert not {k: v for k, v in mode.ops.items() if k in SYNC_OPS or k == "bool-mask index"}
