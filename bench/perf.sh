@@ -22,6 +22,9 @@
 #        teacher over the draft columns only, the work speculators' step does (not in the default list)
 #   e8pc eaglet at e8p's shape with each product casting its own weight, as before the TTT unroll
 #        cast each weight once (what that buys; not in the default list)
+#   e8s  eaglet at e8's shape with autograd summing the steps' weight gradients and a separate
+#        clip pass, as before the GEMMs accumulated them and the fused AdamW clipped (what that
+#        buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -125,6 +128,7 @@ for p in ${parts//,/ }; do
     em8) train em8 120 eaglet --preset llama3-8b --tokens 2048 --no-vocab-mask --breakdown ;;
     ekm) train ekm 150 eaglet --preset kimi-k2 --tokens 4096 --no-vocab-mask --breakdown ;;
     e8pc) train e8pc 120 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 2048 --per-product-casts --breakdown ;;
+    e8s) train e8s 120 eaglet --preset llama3-8b --tokens 2048 --summed-weight-grads --clip-pass --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

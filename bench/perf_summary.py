@@ -23,8 +23,10 @@ TRAIN_ROWS = [
     ("e8pm", "s8p", "8B packed, train.mask_out_of_vocab false", ">= 33k tokens/s"),
     ("ekm", "sk", "Kimi-K2.5 dims, train.mask_out_of_vocab false", ">= 1.2x speculators, less memory"),
     ("e8pc", "s8p", "8B packed, each product casting its weight (before the unroll's once-cast)", "(what the once-cast buys)"),
+    ("e8s", "s8", "8B, 1 x 2048, weight gradients summed by autograd, separate clip pass (before the GEMMs "
+     "accumulated them and AdamW clipped)", "(what those buy)"),
 ]
-OPTIONAL = {"em8", "e8pm", "ekm", "e8pc"}  # rows shown only when their eaglet part ran
+OPTIONAL = {"em8", "e8pm", "ekm", "e8pc", "e8s"}  # rows shown only when their eaglet part ran
 ANCHORS = {"s8": "18.2k", "s8p": "28.1k", "sk": "12.8k (64 heads x 112)"}
 
 

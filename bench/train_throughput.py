@@ -46,6 +46,7 @@ import platform
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -114,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--per-product-casts", action="store_true",
                     help="eaglet without the unroll's once-cast weights (Eagle3Draft.cast_weights): each product "
                          "casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.")
+    ap.add_argument("--summed-weight-grads", action="store_true",
+                    help="eaglet with autograd summing the TTT steps' weight gradients (k - 1 full-size adds per "
+                         "weight) instead of the GEMMs accumulating them (Eagle3Draft.cast_weights accumulate=False).")
+    ap.add_argument("--clip-pass", action="store_true",
+                    help="eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
+                         "(train.optimizer_step clip_in_step=False).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -263,6 +270,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                       norm_eps=cfg.rms_norm_eps, embed=None)
     if args.per_product_casts:
         draft.cast_weights = lambda dtype: None  # ttt_steps then leaves the casts to autocast in each product
+    elif args.summed_weight_grads:
+        draft.cast_weights = partial(draft.cast_weights, accumulate=False)
     reference = copy.deepcopy(draft) if args.check and compiled else None
     teacher = TeacherHead.for_training(head, tc)
     if args.compile_backend == "inductor":
@@ -286,7 +295,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         timer.start_step()
         out = micro_batch(timed, b, tc, autocast, sync=True)
         timer.mark("backward")
-        optimizer_step(par, opt, sched, tc)
+        optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass)
         timer.mark("optimizer")
         return out.total.detach()
 
@@ -416,6 +425,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,
         "mask_out_of_vocab": not args.no_vocab_mask if args.system == "eaglet" else None,
         "per_product_casts": args.per_product_casts if args.system == "eaglet" else None,
+        "summed_weight_grads": args.summed_weight_grads if args.system == "eaglet" else None,
+        "clip_pass": args.clip_pass if args.system == "eaglet" else None,
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),

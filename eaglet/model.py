@@ -277,8 +277,62 @@ class RMSNorm(nn.Module):
 
 
 # A decoder layer's linear weights (and biases) as one TTT unroll uses them: the linear's own
-# name ("q_proj", "q_proj.bias", ...) -> the weight cast to the autocast dtype. See `cast_linears`.
+# name ("q_proj", "q_proj.bias", ...) -> the weight cast to the autocast dtype, and, when the
+# unroll's products accumulate their weight gradients themselves, "q_proj.grad" -> the buffer
+# they accumulate into and "q_proj.link" -> the scalar that ties them to the hand-off of that
+# buffer to the parameter. See `cast_linears`.
 Weights = dict[str, Tensor]
+
+
+@torch.library.custom_op("eaglet::accumulate_weight_grad_", mutates_args=("acc",))
+def accumulate_weight_grad_(acc: Tensor, grad_out: Tensor, x: Tensor) -> None:
+    """acc += grad_out^T x over all rows: one GEMM whose epilogue adds into `acc` (beta = 1).
+    An opaque op, so that a compiled backward calls it in place on `acc` (inductor turns
+    an in-place addmm_ on a graph input into an out-of-place addmm and a copy back)."""
+    acc.addmm_(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+class _AccumulatingLinear(torch.autograd.Function):
+    """F.linear(x, w, b) whose backward adds the weight gradient into `acc` in the GEMM that
+    computes it, instead of handing it to autograd, which would sum the TTT steps' gradients of
+    the shared weight with one full-size add per step. `link` (`_UnrollWeight`'s) gets a zero:
+    the edge that makes the hand-off to the parameter wait for this product's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, acc: Tensor, link: Tensor, b: Tensor | None) -> Tensor:
+        x = x.to(w.dtype)  # what autocast's linear does; the weight gradient needs it in w's dtype
+        ctx.save_for_backward(x, w)
+        ctx.acc, ctx.has_bias = acc, b is not None  # not saved: the other steps' backward mutate it
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, Tensor, Tensor | None]:
+        x, w = ctx.saved_tensors
+        accumulate_weight_grad_(ctx.acc, g, x)
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        return g @ w, None, None, g.new_zeros(()), gb
+
+
+class _UnrollWeight(torch.autograd.Function):
+    """param -> (its copy in `dtype` for one TTT unroll, a scalar `link`). The products that
+    use the copy add their weight gradients into `acc` (`_AccumulatingLinear`) and hand none
+    to autograd; they hand a zero to `link`. This node, which therefore runs after all of
+    them, hands `acc` to the parameter, cast to its dtype: where the gradient hooks of DDP
+    and of gradient accumulation see it. (The copy itself is not differentiable: a compiled
+    graph that gives it no gradient drops its edge, and with it the wait.)"""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, acc: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # no full-size zeros for the copy's (absent) gradient
+        ctx.acc, ctx.param_dtype = acc, param.dtype
+        w = param.to(dtype)
+        ctx.mark_non_differentiable(w)
+        return w, param.new_zeros((), dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, _w: Tensor | None, _link: Tensor | None) -> tuple[Tensor, None, None]:
+        grad, ctx.acc = ctx.acc.to(ctx.param_dtype), None
+        return grad, None, None
 
 
 def _sharded(t: Tensor) -> bool:
@@ -286,18 +340,28 @@ def _sharded(t: Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def cast_linears(modules: Iterable[tuple[str, nn.Module]], dtype: torch.dtype) -> Weights | None:
+def cast_linears(modules: Iterable[tuple[str, nn.Module]], dtype: torch.dtype, accumulate: bool = True
+                 ) -> Weights | None:
     """The weight (and bias) of every nn.Linear among `modules` ((path, module) pairs, as
     `named_modules()` gives them), cast to `dtype`, keyed by the last part of its path (unique
     within a decoder layer). None when they are sharded (an FSDP2 unit outside its forward):
-    the products then cast as before."""
+    the products then cast as before.
+
+    accumulate: where a weight gets a gradient, its products accumulate it into a zeroed
+    buffer ("<name>.grad", in `dtype`) inside their weight-gradient GEMMs (`_AccumulatingLinear`),
+    handed to the parameter once when the backward is done with the copy (`_UnrollWeight`).
+    False: autograd sums the products' gradients of the copy, one add per product."""
     out: Weights = {}
     for name, mod in modules:
         if isinstance(mod, nn.Linear):
             if _sharded(mod.weight):
                 return None
-            key = name.rsplit(".", 1)[-1]
-            out[key] = mod.weight.to(dtype)
+            key, weight = name.rsplit(".", 1)[-1], mod.weight
+            if accumulate and torch.is_grad_enabled() and weight.requires_grad and weight.dtype != dtype:
+                out[key + ".grad"] = acc = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+                out[key], out[key + ".link"] = _UnrollWeight.apply(weight, acc, dtype)
+            else:
+                out[key] = weight.to(dtype)
             if mod.bias is not None:
                 out[key + ".bias"] = mod.bias.to(dtype)
     return out
@@ -307,7 +371,10 @@ def _linear(mod: nn.Linear, name: str, x: Tensor, w: Weights | None) -> Tensor:
     """mod(x); with `w`, the same product through w's copy of the weights."""
     if w is None:
         return mod(x)
-    return F.linear(x, w[name], w.get(name + ".bias"))
+    acc = w.get(name + ".grad")
+    if acc is None:
+        return F.linear(x, w[name], w.get(name + ".bias"))
+    return _AccumulatingLinear.apply(x, w[name], acc, w[name + ".link"], w.get(name + ".bias"))
 
 
 class MLP(nn.Module):
@@ -482,19 +549,22 @@ class Eagle3Draft(nn.Module):
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
         return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", normed, w)
 
-    def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None]:
+    def cast_weights(self, dtype: torch.dtype, accumulate: bool = True) -> tuple[list[Weights | None], Weights | None]:
         """The linear weights every TTT step uses (the layers', lm_head's), cast to `dtype` once.
 
         Under autocast each step's product would cast the fp32 weight itself; compiled, every
         step's graph repeats that cast, and the backward turns each step's bf16 gradient into
         fp32 and adds it to the parameter's: per weight, 7 casts forward, 7 back and 6 fp32 adds
-        at k = 7, all memory-bound and all as large as the weights. With one cast per unroll the
-        steps' gradients meet in the cast's own (bf16) gradient, which is cast to fp32 once: the
-        gradients eager autocast computes, which caches the cast the same way. Under FSDP2 the
-        layers (units of their own, sharded here) keep casting in their products; lm_head, whole
-        in the root unit's forward, is cast once."""
-        return ([cast_linears(layer.named_modules(), dtype) for layer in self.layers],
-                cast_linears([("lm_head", self.lm_head)], dtype))
+        at k = 7, all memory-bound and all as large as the weights. With one cast per unroll:
+        - accumulate (the default): each step's weight-gradient GEMM adds into one bf16 buffer
+          per weight (beta = 1, free in a compute-bound GEMM), cast to fp32 once at the end;
+        - accumulate False: the steps' gradients meet in the cast's own (bf16) gradient, summed
+          by autograd with k - 1 full-size adds: the gradients eager autocast computes, which
+          caches the cast the same way.
+        Under FSDP2 the layers (units of their own, sharded here) keep casting in their
+        products; lm_head, whole in the root unit's forward, is cast once."""
+        return ([cast_linears(layer.named_modules(), dtype, accumulate) for layer in self.layers],
+                cast_linears([("lm_head", self.lm_head)], dtype, accumulate))
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 

@@ -14,7 +14,10 @@
 """
 
 import collections
+import copy
 import os
+import re
+from functools import partial
 
 import pytest
 import torch
@@ -23,9 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import eaglet.loss as loss_mod
 from eaglet.config import TrainSection
 from eaglet.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
-from eaglet.model import DraftConfig, Eagle3Draft, _merge_diagonal, compile_draft, merge_diagonal_stacked, ttt_attention
+from eaglet.model import (DraftConfig, Eagle3Draft, _linear, _merge_diagonal, cast_linears, compile_draft,
+                          merge_diagonal_stacked, ttt_attention)
 from eaglet.parallel import parallelize
-from eaglet.train import Batch, TargetHead, TeacherHead, micro_batch
+from eaglet.train import Batch, TargetHead, TeacherHead, micro_batch, optimizer_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,7 +186,8 @@ def _tiny_inputs(T=40, seed=1):
 def _loss_and_grads(model, compiled=False, steps=4, T=40, bf16=False):
     """The TTT loss and gradients; bf16: the forward under CPU bf16 autocast (as training runs on a GPU)."""
     aux, ids, pos, doc, final, W = _tiny_inputs(T)
-    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+    draft = getattr(model, "module", model)  # DDP's wrapper
+    teacher, in_vocab = teacher_targets(final, W, draft.t2d, draft.d2t)
     mask = torch.ones(1, T, dtype=torch.bool)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab, mask, doc,
@@ -232,20 +237,37 @@ def _linear_weight_shapes(model):
     return {tuple(m.weight.shape) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)}
 
 
+def _per_product_casts(dtype, accumulate=True):
+    return None  # Eagle3Draft.cast_weights switched off: autocast casts inside each product, cached
+
+
 def test_unroll_casts_each_linear_weight_once(monkeypatch):
     """Under autocast the TTT unroll casts each linear weight once (Eagle3Draft.cast_weights)
-    and every step uses that copy. Eager: exactly the loss and gradients of autocast's own
-    cached casts. Compiled: no piece's graph takes an fp32 linear weight, which it would cast
-    again at every step and whose gradient it would hand back in fp32 at every step (the
-    memory-bound cost this removes); with the casts turned off the same check sees them."""
+    and every step uses that copy. Eager, with autograd summing the steps' gradients
+    (accumulate=False): exactly the loss and gradients of autocast's own cached casts. With
+    the GEMMs accumulating them (the default): the same loss, the same gradients for all but
+    the linear weights, and those within bf16 rounding (one rounding per step instead of two).
+    Compiled: no piece's graph takes an fp32 linear weight, which it would cast again at every
+    step and whose gradient it would hand back in fp32 at every step (the memory-bound cost
+    this removes); with the casts turned off the same check sees them."""
     torch.manual_seed(0)
     model = Eagle3Draft(CFG)
-    got, got_g = _loss_and_grads(model, bf16=True)
     with monkeypatch.context() as m:
-        m.setattr(model, "cast_weights", lambda dtype: None)  # autocast casts inside each product, cached
+        m.setattr(model, "cast_weights", _per_product_casts)
         want, want_g = _loss_and_grads(model, bf16=True)
+    with monkeypatch.context() as m:
+        m.setattr(model, "cast_weights", partial(model.cast_weights, accumulate=False))
+        summed, summed_g = _loss_and_grads(model, bf16=True)
+    assert torch.equal(summed.total, want.total)
+    assert summed_g.keys() == want_g.keys() and all(torch.equal(summed_g[k], want_g[k]) for k in want_g)
+    got, got_g = _loss_and_grads(model, bf16=True)
     assert torch.equal(got.total, want.total)
-    assert got_g.keys() == want_g.keys() and all(torch.equal(got_g[k], want_g[k]) for k in want_g)
+    linear = {n + ".weight" for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)} - {"fc.weight"}
+    assert got_g.keys() == want_g.keys() and linear < set(got_g)
+    assert all(torch.equal(got_g[k], want_g[k]) for k in set(want_g) - linear)
+    for k in linear:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=0, atol=2 ** -7 * want_g[k].abs().max().item())
+    assert any(not torch.equal(got_g[k], want_g[k]) for k in linear)  # the accumulating path did run
     assert all(g.dtype == torch.float32 for g in got_g.values())
 
     shapes = _linear_weight_shapes(model)
@@ -261,7 +283,7 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
         comp = Eagle3Draft(CFG)
         comp.load_state_dict(model.state_dict())
         if not cast:
-            comp.cast_weights = lambda dtype: None
+            comp.cast_weights = _per_product_casts
         compile_draft(comp, backend=backend)
         out, grads = _loss_and_grads(comp, bf16=True)
         torch._dynamo.reset()
@@ -275,32 +297,125 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     assert fp32_weights_taken(cast=False)[0] > 0
 
 
-def test_unroll_under_fsdp_casts_only_what_is_whole(tmp_path, monkeypatch):
-    """Under FSDP2 (parallelize 'fsdp', one gloo rank here) each decoder layer is a unit of its
-    own, sharded when the unroll starts: its products keep autocast's casts (a sharded weight in
-    a product fails: "mixed torch.Tensor and DTensor"). lm_head, whole in the root unit's
-    forward, is cast once. Loss and gradients are the plain model's."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_accumulating_linear_gives_autograds_gradients(bias):
+    """cast_linears' accumulating copies, in a precision where the sums can be compared (fp64
+    parameters, fp32 copies): a weight used by three products and a second backward into the
+    same .grad (gradient accumulation) give autograd's gradients for input, weight and bias;
+    the parameter's post-accumulate hook (DDP's and FSDP's kind) fires once per backward."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5, bias=bias).double()
+    xs = [torch.randn(2, 3, 6, dtype=torch.float64) for _ in range(3)]
+
+    def loss(use):
+        h, total = xs[0].requires_grad_(), 0
+        for j, x in enumerate(xs):
+            y = use(h if j == 0 else x + h[..., :1])
+            total = total + (y.square() * (j + 1)).sum()
+            h = torch.tanh(y.sum(-1, keepdim=True)).expand_as(x)
+        return total
+
+    ref = copy.deepcopy(lin)
+    for _ in range(2):
+        loss(lambda x: torch.nn.functional.linear(x.float(), ref.weight.float(),
+                                                  None if ref.bias is None else ref.bias.float())).backward()
+    want_x = xs[0].grad.clone()
+    xs[0].grad = None
+    hooks = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: hooks.append(p.grad.clone()))
+    for _ in range(2):
+        w = cast_linears([("proj", lin)], torch.float32)
+        assert set(w) == {"proj", "proj.grad", "proj.link"} | ({"proj.bias"} if bias else set())
+        loss(lambda x: _linear(lin, "proj", x, w)).backward()
+    assert len(hooks) == 2
+    fp32 = {"rtol": 1e-5, "atol": 1e-5}  # the products run in fp32
+    torch.testing.assert_close(xs[0].grad, want_x, **fp32)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **fp32)
+    torch.testing.assert_close(hooks[0] * 2, ref.weight.grad, **fp32)
+    if bias:
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad, **fp32)
+    with torch.no_grad():  # no gradient, nothing to accumulate: a plain copy
+        assert set(cast_linears([("proj", lin)], torch.float32)) == {"proj"} | ({"proj.bias"} if bias else set())
+
+
+class _Adds(TorchDispatchMode):
+    """Counts the elementwise adds whose result has one of `shapes`."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.n = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func.overloadpacket) in ("aten.add", "aten.add_") and tuple(out.shape) in self.shapes:
+            self.n += 1
+        return out
+
+
+def test_unroll_backward_adds_no_weight_sized_gradients(monkeypatch):
+    """The point of accumulating in the GEMMs: the backward of a bf16 unroll runs no
+    elementwise add as large as a linear weight. Summed by autograd, it runs at least k - 1
+    per weight the steps share."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG)
+    shapes = _linear_weight_shapes(model)
+    steps, shared = 4, sum(isinstance(m, torch.nn.Linear) for m in [*model.layers.modules(), model.lm_head])
+
+    def adds_in_backward():
+        aux, ids, pos, doc, final, W = _tiny_inputs(40)
+        teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked"), teacher, in_vocab,
+                           torch.ones(1, 40, dtype=torch.bool), doc)
+        model.zero_grad(set_to_none=True)
+        with _Adds(shapes) as mode:
+            out.total.backward()
+        return mode.n
+
+    assert adds_in_backward() == 0
+    monkeypatch.setattr(model, "cast_weights", partial(model.cast_weights, accumulate=False))
+    assert adds_in_backward() >= (steps - 1) * shared
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, strategy):
+    """One gloo rank, parallelize's wrapping, bf16 autocast. Under FSDP2 each decoder layer is
+    a unit of its own, sharded when the unroll starts: its products keep autocast's casts (a
+    sharded weight in a product fails: "mixed torch.Tensor and DTensor"); lm_head, whole in
+    the root unit's forward, is cast once and accumulates its gradient in its GEMMs. Under DDP
+    every weight is whole: all of them do, and DDP's reducer gets the gradients their hand-off
+    gives the parameters. Loss and gradients are those of the plain model casting the same
+    weights, bit for bit."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         plain = Eagle3Draft(CFG)
+        if strategy == "fsdp":
+            monkeypatch.setattr(plain, "cast_weights", lambda dtype: (
+                [None] * len(plain.layers), cast_linears([("lm_head", plain.lm_head)], dtype)))
         want, want_g = _loss_and_grads(plain, bf16=True)
         draft = Eagle3Draft(CFG)
         draft.load_state_dict(plain.state_dict())
         head = TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size), norm=None, norm_eps=1e-6,
                           embed=None)
-        par = parallelize(draft, TeacherHead(head, 16), "fsdp", torch.device("cpu"))
+        par = parallelize(draft, TeacherHead(head, 16), strategy, torch.device("cpu"))
         casts = []
         cast = draft.cast_weights
         monkeypatch.setattr(draft, "cast_weights", lambda dtype: casts.append(cast(dtype)) or casts[-1])
         got, got_g = _loss_and_grads(par.module, bf16=True)
         ((layers, lm_head),) = casts
-        assert layers == [None] * len(draft.layers) and set(lm_head) == {"lm_head"}
+        assert set(lm_head) == {"lm_head", "lm_head.grad", "lm_head.link"}
+        if strategy == "fsdp":
+            assert layers == [None] * len(draft.layers)
+        else:
+            assert all("down_proj.grad" in w for w in layers)
         assert torch.equal(got.total, want.total)
+        got_g = {k.removeprefix("module."): v for k, v in got_g.items()}
         assert got_g.keys() == want_g.keys()
-        assert all(torch.equal(got_g[k].full_tensor(), want_g[k]) for k in want_g)
+        full = (lambda t: t.full_tensor()) if strategy == "fsdp" else (lambda t: t)
+        assert all(torch.equal(full(got_g[k]), want_g[k]) for k in want_g)
     finally:
         dist.destroy_process_group()
 
@@ -310,6 +425,32 @@ def test_compile_draft_inductor_matches_eager(monkeypatch):
     torch._dynamo.reset()
     _check_compiled("inductor", monkeypatch, steps=3)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not os.environ.get("EAGLET_PERF_FULL"), reason="set EAGLET_PERF_FULL=1 (about a minute)")
+def test_inductor_backward_accumulates_weight_grads_in_place():
+    """Inductor's code for the bf16 unroll: the gradients of the eager unroll (within
+    compiled-vs-eager rounding), and in every piece's backward each linear's weight gradient
+    goes straight into the accumulator the piece was given (a graph input), not into a
+    temporary copied back afterwards (what an in-place addmm_ in the backward becomes)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = Eagle3Draft(CFG)
+    comp = Eagle3Draft(CFG)
+    comp.load_state_dict(ref.state_dict())
+    compile_draft(comp)
+    want, want_g = _loss_and_grads(ref, bf16=True)
+    (got, got_g), codes = run_and_get_code(_loss_and_grads, comp, bf16=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got.total, want.total, rtol=1e-3, atol=1e-3)
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=0, atol=2 ** -6 * want_g[k].abs().max().item())
+    calls = re.findall(r"accumulate_weight_grad_\.default\((\w+)", "\n".join(codes))
+    per_layer = sum(isinstance(m, torch.nn.Linear) for m in comp.layers[0].modules())
+    assert len(calls) == per_layer * len(comp.layers) + 1  # each piece compiled once; + lm_head
+    assert all(re.fullmatch(r"primals_\d+", c) for c in calls), calls
 
 
 SYNC_OPS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten.unique",
@@ -347,3 +488,32 @@ def test_micro_batch_makes_no_host_sync(bf16):
         micro_batch(par, b, tc, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), sync=True)
     assert sum(mode.ops.values()) > 100  # the mode saw the step
     assert not {k: v for k, v in mode.ops.items() if k in SYNC_OPS or k == "bool-mask index"}
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e4])  # clipping, and a norm under the limit
+def test_clip_in_the_fused_step_is_clip_grad_norm(clip):
+    """optimizer_step with a fused AdamW (the GPU's; CPU has one too) folds the clipping into
+    the step (the kernel divides by grad_scale): the parameters and optimizer state of
+    clip_grad_norm_ then step, over two steps, and the divisor is not left on the optimizer."""
+    torch.manual_seed(0)
+    tc = TrainSection(grad_clip=clip, lr=1e-2)
+    models = [Eagle3Draft(CFG) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    pars = [parallelize(m, TeacherHead(TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size),
+                                                  norm=None, norm_eps=1e-6, embed=None), 16), "none",
+                        torch.device("cpu")) for m in models]
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=tc.lr, fused=True) for m in models]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opts]
+    for step in range(2):
+        grads = {n: torch.randn_like(p) * (step + 1) for n, p in models[0].named_parameters() if p.requires_grad}
+        for m in models:
+            for n, p in m.named_parameters():
+                if n in grads:
+                    p.grad = grads[n].clone()
+        for par, o, s, folded in zip(pars, opts, scheds, (True, False)):
+            optimizer_step(par, o, s, tc, clip_in_step=folded)
+        assert not hasattr(opts[0], "grad_scale")
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
+    total = torch.cat([g.flatten() for g in grads.values()]).norm()
+    assert (total > clip) == (clip < 1)  # the two cases are what they say
