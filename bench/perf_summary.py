@@ -59,6 +59,15 @@ def _breakdown(name: str, r: dict[str, Any]) -> str:
             f"optimizer {ms.get('optimizer', 0):.1f} ms")
 
 
+def _in_vocab_note(res: dict[str, Any]) -> str:
+    shares = sorted({round(v["in_vocab_rows"], 2) for v in res.values()
+                     if isinstance(v, dict) and v.get("in_vocab_rows") is not None and v.get("mask_out_of_vocab")})
+    if not shares:
+        return ""
+    return (f" eaglet's synthetic rows: {' / '.join(f'{x:.0%}' for x in shares)} with a teacher argmax in the draft "
+            "vocabulary (kept by the out-of-vocabulary mask), as on real data; speculators counts every row.")
+
+
 def main(out_dir: str, work_dir: str) -> str:
     out, work = Path(out_dir), Path(work_dir)
     res = {p.stem: _load(p) for p in sorted(work.glob("*.json")) if not p.name.endswith(".status.json")}
@@ -80,7 +89,7 @@ def main(out_dir: str, work_dir: str) -> str:
              f"{where}, torch {any_r.get('torch', '?')}, {time.strftime('%Y-%m-%d %H:%M')}. "
              "Training: synthetic inputs of the real shapes, k = 7, bf16 autocast over fp32 weights; MFU from the "
              "anchor script's `train_flops_per_token` at 790 TFLOP/s; peak = max memory allocated. speculators 0.9.0: "
-             "the anchor's step (eager loss) at the same shapes, in the same run.", "",
+             "the anchor's step (eager loss) at the same shapes, in the same run." + _in_vocab_note(res), "",
              "| shape | eaglet | speculators 0.9.0 (this run) | eaglet / speculators | goal | speculators, anchor README |",
              "|---|---|---|---|---|---|"]
     for e, s, shape, goal in TRAIN_ROWS:

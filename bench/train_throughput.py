@@ -57,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from scaling import PRESETS, _batch  # noqa: E402
+from scaling import IN_VOCAB, PRESETS, _batch  # noqa: E402
 
 from eaglet.config import TrainSection  # noqa: E402
 import eaglet.loss as loss_mod  # noqa: E402
@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clip-pass", action="store_true",
                     help="eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
                          "(train.optimizer_step clip_in_step=False).")
+    ap.add_argument("--in-vocab", type=float, default=IN_VOCAB,
+                    help="Share of the synthetic rows whose teacher argmax is a draft token (the rows the "
+                         "out-of-vocabulary mask keeps; real data's is about the vocab stage's coverage).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -286,7 +289,9 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1)
+    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab)
+    with torch.no_grad():
+        in_vocab_rows = float(par.teacher(b.final, draft.t2d, draft.d2t)[1].float().mean())
 
     timer = PhaseTimer(args.breakdown, device)
     timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
@@ -312,7 +317,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
     res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
-               trainable_params_m=sum(p.numel() for p in params) / 1e6)
+               trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows)
     return res
 
 
@@ -437,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.system} {args.preset} {args.tokens // args.doc_tokens}x{args.doc_tokens}: {tok_s:,.0f} tokens/s, "
           f"{report['step_ms']:.1f} ms/step{mem}, MFU {report['mfu']:.1%} ({report['gflop_per_token']:.2f} GFLOP/token, "
           f"anchor formula); warmup {report['warmup_s']:.1f} s; loss {report['last_loss']:.4f}"
-          + (f"; compile {report['compile']}, attention {report['attn_impl']}" if args.system == "eaglet" else ""),
+          + (f"; compile {report['compile']}, attention {report['attn_impl']}, in-vocabulary rows "
+             f"{report['in_vocab_rows']:.0%}" if args.system == "eaglet" else ""),
           flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -43,6 +43,34 @@ def test_flop_count_is_the_anchors():
                 assert ns["train_flops_per_token"](dims, seq, 7) == train_throughput.train_flops_per_token(dims, seq, 7)
 
 
+@pytest.mark.parametrize("wide", [False, True])  # True: the 8B target's and draft's vocabularies
+def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
+    """The training benches' synthetic final states point the teacher's argmax at a draft
+    token for the share of rows asked for (the rows the out-of-vocabulary mask keeps), not at
+    a uniformly random token (about draft/target vocabulary: a quarter at the 8B dims)."""
+    import torch
+
+    from eaglet.loss import teacher_targets
+    from eaglet.model import DraftConfig
+
+    shape = dict(train_throughput.PRESETS["tiny"])
+    if wide:
+        shape.update(vocab_size=128256, draft_vocab_size=32000, hidden_size=256)
+    cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
+    t2d = torch.arange(cfg.vocab_size) < cfg.draft_vocab_size  # a new draft's identity maps
+    d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    torch.manual_seed(0)
+    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02  # fp32: CPU bf16 products are slow
+    tokens = 512
+    for share in (0.95, 0.5):
+        b = train_throughput._batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1, head=head,
+                                    in_vocab=share)
+        got = teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item()
+        assert abs(got - share) < 0.05, (share, got)
+    b = train_throughput._batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1)  # random states
+    assert teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item() < 0.5
+
+
 def test_extract_bench(tmp_path):
     out = tmp_path / "e.json"
     r = extract_throughput.main(["--preset", "tiny", "--device", "cpu", "--batches", "2", "--dir", str(tmp_path),
