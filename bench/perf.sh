@@ -22,6 +22,9 @@
 #        teacher over the draft columns only, the work speculators' step does (not in the default list)
 #   e8pc eaglet at e8p's shape with each product casting its own weight, as before the TTT unroll
 #        cast each weight once (what that buys; not in the default list)
+#   e8c, ekc  eaglet at e8's and ek's shapes with the mask's verdicts known, as from a run's second
+#        epoch on (train.VocabMaskCache): the teacher over the draft columns, the mask applied
+#        (not in the default list)
 #   e8s  eaglet at e8's shape with autograd summing the steps' weight gradients and a separate
 #        clip pass, as before the GEMMs accumulated them and the fused AdamW clipped (what that
 #        buys; not in the default list)
@@ -128,6 +131,8 @@ for p in ${parts//,/ }; do
     em8) train em8 120 eaglet --preset llama3-8b --tokens 2048 --no-vocab-mask --breakdown ;;
     ekm) train ekm 150 eaglet --preset kimi-k2 --tokens 4096 --no-vocab-mask --breakdown ;;
     e8pc) train e8pc 120 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 2048 --per-product-casts --breakdown ;;
+    e8c) train e8c 120 eaglet --preset llama3-8b --tokens 2048 --known-vocab-mask --breakdown ;;
+    ekc) train ekc 150 eaglet --preset kimi-k2 --tokens 4096 --known-vocab-mask --breakdown ;;
     e8s) train e8s 120 eaglet --preset llama3-8b --tokens 2048 --summed-weight-grads --clip-pass --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac

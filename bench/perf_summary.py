@@ -25,8 +25,10 @@ TRAIN_ROWS = [
     ("e8pc", "s8p", "8B packed, each product casting its weight (before the unroll's once-cast)", "(what the once-cast buys)"),
     ("e8s", "s8", "8B, 1 x 2048, weight gradients summed by autograd, separate clip pass (before the GEMMs "
      "accumulated them and AdamW clipped)", "(what those buy)"),
+    ("e8c", "s8", "8B, 1 x 2048, the mask's verdicts known (a run's second epoch on)", ">= 33k tokens/s"),
+    ("ekc", "sk", "Kimi-K2.5 dims, the mask's verdicts known (a run's second epoch on)", ">= 1.2x speculators, less memory"),
 ]
-OPTIONAL = {"em8", "e8pm", "ekm", "e8pc", "e8s"}  # rows shown only when their eaglet part ran
+OPTIONAL = {"em8", "e8pm", "ekm", "e8pc", "e8s", "e8c", "ekc"}  # rows shown only when their eaglet part ran
 ANCHORS = {"s8": "18.2k", "s8p": "28.1k", "sk": "12.8k (64 heads x 112)"}
 
 

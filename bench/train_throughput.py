@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clip-pass", action="store_true",
                     help="eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
                          "(train.optimizer_step clip_in_step=False).")
+    ap.add_argument("--known-vocab-mask", action="store_true",
+                    help="eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
+                         "run's second epoch on): the teacher over the draft columns only, the mask still applied.")
     ap.add_argument("--in-vocab", type=float, default=IN_VOCAB,
                     help="Share of the synthetic rows whose teacher argmax is a draft token (the rows the "
                          "out-of-vocabulary mask keeps; real data's is about the vocab stage's coverage).")
@@ -169,8 +172,8 @@ class _TimedTeacher(nn.Module):
         super().__init__()
         self.teacher, self.timer = teacher, timer
 
-    def forward(self, *args: Any) -> Any:
-        out = self.teacher(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.teacher(*args, **kwargs)
         self.timer.mark("teacher")
         return out
 
@@ -291,7 +294,10 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab)
     with torch.no_grad():
-        in_vocab_rows = float(par.teacher(b.final, draft.t2d, draft.d2t)[1].float().mean())
+        known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
+    in_vocab_rows = float(known.float().mean())
+    if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
+        b.in_vocab = known
 
     timer = PhaseTimer(args.breakdown, device)
     timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
@@ -431,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mask_out_of_vocab": not args.no_vocab_mask if args.system == "eaglet" else None,
         "per_product_casts": args.per_product_casts if args.system == "eaglet" else None,
         "summed_weight_grads": args.summed_weight_grads if args.system == "eaglet" else None,
+        "known_vocab_mask": args.known_vocab_mask if args.system == "eaglet" else None,
         "clip_pass": args.clip_pass if args.system == "eaglet" else None,
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",

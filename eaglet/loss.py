@@ -115,6 +115,7 @@ class TTTLoss:
     losses: list[Tensor]  # mean soft CE over the counted rows of each step, differentiable
     correct: list[Tensor]  # rows where draft argmax == teacher argmax, per step
     counts: list[Tensor]  # counted rows per step
+    in_vocab: Tensor | None = None  # the out-of-vocabulary mask's verdict the loss used (train.forward_loss)
 
     def accs(self) -> list[Tensor]:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]

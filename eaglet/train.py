@@ -106,6 +106,81 @@ class Batch:
     position_ids: torch.Tensor  # [1, N]
     doc_ids: torch.Tensor  # [1, N]
     tokens: int
+    sample_ids: tuple[int, ...] = ()  # the packed samples, in order
+    lens: tuple[int, ...] = ()  # their lengths (after the max_tokens cut)
+    in_vocab: torch.Tensor | None = None  # [1, N] bool: the out-of-vocabulary mask's verdict, when known
+
+
+class VocabMaskCache:
+    """The out-of-vocabulary mask's verdict per sample (per token: is the target's
+    full-vocabulary argmax a draft token), kept from the sample's first teacher pass on.
+
+    The target's states, its head and the draft vocabulary do not change during a run, so
+    neither does the verdict: a micro-batch whose samples are all known runs the teacher over
+    the draft columns only (a quarter of the full-vocabulary product at the 8B dims, a fifth at
+    Kimi-K2.5's; about 4% of the step). Verdicts come back from the device without the host
+    waiting for it (a copy into pinned memory, taken once its event has passed); several
+    ranks share theirs at the logging steps (`share`, a collective), so a sample that another
+    rank saw is known here too. Held as bits: 125 MB of host memory per billion tokens. Not
+    kept in checkpoints (a resumed run finds the verdicts again)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.known: dict[int, tuple[int, np.ndarray]] = {}  # sample id -> (tokens, bits)
+        self.fresh: dict[int, tuple[int, np.ndarray]] = {}  # found here since the last share
+        self.pending: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.cuda.Event | None]] = []
+
+    def lookup(self, b: Batch) -> torch.Tensor | None:
+        """b's verdict [1, N] on b's device, if every sample of it is known."""
+        self.poll()
+        if not self.enabled or not b.sample_ids or any(i not in self.known for i in b.sample_ids):
+            return None
+        parts = []
+        for i, n in zip(b.sample_ids, b.lens, strict=True):
+            count, bits = self.known[i]
+            if count != n:  # cut differently (another max_tokens): find it again
+                return None
+            parts.append(np.unpackbits(bits, count=n))
+        host = torch.from_numpy(np.concatenate(parts).astype(np.bool_)).unsqueeze(0)
+        dev = b.input_ids.device
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        return host.to(dev, non_blocking=True)
+
+    def record(self, b: Batch, in_vocab: torch.Tensor | None) -> None:
+        """Keep the verdict the teacher found for b (a device tensor [1, N]), once it is on the host."""
+        if not self.enabled or in_vocab is None or b.in_vocab is not None or not b.sample_ids:
+            return
+        cuda = in_vocab.device.type == "cuda"
+        host = torch.empty(in_vocab.shape[1], dtype=torch.bool, pin_memory=cuda)
+        host.copy_(in_vocab[0], non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((b.sample_ids, b.lens, host, event))
+
+    def poll(self) -> None:
+        """Take in the verdicts whose copies have finished (never waits)."""
+        waiting = []
+        for ids, lens, host, event in self.pending:
+            if event is not None and not event.query():
+                waiting.append((ids, lens, host, event))
+                continue
+            flags, at = host.numpy(), 0
+            for i, n in zip(ids, lens, strict=True):
+                self.known[i] = self.fresh[i] = (n, np.packbits(flags[at:at + n]))
+                at += n
+        self.pending = waiting
+
+    def share(self) -> None:
+        """Every rank's new verdicts to every rank (all ranks call it together)."""
+        if not self.enabled or not dist_env().active:
+            return
+        self.poll()
+        for got in all_gather_object(self.fresh):
+            self.known.update(got)
+        self.fresh = {}
 
 
 def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device) -> Batch:
@@ -134,7 +209,8 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
 
     return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64),
                  stored("loss_mask", torch.bool), cat([torch.arange(n) for n in lens]),
-                 cat([torch.full((n,), d) for d, n in enumerate(lens)]), sum(lens))
+                 cat([torch.full((n,), d) for d, n in enumerate(lens)]), sum(lens),
+                 sample_ids=tuple(int(i) for i in ids), lens=tuple(lens))
 
 
 # ---- the target's head and the draft -------------------------------------------------------------
@@ -188,10 +264,14 @@ class TeacherHead(nn.Module):
         """The teacher as `train.*` sets it up (chunk, out-of-vocabulary mask)."""
         return cls(head, tc.teacher_chunk, tc.mask_out_of_vocab)
 
-    def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T])."""
-        return teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
-                               self.logit_scale, self.logit_softcap, full_vocab=self.full_vocab)
+    def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor,
+                in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T]). in_vocab: the
+        mask's verdict when it is known already (`VocabMaskCache`): the draft columns only."""
+        probs, found = teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
+                                       self.logit_scale, self.logit_softcap,
+                                       full_vocab=self.full_vocab and in_vocab is None)
+        return probs, (found if in_vocab is None or not self.full_vocab else in_vocab)
 
 
 def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.Tensor, head: TargetHead) -> Eagle3Draft:
@@ -422,10 +502,12 @@ def resolve_compile(setting: str, device: torch.device) -> bool:
 def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
     """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
     wrapper, or the bare draft for evaluation) and its loss."""
-    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t)
+    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
     with autocast:
         steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
-        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
+        out = ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
+    out.in_vocab = in_vocab
+    return out
 
 
 def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
@@ -500,6 +582,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay,
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
+        self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
 
     def _forward(self, b: Batch, module: nn.Module) -> TTTLoss:
         return forward_loss(self.par, module, b, self.tc, self.autocast)
@@ -528,8 +611,10 @@ class Trainer:
             # Under fsdp every forward is a collective: a rank past the end repeats the last
             # batch without counting it, so all ranks run as many forwards.
             j = first + r
-            out = self._forward(load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens,
-                                           self.device), self.model)
+            b = load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens, self.device)
+            b.in_vocab = self.vocab_mask.lookup(b)
+            out = self._forward(b, self.model)
+            self.vocab_mask.record(b, out.in_vocab)
             if j < len(batches):
                 sums.add(out)
             self.par.reshard_frozen()
@@ -611,12 +696,16 @@ class Trainer:
                 share = [next(data) for _ in range(W)]
                 epoch, micro, _ = share[-1]
                 b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device)
-                sums.add(micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1), b.tokens)
+                b.in_vocab = self.vocab_mask.lookup(b)
+                out = micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1)
+                self.vocab_mask.record(b, out.in_vocab)
+                sums.add(out, b.tokens)
             lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
             bar.update(1)
             if step % tc.log_every == 0 or step == self.total_steps:
                 sums.all_reduce(tc.ttt_steps, self.device)
+                self.vocab_mask.share()
                 rec = sums.metrics()
                 dt = time.perf_counter() - t_log
                 rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=sums.tokens / dt,
