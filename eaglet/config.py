@@ -174,7 +174,8 @@ class TrainSection:
     teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.")
     mask_out_of_vocab: bool = _f(
         True, "Leave out of the loss the rows whose target top-1 token is not a draft token (takes the teacher's "
-        "full-vocabulary logits); false: every masked row learns the target's distribution over the draft "
+        "full-vocabulary logits the first time a sample is seen; its verdict is kept, so later epochs compute "
+        "the draft columns only); false: every masked row learns the target's distribution over the draft "
         "vocabulary, as speculators trains, and the teacher computes the draft columns only (a quarter of the "
         "work for a 128k target and a 32k draft).")
     tensorboard: bool = _f(True, "Also log to TensorBoard (when the tensorboard package is installed).")
