@@ -557,7 +557,7 @@ class Eagle3Draft(nn.Module):
         fp32 and adds it to the parameter's: per weight, 7 casts forward, 7 back and 6 fp32 adds
         at k = 7, all memory-bound and all as large as the weights. With one cast per unroll:
         - accumulate (the default): each step's weight-gradient GEMM adds into one bf16 buffer
-          per weight (beta = 1, free in a compute-bound GEMM), cast to fp32 once at the end;
+          per weight (beta = 1: the add rides in the GEMM's epilogue), cast to fp32 once at the end;
         - accumulate False: the steps' gradients meet in the cast's own (bf16) gradient, summed
           by autograd with k - 1 full-size adds: the gradients eager autocast computes, which
           caches the cast the same way.

@@ -125,9 +125,9 @@ class VocabMaskCache:
     kept in checkpoints (a resumed run finds the verdicts again)."""
 
     def __init__(self, enabled: bool):
-        self.enabled = enabled
+        self.enabled, self.sharing = enabled, dist_env().active
         self.known: dict[int, tuple[int, np.ndarray]] = {}  # sample id -> (tokens, bits)
-        self.fresh: dict[int, tuple[int, np.ndarray]] = {}  # found here since the last share
+        self.fresh: dict[int, tuple[int, np.ndarray]] = {}  # found here since the last share (several ranks)
         self.pending: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.cuda.Event | None]] = []
 
     def lookup(self, b: Batch) -> torch.Tensor | None:
@@ -169,13 +169,15 @@ class VocabMaskCache:
                 continue
             flags, at = host.numpy(), 0
             for i, n in zip(ids, lens, strict=True):
-                self.known[i] = self.fresh[i] = (n, np.packbits(flags[at:at + n]))
+                self.known[i] = (n, np.packbits(flags[at:at + n]))
+                if self.sharing:
+                    self.fresh[i] = self.known[i]
                 at += n
         self.pending = waiting
 
     def share(self) -> None:
         """Every rank's new verdicts to every rank (all ranks call it together)."""
-        if not self.enabled or not dist_env().active:
+        if not self.enabled or not self.sharing:
             return
         self.poll()
         for got in all_gather_object(self.fresh):
