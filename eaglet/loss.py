@@ -115,7 +115,7 @@ class TTTLoss:
     losses: list[Tensor]  # mean soft CE over the counted rows of each step, differentiable
     correct: list[Tensor]  # rows where draft argmax == teacher argmax, per step
     counts: list[Tensor]  # counted rows per step
-    in_vocab: Tensor | None = None  # the out-of-vocabulary mask's verdict the loss used (train.forward_loss)
+    in_vocab: Tensor | None = None  # the out-of-vocabulary mask's verdict the loss used [B, T]
 
     def accs(self) -> list[Tensor]:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
@@ -249,7 +249,7 @@ def ttt_loss(
         correct.append(c)
         counts.append(n)
     assert isinstance(total, Tensor), "no steps"
-    return TTTLoss(total, losses, correct, counts)
+    return TTTLoss(total, losses, correct, counts, in_vocab_BT)
 
 
 def simulated_acceptance_length(accs: Sequence[float]) -> float:

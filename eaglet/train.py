@@ -273,7 +273,7 @@ class TeacherHead(nn.Module):
         probs, found = teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
                                        self.logit_scale, self.logit_softcap,
                                        full_vocab=self.full_vocab and in_vocab is None)
-        return probs, (found if in_vocab is None or not self.full_vocab else in_vocab)
+        return probs, found if in_vocab is None else in_vocab
 
 
 def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.Tensor, head: TargetHead) -> Eagle3Draft:
@@ -507,9 +507,7 @@ def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, a
     teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
     with autocast:
         steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
-        out = ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
-    out.in_vocab = in_vocab
-    return out
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
 
 
 def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
