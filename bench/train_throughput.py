@@ -87,6 +87,21 @@ def anchor_dims(shape: dict[str, int]) -> dict[str, int]:
                 inter=shape["intermediate_size"], vocab=shape["vocab_size"], draft_vocab=shape["draft_vocab_size"])
 
 
+# eaglet's step with one of its fast paths taken out (or, --known-vocab-mask, a later epoch's
+# teacher), for side-by-sides; each is reported in the JSON (None for speculators).
+EAGLET_SWITCHES = {
+    "--per-product-casts": "eaglet without the unroll's once-cast weights (Eagle3Draft.cast_weights): each product "
+                           "casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.",
+    "--summed-weight-grads": "eaglet with autograd summing the TTT steps' weight gradients (k - 1 full-size adds per "
+                             "weight) instead of the GEMMs accumulating them (Eagle3Draft.cast_weights "
+                             "accumulate=False).",
+    "--clip-pass": "eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
+                   "(train.optimizer_step clip_in_step=False).",
+    "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
+                          "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system", choices=["eaglet", "speculators"], default="eaglet")
@@ -112,18 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-vocab-mask", action="store_true",
                     help="eaglet with train.mask_out_of_vocab false: the teacher over the draft columns only, "
                          "as speculators computes it (no full-vocabulary argmax).")
-    ap.add_argument("--per-product-casts", action="store_true",
-                    help="eaglet without the unroll's once-cast weights (Eagle3Draft.cast_weights): each product "
-                         "casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.")
-    ap.add_argument("--summed-weight-grads", action="store_true",
-                    help="eaglet with autograd summing the TTT steps' weight gradients (k - 1 full-size adds per "
-                         "weight) instead of the GEMMs accumulating them (Eagle3Draft.cast_weights accumulate=False).")
-    ap.add_argument("--clip-pass", action="store_true",
-                    help="eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
-                         "(train.optimizer_step clip_in_step=False).")
-    ap.add_argument("--known-vocab-mask", action="store_true",
-                    help="eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
-                         "run's second epoch on): the teacher over the draft columns only, the mask still applied.")
+    for flag, text in EAGLET_SWITCHES.items():
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--in-vocab", type=float, default=IN_VOCAB,
                     help="Share of the synthetic rows whose teacher argmax is a draft token (the rows the "
                          "out-of-vocabulary mask keeps; real data's is about the vocab stage's coverage).")
@@ -435,10 +440,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
         "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,
         "mask_out_of_vocab": not args.no_vocab_mask if args.system == "eaglet" else None,
-        "per_product_casts": args.per_product_casts if args.system == "eaglet" else None,
-        "summed_weight_grads": args.summed_weight_grads if args.system == "eaglet" else None,
-        "known_vocab_mask": args.known_vocab_mask if args.system == "eaglet" else None,
-        "clip_pass": args.clip_pass if args.system == "eaglet" else None,
+        **{k: getattr(args, k) if args.system == "eaglet" else None
+           for k in (f[2:].replace("-", "_") for f in EAGLET_SWITCHES)},
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),
