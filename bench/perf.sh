@@ -28,6 +28,8 @@
 #   e8s  eaglet at e8's shape with autograd summing the steps' weight gradients and a separate
 #        clip pass, as before the GEMMs accumulated them and the fused AdamW clipped (what that
 #        buys; not in the default list)
+#   e8e, eke  eaglet at e8's and ek's shapes with each TTT step making layer 0's products of its
+#        token embeddings, as before the unroll made them once (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -134,6 +136,8 @@ for p in ${parts//,/ }; do
     e8c) train e8c 120 eaglet --preset llama3-8b --tokens 2048 --known-vocab-mask --breakdown ;;
     ekc) train ekc 150 eaglet --preset kimi-k2 --tokens 4096 --known-vocab-mask --breakdown ;;
     e8s) train e8s 120 eaglet --preset llama3-8b --tokens 2048 --summed-weight-grads --clip-pass --breakdown ;;
+    e8e) train e8e 120 eaglet --preset llama3-8b --tokens 2048 --per-step-embeds --breakdown ;;
+    eke) train eke 150 eaglet --preset kimi-k2 --tokens 4096 --per-step-embeds --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

@@ -97,6 +97,8 @@ EAGLET_SWITCHES = {
                              "accumulate=False).",
     "--clip-pass": "eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
                    "(train.optimizer_step clip_in_step=False).",
+    "--per-step-embeds": "eaglet with each TTT step making layer 0's q/k/v products of its token embeddings "
+                         "(Eagle3Draft.embeds_once False) instead of making them once and shifting them.",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
 }
@@ -279,6 +281,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     draft = Eagle3Draft(cfg)
     head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
                       norm_eps=cfg.rms_norm_eps, embed=None)
+    draft.embeds_once = not args.per_step_embeds
     if args.per_product_casts:
         draft.cast_weights = lambda dtype: None  # ttt_steps then leaves the casts to autocast in each product
     elif args.summed_weight_grads:

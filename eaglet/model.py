@@ -21,6 +21,9 @@ state of step j-1 (step 0: fc of the target's states at row t), and the position
 position[t] + 1 + j, i.e. the position of its input token. Its query sees the step-0 keys
 of rows <= t in the same document, and its own row's keys of steps 1..j (the "diagonal");
 nothing else. This is exactly what a KV-cached chain of drafts sees at inference time.
+Since step j's tokens are step 0's shifted j rows on, the unroll makes layer 0's q/k/v
+products of the token embeddings once and shifts them for each step (`embeds_once`): at
+k = 7 that removes 6 of 7 of those products, forward and backward.
 
 Three interchangeable attention implementations (`attn_impl`):
     "flex"    flex_attention with one T x T causal/document BlockMask for the step-0 keys,
@@ -43,7 +46,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -285,11 +288,14 @@ Weights = dict[str, Tensor]
 
 
 @torch.library.custom_op("eaglet::accumulate_weight_grad_", mutates_args=("acc",))
-def accumulate_weight_grad_(acc: Tensor, grad_out: Tensor, x: Tensor) -> None:
-    """acc += grad_out^T x over all rows: one GEMM whose epilogue adds into `acc` (beta = 1).
-    An opaque op, so that a compiled backward calls it in place on `acc` (inductor turns
-    an in-place addmm_ on a graph input into an out-of-place addmm and a copy back)."""
-    acc.addmm_(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+def accumulate_weight_grad_(acc: Tensor, grad_out: Tensor, x: Tensor, col0: int = 0) -> None:
+    """acc[:, col0 : col0 + in] += grad_out^T x over all rows: one GEMM whose epilogue adds
+    into `acc` (beta = 1), written in place also when it is a band of acc's columns (a
+    product that uses part of the weight's inputs). An opaque op, so that a compiled backward
+    calls it in place on `acc` (inductor turns an in-place addmm_ on a graph input into an
+    out-of-place addmm and a copy back)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    acc.narrow(1, col0, x2.shape[1]).addmm_(grad_out.reshape(-1, grad_out.shape[-1]).t(), x2)
 
 
 class _AccumulatingLinear(torch.autograd.Function):
@@ -299,18 +305,20 @@ class _AccumulatingLinear(torch.autograd.Function):
     the edge that makes the hand-off to the parameter wait for this product's backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, acc: Tensor, link: Tensor, b: Tensor | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, acc: Tensor, link: Tensor, b: Tensor | None, col0: int = 0
+                ) -> Tensor:
         x = x.to(w.dtype)  # what autocast's linear does; the weight gradient needs it in w's dtype
         ctx.save_for_backward(x, w)
-        ctx.acc, ctx.has_bias = acc, b is not None  # not saved: the other steps' backward mutate it
+        # acc is not saved: the other steps' backward mutate it. col0: w is acc's columns col0...
+        ctx.acc, ctx.col0, ctx.has_bias = acc, col0, b is not None
         return F.linear(x, w, b)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, Tensor, Tensor | None]:
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, Tensor, Tensor | None, None]:
         x, w = ctx.saved_tensors
-        accumulate_weight_grad_(ctx.acc, g, x)
+        accumulate_weight_grad_(ctx.acc, g, x, ctx.col0)
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
-        return g @ w, None, None, g.new_zeros(()), gb
+        return g @ w, None, None, g.new_zeros(()), gb, None
 
 
 class _UnrollWeight(torch.autograd.Function):
@@ -367,14 +375,23 @@ def cast_linears(modules: Iterable[tuple[str, nn.Module]], dtype: torch.dtype, a
     return out
 
 
-def _linear(mod: nn.Linear, name: str, x: Tensor, w: Weights | None) -> Tensor:
-    """mod(x); with `w`, the same product through w's copy of the weights."""
+def _linear(mod: nn.Linear, name: str, x: Tensor, w: Weights | None, cols: tuple[int, int] | None = None,
+            bias: bool = True) -> Tensor:
+    """mod(x); with `w`, the same product through w's copy of the weights.
+    cols (a, b): the product with the weight's input columns a..b-1 only (x has b - a
+    features; a view of the weight, no copy); bias False: without the bias."""
     if w is None:
-        return mod(x)
+        if cols is None and bias:
+            return mod(x)
+        weight = mod.weight if cols is None else mod.weight[:, cols[0]:cols[1]]
+        return F.linear(x, weight, mod.bias if bias else None)
+    weight, b = w[name], w.get(name + ".bias") if bias else None
+    if cols is not None:
+        weight = weight[:, cols[0]:cols[1]]
     acc = w.get(name + ".grad")
     if acc is None:
-        return F.linear(x, w[name], w.get(name + ".bias"))
-    return _AccumulatingLinear.apply(x, w[name], acc, w[name + ".link"], w.get(name + ".bias"))
+        return F.linear(x, weight, b)
+    return _AccumulatingLinear.apply(x, weight, acc, w[name + ".link"], b, 0 if cols is None else cols[0])
 
 
 class MLP(nn.Module):
@@ -389,6 +406,12 @@ class MLP(nn.Module):
         return _linear(self.down_proj, "down_proj", F.silu(gate) * up, w)
 
 
+class QKV(NamedTuple):
+    q: Tensor
+    k: Tensor
+    v: Tensor
+
+
 class SelfAttention(nn.Module):
     """Projections only; which keys a query sees is decided by the `attend` callable."""
 
@@ -401,13 +424,24 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
 
-    def qkv(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, w: Weights | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
-        """Rotated queries [B,Hq,T,D], rotated keys and values [B,Hkv,T,D]."""
+    def projections(self, x_BTI: Tensor, w: Weights | None = None, cols: tuple[int, int] | None = None,
+                    bias: bool = True) -> QKV:
+        """The q, k and v products [B,T,out] (cols, bias: `_linear`'s)."""
+        return QKV(*(_linear(mod, name, x_BTI, w, cols, bias)
+                     for mod, name in ((self.q_proj, "q_proj"), (self.k_proj, "k_proj"), (self.v_proj, "v_proj"))))
+
+    def qkv(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, w: Weights | None = None,
+            cols: tuple[int, int] | None = None, plus: QKV | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries [B,Hq,T,D], rotated keys and values [B,Hkv,T,D].
+        cols, plus: x is the weights' input columns `cols`, and `plus` the products of the
+        other columns, added (the layer-0 products of the token embeddings, `EmbedProjection`)."""
         B, T, _ = x_BTI.shape
-        q = _linear(self.q_proj, "q_proj", x_BTI, w).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = _linear(self.k_proj, "k_proj", x_BTI, w).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = _linear(self.v_proj, "v_proj", x_BTI, w).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.projections(x_BTI, w, cols)
+        if plus is not None:
+            q, k, v = q + plus.q, k + plus.k, v + plus.v
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos_BTD, sin_BTD), apply_rope(k, cos_BTD, sin_BTD), v
 
     def out(self, out_BHTD: Tensor, w: Weights | None = None) -> Tensor:
@@ -433,7 +467,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(H, cfg.intermediate_size)
 
     def forward(
-        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor],
+        self, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor],
         w: Weights | None = None,
     ) -> Tensor:
         q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin, w)
@@ -443,17 +477,27 @@ class DecoderLayer(nn.Module):
     # compiles (tensors in, tensors out, the same graph at every TTT step). `w`: the linear
     # weights to use instead of the parameters (`cast_linears`; the TTT unroll's once-cast copies).
     def attn_inputs(
-        self, h_BTH: Tensor, embeds_BTH: Tensor, cos: Tensor, sin: Tensor, w: Weights | None = None
+        self, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor, w: Weights | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(q, k, v, residual): the norms, the q/k/v projections and RoPE."""
+        """(q, k, v, residual): the norms, the q/k/v projections and RoPE. Layer 0 takes the
+        token embeddings, or their half of the q/k/v products (`embed_projection`) ready made."""
         if self.first:
             normed = self.hidden_norm(h_BTH)
             residual = normed if self.norm_before_residual else h_BTH
+            if isinstance(embeds_BTH, QKV):
+                H = normed.shape[-1]
+                return *self.self_attn.qkv(normed, cos, sin, w, cols=(H, 2 * H), plus=embeds_BTH), residual
             # Embedding first, hidden second: the order every EAGLE-3 loader expects.
             x = torch.cat([self.input_layernorm(embeds_BTH), normed], dim=-1)
         else:
             residual, x = h_BTH, self.input_layernorm(h_BTH)
         return *self.self_attn.qkv(x, cos, sin, w), residual
+
+    def embed_projection(self, embeds_BTH: Tensor, w: Weights | None = None) -> QKV:
+        """Layer 0's q/k/v products of input_layernorm(embeddings) alone, without the biases:
+        their half of the weights' input columns (the first H)."""
+        assert self.first, "only layer 0 reads the token embeddings"
+        return self.self_attn.projections(self.input_layernorm(embeds_BTH), w, (0, embeds_BTH.shape[-1]), bias=False)
 
     def attn_output(self, out_BHTD: Tensor, residual_BTH: Tensor, w: Weights | None = None) -> Tensor:
         """o_proj, the residual, post_attention_layernorm and the MLP."""
@@ -495,6 +539,9 @@ class Eagle3Draft(nn.Module):
         # How the TTT attention folds in the diagonal keys: None is the reference
         # (_merge_diagonal); compile_draft puts a compiled merge_diagonal_stacked here.
         self.merge: Callable[..., Tensor] | None = None
+        # The TTT unroll makes layer 0's q/k/v products of the token embeddings once and
+        # shifts them for each step (`ttt_steps`); False: each step makes its own (the reference).
+        self.embeds_once = True
         self.reset_parameters()
 
     @torch.no_grad()
@@ -531,12 +578,14 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def step(
-        self, hidden_BTH: Tensor, input_ids_BT: Tensor, position_ids_BT: Tensor, attend: Attend,
-        weights: tuple[list[Weights | None], Weights | None] | None = None,
+        self, hidden_BTH: Tensor, input_ids_BT: Tensor | None, position_ids_BT: Tensor, attend: Attend,
+        weights: tuple[list[Weights | None], Weights | None] | None = None, embed_qkv: QKV | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab]).
-        weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`)."""
-        embeds = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
+        weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`).
+        embed_qkv: layer 0's q/k/v products of the input tokens' embeddings, made beforehand
+        (`DecoderLayer.embed_projection`); input_ids_BT is then not read."""
+        embeds = embed_qkv if embed_qkv is not None else self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
         cos, sin = self.rope(position_ids_BT, hidden_BTH.dtype)
         h = hidden_BTH
         for i, layer in enumerate(self.layers):
@@ -605,10 +654,17 @@ class Eagle3Draft(nn.Module):
         hidden = self.project_aux(aux_BTA)
         lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         weights = self.cast_weights(lowp) if lowp is not None and num_steps > 1 else None
+        # Step j's tokens are step 0's shifted j rows on, so layer 0's q/k/v products of their
+        # embeddings are step 0's shifted too: made once (not under FSDP2, whose layer 0 is
+        # sharded outside its own forward).
+        once = self.embeds_once and not _sharded(self.layers[0].self_attn.q_proj.weight)
+        if once:
+            embeds = self.embed_tokens(_shift_ids(input_ids_BT, 1)).to(hidden.dtype)
+            embed_qkv = self.layers[0].embed_projection(embeds, None if weights is None else weights[0][0])
         for j in range(num_steps):
-            shift = min(1 + j, T)
-            ids = torch.cat([input_ids_BT[:, shift:], input_ids_BT.new_zeros(B, shift)], dim=1)
-            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights)
+            ids = None if once else _shift_ids(input_ids_BT, 1 + j)
+            plus = QKV(*(_rows_ahead(p, j) for p in embed_qkv)) if once else None
+            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights, plus)
             yield logits
 
     def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:
@@ -648,6 +704,22 @@ class Eagle3Draft(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(input_ids_BT.shape[1])
         return out
+
+
+def _shift_ids(ids_BT: Tensor, n: int) -> Tensor:
+    """Row t gets token t + n; zeros past the end."""
+    B, T = ids_BT.shape
+    n = min(n, T)
+    return torch.cat([ids_BT[:, n:], ids_BT.new_zeros(B, n)], dim=1)
+
+
+def _rows_ahead(x_BTN: Tensor, j: int) -> Tensor:
+    """Row t gets row min(t + j, T - 1) of x: for rows made from `_shift_ids(ids, 1)`, the
+    rows `_shift_ids(ids, 1 + j)` would make (the last row is the pad token's)."""
+    if j == 0:
+        return x_BTN
+    n = min(j, x_BTN.shape[1])
+    return torch.cat([x_BTN[:, n:], x_BTN[:, -1:].expand(-1, n, -1)], dim=1)
 
 
 class KVCache:
@@ -708,13 +780,15 @@ def compile_draft(model: Eagle3Draft, **compile_kwargs: Any) -> Eagle3Draft:
     """torch.compile the pieces of a TTT step, in place; returns the model.
 
     Compiled: each decoder layer's `attn_inputs` (norms, q/k/v, RoPE) and `attn_output`
-    (o_proj, residual, norm, MLP), the `head` (final norm, lm_head), and the merge of the
+    (o_proj, residual, norm, MLP), layer 0's `embed_projection` (once per unroll), the `head`
+    (final norm, lm_head), and the merge of the
     diagonal keys into the step-0 attention (`merge_diagonal_stacked`). These are the
     memory-bound elementwise chains around the matrix products that eager mode runs as one
     kernel each. The attention call itself stays outside (flex_attention has its own
     compile, `compile_flex_attention`), so each piece is one graph whatever the TTT step:
     no recompilation per step, no graph breaks. Weights, state dict and export are untouched.
     """
+    model.layers[0].embed_projection = torch.compile(model.layers[0].embed_projection, **compile_kwargs)
     for layer in model.layers:
         layer.attn_inputs = torch.compile(layer.attn_inputs, **compile_kwargs)
         layer.attn_output = torch.compile(layer.attn_output, **compile_kwargs)

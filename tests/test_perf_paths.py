@@ -225,11 +225,12 @@ def _check_compiled(backend, monkeypatch, steps=4):
 def test_compile_draft_matches_eager_one_graph_per_piece(monkeypatch):
     torch._dynamo.reset()
     graphs, comp = _check_compiled("count", monkeypatch, steps=4)
-    # attn_inputs, attn_output, head: one graph each for every step; the merge and the soft
-    # CE, whose sizes change with the step, two each (the second with dynamic sizes)
-    assert graphs["n"] == 3 + 2 + 2
+    # embed_projection (once per unroll), attn_inputs, attn_output, head: one graph each for
+    # every step; the merge and the soft CE, whose sizes change with the step, two each (the
+    # second with dynamic sizes)
+    assert graphs["n"] == 4 + 2 + 2
     _loss_and_grads(comp, True, steps=4)  # the next micro-batch of the same shape compiles nothing
-    assert graphs["n"] == 3 + 2 + 2
+    assert graphs["n"] == 4 + 2 + 2
     torch._dynamo.reset()
 
 
@@ -249,9 +250,12 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     the linear weights, and those within bf16 rounding (one rounding per step instead of two).
     Compiled: no piece's graph takes an fp32 linear weight, which it would cast again at every
     step and whose gradient it would hand back in fp32 at every step (the memory-bound cost
-    this removes); with the casts turned off the same check sees them."""
+    this removes); with the casts turned off the same check sees them. (The eager part with
+    each step making its own layer-0 embedding products: autocast caches the cast of a whole
+    weight, not of the column slice that the once-made products take.)"""
     torch.manual_seed(0)
     model = Eagle3Draft(CFG)
+    model.embeds_once = False
     with monkeypatch.context() as m:
         m.setattr(model, "cast_weights", _per_product_casts)
         want, want_g = _loss_and_grads(model, bf16=True)
@@ -289,6 +293,8 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
         torch._dynamo.reset()
         return sum(x.dtype == torch.float32 and tuple(x.shape) in shapes for x in seen), out, grads
 
+    model.embeds_once = True  # as the compiled drafts below make them
+    got, got_g = _loss_and_grads(model, bf16=True)
     n, out, grads = fp32_weights_taken(cast=True)
     assert n == 0
     torch.testing.assert_close(out.total, got.total, rtol=1e-5, atol=1e-5)
@@ -377,6 +383,61 @@ def test_unroll_backward_adds_no_weight_sized_gradients(monkeypatch):
     assert adds_in_backward() >= (steps - 1) * shared
 
 
+@pytest.mark.parametrize("T, steps", [(40, 4), (3, 5)])
+def test_unroll_projects_the_embeddings_once(T, steps):
+    """Step j's tokens are step 0's shifted j rows on, so the unroll makes layer 0's q/k/v
+    products of the token embeddings once and shifts them (Eagle3Draft.embeds_once). In fp64:
+    every row's logits (the rows past the end included, also with more steps than rows) and
+    every gradient of the per-step reference, over two layers with q/k/v biases, two samples
+    and packed documents; and the forward and backward run exactly 3 (k - 1) fewer
+    [B*T, H] x [H, q+k+v] products' worth of FLOPs. Under bf16 autocast, with the GEMMs
+    accumulating the weight gradients: the loss and each gradient as close to the fp64 ones as
+    the per-step products' are."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True})
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg).double()
+    for p in model.parameters():  # biases and norm weights away from their zero / one inits
+        torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
+    g = torch.Generator().manual_seed(2)
+    aux = torch.randn(2, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=g)
+    pos, doc = (torch.arange(T) % 20).expand(2, T), (torch.arange(T) // 20).expand(2, T)
+
+    def run(once, bf16=False):
+        model.embeds_once = once
+        model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as flops, torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits = model(aux.to(next(model.parameters()).dtype), ids, pos, doc, num_steps=steps,
+                           attn_impl="chunked")
+            loss = sum((x.double().log_softmax(-1)[..., :5].sum(-1) * x.new_tensor(range(T))).mean() * (j + 1)
+                       for j, x in enumerate(logits))
+            loss.backward()
+        return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            flops.get_total_flops()
+
+    want, want_loss, want_g, want_flops = run(False)
+    got, got_loss, got_g, got_flops = run(True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert got_g.keys() == want_g.keys() and "layers.0.input_layernorm.weight" in got_g
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    assert want_flops - got_flops == 3 * (steps - 1) * 2 * 2 * T * cfg.hidden_size * qkv_out
+
+    model.float()
+    errors = {}
+    for once in (False, True):
+        _, loss, grads, _ = run(once, bf16=True)
+        assert grads.keys() == want_g.keys()
+        errors[once] = [abs(loss.item() - want_loss.item()) / abs(want_loss.item())] + [
+            ((grads[k].double() - want_g[k]).norm() / want_g[k].norm()).item() for k in want_g]
+    # as close to fp64 as the per-step products are, quantity by quantity (bf16: ~2^-8 per rounding)
+    assert all(a <= 1.5 * b + 2 ** -9 for a, b in zip(errors[True], errors[False], strict=True)), errors
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, strategy):
     """One gloo rank, parallelize's wrapping, bf16 autocast. Under FSDP2 each decoder layer is
@@ -392,9 +453,10 @@ def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, st
     try:
         torch.manual_seed(0)
         plain = Eagle3Draft(CFG)
-        if strategy == "fsdp":
+        if strategy == "fsdp":  # FSDP2's layer 0 is sharded outside its forward: each step projects its embeddings
             monkeypatch.setattr(plain, "cast_weights", lambda dtype: (
                 [None] * len(plain.layers), cast_linears([("lm_head", plain.lm_head)], dtype)))
+            plain.embeds_once = False
         want, want_g = _loss_and_grads(plain, bf16=True)
         draft = Eagle3Draft(CFG)
         draft.load_state_dict(plain.state_dict())
@@ -449,7 +511,8 @@ def test_inductor_backward_accumulates_weight_grads_in_place():
         torch.testing.assert_close(got_g[k], want_g[k], rtol=0, atol=2 ** -6 * want_g[k].abs().max().item())
     calls = re.findall(r"accumulate_weight_grad_\.default\((\w+)", "\n".join(codes))
     per_layer = sum(isinstance(m, torch.nn.Linear) for m in comp.layers[0].modules())
-    assert len(calls) == per_layer * len(comp.layers) + 1  # each piece compiled once; + lm_head
+    # each piece compiled once; + layer 0's q/k/v over the embeddings (embed_projection) + lm_head
+    assert len(calls) == per_layer * len(comp.layers) + 3 + 1
     assert all(re.fullmatch(r"primals_\d+", c) for c in calls), calls
 
 
