@@ -30,6 +30,8 @@
 #        buys; not in the default list)
 #   e8e, eke  eaglet at e8's and ek's shapes with each TTT step making layer 0's products of its
 #        token embeddings, as before the unroll made them once (what that buys; not in the default list)
+#   e8h, ekh  eaglet at e8's and ek's shapes with the LM head over every row of every step, as
+#        before it ran over the rows each step's loss can count (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -138,6 +140,8 @@ for p in ${parts//,/ }; do
     e8s) train e8s 120 eaglet --preset llama3-8b --tokens 2048 --summed-weight-grads --clip-pass --breakdown ;;
     e8e) train e8e 120 eaglet --preset llama3-8b --tokens 2048 --per-step-embeds --breakdown ;;
     eke) train eke 150 eaglet --preset kimi-k2 --tokens 4096 --per-step-embeds --breakdown ;;
+    e8h) train e8h 120 eaglet --preset llama3-8b --tokens 2048 --all-head-rows --breakdown ;;
+    ekh) train ekh 150 eaglet --preset kimi-k2 --tokens 4096 --all-head-rows --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

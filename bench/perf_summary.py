@@ -70,6 +70,15 @@ def _in_vocab_note(res: dict[str, Any]) -> str:
             "vocabulary (kept by the out-of-vocabulary mask), as on real data; speculators counts every row.")
 
 
+def _loss_share_note(res: dict[str, Any]) -> str:
+    shares = sorted({round(v["loss_share"], 2) for v in res.values() if isinstance(v, dict) and v.get("loss_share")})
+    if not shares:
+        return ""
+    return (f" Both systems' batches are trained on {' / '.join(f'{x:.0%}' for x in shares)} of their tokens (loss "
+            "mask; the share measured on the default ShareGPT data, bench/scaling.py LOSS_SHARE); eaglet's LM head "
+            "runs over the rows each step's loss can count, speculators' over every row.")
+
+
 def main(out_dir: str, work_dir: str) -> str:
     out, work = Path(out_dir), Path(work_dir)
     res = {p.stem: _load(p) for p in sorted(work.glob("*.json")) if not p.name.endswith(".status.json")}
@@ -91,7 +100,8 @@ def main(out_dir: str, work_dir: str) -> str:
              f"{where}, torch {any_r.get('torch', '?')}, {time.strftime('%Y-%m-%d %H:%M')}. "
              "Training: synthetic inputs of the real shapes, k = 7, bf16 autocast over fp32 weights; MFU from the "
              "anchor script's `train_flops_per_token` at 790 TFLOP/s; peak = max memory allocated. speculators 0.9.0: "
-             "the anchor's step (eager loss) at the same shapes, in the same run." + _in_vocab_note(res), "",
+             "the anchor's step (eager loss) at the same shapes, in the same run."
+             + _in_vocab_note(res) + _loss_share_note(res), "",
              "| shape | eaglet | speculators 0.9.0 (this run) | eaglet / speculators | goal | speculators, anchor README |",
              "|---|---|---|---|---|---|"]
     for e, s, shape, goal in TRAIN_ROWS:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import platform
@@ -57,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from scaling import IN_VOCAB, PRESETS, _batch  # noqa: E402
+from scaling import IN_VOCAB, LOSS_SHARE, PRESETS, _batch, synthetic_loss_mask  # noqa: E402
 
 from eaglet.config import TrainSection  # noqa: E402
 import eaglet.loss as loss_mod  # noqa: E402
@@ -99,6 +100,8 @@ EAGLET_SWITCHES = {
                    "(train.optimizer_step clip_in_step=False).",
     "--per-step-embeds": "eaglet with each TTT step making layer 0's q/k/v products of its token embeddings "
                          "(Eagle3Draft.embeds_once False) instead of making them once and shifting them.",
+    "--all-head-rows": "eaglet with the LM head over every row of every step instead of the rows each step's loss "
+                       "can count (Batch.head_rows: trained tokens within their document).",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
 }
@@ -134,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--in-vocab", type=float, default=IN_VOCAB,
                     help="Share of the synthetic rows whose teacher argmax is a draft token (the rows the "
                          "out-of-vocabulary mask keeps; real data's is about the vocab stage's coverage).")
+    ap.add_argument("--loss-share", type=float, default=LOSS_SHARE,
+                    help="Share of the synthetic tokens trained on (loss mask 1), both systems (scaling.LOSS_SHARE: "
+                         "measured on the default ShareGPT data).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -214,8 +220,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class GCPauses:
+    """The Python garbage collector's pauses while it is entered (gc.callbacks): a collection
+    that walks the objects a compile left behind holds up the host, and with it a GPU that
+    the host only just keeps fed."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, ms)
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((int(info["generation"]), 1000 * (time.perf_counter() - self._t0)))
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        ms = [m for _, m in self.pauses]
+        return {"collections": len(ms), "full_collections": sum(g == 2 for g, _ in self.pauses),
+                "ms_per_step": sum(ms) / max(steps, 1), "max_ms": max(ms, default=0.0)}
+
+
 def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.device,
                 timer: PhaseTimer | None = None) -> dict[str, Any]:
+    """Warm-up steps, then `steps` timed ones; with the host's time in each step call and the
+    garbage collector's pauses (GCPauses) among the diagnostics."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -225,13 +261,18 @@ def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.
         torch.cuda.reset_peak_memory_stats(device)
     if timer is not None:
         timer.steps.clear()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        last = step()
-    _sync(device)
+    host_ms = []
+    with GCPauses() as pauses:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t1 = time.perf_counter()
+            last = step()
+            host_ms.append(1000 * (time.perf_counter() - t1))
+        _sync(device)
     seconds = (time.perf_counter() - t0) / steps
     return {"step_ms": 1000 * seconds, "warmup_s": warm_s, "last_loss": float(last),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "host_ms_each": host_ms, "gc": pauses.summary(steps)}
 
 
 def _profile(step: Callable[[], Any], n: int, device: torch.device, top: int, trace: str | None) -> dict[str, Any]:
@@ -300,7 +341,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab)
+    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab,
+               loss_share=args.loss_share, ttt_steps=0 if args.all_head_rows else tc.ttt_steps)
     with torch.no_grad():
         known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
     in_vocab_rows = float(known.float().mean())
@@ -331,7 +373,10 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
     res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
-               trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows)
+               trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows,
+               loss_share=float(b.loss_mask.float().mean()),
+               head_rows_share=None if b.head_rows is None else
+               sum(len(r) for r in b.head_rows) / (len(b.head_rows) * b.tokens))
     return res
 
 
@@ -400,7 +445,7 @@ def run_speculators(args: argparse.Namespace, device: torch.device) -> dict[str,
         hidden_states=torch.randn(1, T, 3 * H, generator=g).to(device, states),
         input_ids=torch.randint(0, d["vocab"], (1, T), generator=g).to(device),
         document_ids=torch.arange(docs).repeat_interleave(args.doc_tokens).unsqueeze(0).to(device),
-        loss_mask=torch.ones(1, T, dtype=torch.bool).to(device),
+        loss_mask=synthetic_loss_mask(T, args.doc_tokens, args.loss_share).to(device),
         position_ids=torch.arange(args.doc_tokens).repeat(docs).unsqueeze(0).to(device),
         verifier_last_hidden_states=torch.randn(1, T, H, generator=g).to(device, states),
     )
@@ -419,6 +464,7 @@ def run_speculators(args: argparse.Namespace, device: torch.device) -> dict[str,
     if args.profile:
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
     res.update(speculators_version=version("speculators"), loss_impl=args.loss_impl,
+               loss_share=float(batch["loss_mask"].float().mean()),
                trainable_params_m=sum(p.numel() for p in params) / 1e6)
     return res
 

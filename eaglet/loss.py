@@ -107,6 +107,19 @@ def step_mask(loss_mask_BT: Tensor, in_vocab_BT: Tensor, doc_ids_BT: Tensor | No
     return m
 
 
+def head_rows(loss_mask_BT: Tensor, doc_ids_BT: Tensor | None, num_steps: int) -> list[Tensor]:
+    """Per step, the flat row indices b*T + t (int64, ascending) that `step_mask` can count
+    whatever the out-of-vocabulary verdict: the rows whose logits the loss needs. Made on the
+    host from the batch's host tensors (nonzero would make a device wait)."""
+    T = loss_mask_BT.shape[1]
+    ones = torch.ones_like(loss_mask_BT, dtype=torch.bool)
+    out = []
+    for j in range(num_steps):
+        b, t = step_mask(loss_mask_BT, ones, doc_ids_BT, j).nonzero(as_tuple=True)
+        out.append(b * T + t)
+    return out
+
+
 @dataclass
 class TTTLoss:
     """Per-step sums and counts (tensors, so no host sync until someone asks)."""
@@ -121,7 +134,8 @@ class TTTLoss:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
 
 
-def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, src: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """(mean soft CE over the rows where m, correct, count): the reference formula.
 
     logits_BTN: the step's logits, T >= L rows, of which the first L are the step's rows (the
@@ -130,7 +144,11 @@ def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tens
     full-size zero tensor and copy the rows into it, once per step.
     top_BL: the teacher's argmax per row (draft ids). Eager mode runs `chunked_soft_ce`
     instead (the same numbers in less memory); torch.compile fuses this one (`compiled_soft_ce`).
+    src: the logits are of some rows only (`head_rows`); their teacher rows are these rows of
+    p_BLN [B, T, N] flattened (gathered here, so that a compiled loss reads them in place).
     """
+    if src is not None:
+        p_BLN = p_BLN.flatten(0, 1).index_select(0, src).unsqueeze(0)
     logits = _acc(logits_BTN[:, : m_BL.shape[1]])
     # Soft CE without materialising log-softmax: lse(z) - sum_v p_v z_v (sum_v p_v = 1).
     ce = torch.logsumexp(logits, dim=-1) - (p_BLN * logits).sum(-1)
@@ -184,9 +202,11 @@ class _SoftCE(torch.autograd.Function):
 
 
 def chunked_soft_ce(
-    logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, chunk: int = 1024
+    logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, src: Tensor | None = None, chunk: int = 1024
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`masked_soft_ce` through `_SoftCE`: the same values, no fp32 copy of the logits kept."""
+    if src is not None:
+        p_BLN = p_BLN.flatten(0, 1).index_select(0, src).unsqueeze(0)
     ce, draft_top = _SoftCE.apply(logits_BTN, p_BLN, chunk)
     count = m_BL.sum()
     loss = (ce * m_BL).sum() / count.clamp(min=1)
@@ -215,15 +235,25 @@ def step_loss(
     doc_ids_BT: Tensor | None = None,
     teacher_top_BT: Tensor | None = None,
     soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] = chunked_soft_ce,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(mean soft CE, correct, count) of one step, aligned as the module header says.
 
     teacher_top_BT: the teacher's argmax per position (computed here when not given);
-    soft_ce: `chunked_soft_ce`, `masked_soft_ce` or `compiled_soft_ce()`."""
+    soft_ce: `chunked_soft_ce`, `masked_soft_ce` or `compiled_soft_ce()`;
+    rows: the logits [1, len(rows), N] are of these rows only (flat b*T + t, `head_rows`)."""
     m = step_mask(loss_mask_BT, in_vocab_BT, doc_ids_BT, step)
     L = m.shape[1]
+    if teacher_top_BT is None:
+        teacher_top_BT = teacher_BTN.argmax(-1)
+    if rows is not None:  # row t of step j reads the teacher at t + 1 + j: flat index r + 1 + j
+        T = loss_mask_BT.shape[1]
+        src = rows + (1 + step)
+        m_rows = m[rows // T, rows % T].unsqueeze(0)
+        return soft_ce(logits_BTN, teacher_BTN, m_rows, teacher_top_BT.flatten().index_select(0, src).unsqueeze(0),
+                       src)
     p = teacher_BTN[:, 1 + step : 1 + step + L]
-    top = p.argmax(-1) if teacher_top_BT is None else teacher_top_BT[:, 1 + step : 1 + step + L]
+    top = teacher_top_BT[:, 1 + step : 1 + step + L]
     return soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
 
 
@@ -235,15 +265,18 @@ def ttt_loss(
     doc_ids_BT: Tensor | None = None,
     gamma: float = 0.8,
     compiled: bool = False,
+    head_rows: Sequence[Tensor] | None = None,
 ) -> TTTLoss:
     """The TTT loss over all steps; `logits_steps` may be the draft's `ttt_steps` generator.
-    compiled: the soft CE through torch.compile (`compiled_soft_ce`); else `chunked_soft_ce`."""
+    compiled: the soft CE through torch.compile (`compiled_soft_ce`); else `chunked_soft_ce`.
+    head_rows: the rows each step's logits are of, when the draft was given them."""
     losses, correct, counts = [], [], []
     total: Tensor | float = 0.0
     teacher_top = teacher_BTN.argmax(-1)  # once, not once per step: the steps see shifted rows of it
     soft_ce = compiled_soft_ce() if compiled else chunked_soft_ce
     for j, logits in enumerate(logits_steps):
-        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top, soft_ce)
+        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top, soft_ce,
+                               None if head_rows is None else head_rows[j])
         total = total + gamma**j * loss
         losses.append(loss)
         correct.append(c)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -580,23 +580,27 @@ class Eagle3Draft(nn.Module):
     def step(
         self, hidden_BTH: Tensor, input_ids_BT: Tensor | None, position_ids_BT: Tensor, attend: Attend,
         weights: tuple[list[Weights | None], Weights | None] | None = None, embed_qkv: QKV | None = None,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab]).
         weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`).
         embed_qkv: layer 0's q/k/v products of the input tokens' embeddings, made beforehand
-        (`DecoderLayer.embed_projection`); input_ids_BT is then not read."""
+        (`DecoderLayer.embed_projection`); input_ids_BT is then not read.
+        rows: the logits of these rows only (flat indices b*T + t), [1, len(rows), draft_vocab]."""
         embeds = embed_qkv if embed_qkv is not None else self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
         cos, sin = self.rope(position_ids_BT, hidden_BTH.dtype)
         h = hidden_BTH
         for i, layer in enumerate(self.layers):
             h = layer(h, embeds, cos, sin, partial(attend, i), None if weights is None else weights[0][i])
-        return self.head(h, None if weights is None else weights[1])
+        return self.head(h, None if weights is None else weights[1], rows)
 
-    def head(self, h_BTH: Tensor, w: Weights | None = None) -> tuple[Tensor, Tensor]:
-        """(hidden for the next step, logits [B,T,draft_vocab]) from the last layer's output."""
+    def head(self, h_BTH: Tensor, w: Weights | None = None, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(hidden for the next step, logits [B,T,draft_vocab]) from the last layer's output;
+        rows: the logits of those rows (flat b*T + t) only, [1, len(rows), draft_vocab]."""
         normed = self.norm(h_BTH)
+        x = normed if rows is None else normed.flatten(0, 1).index_select(0, rows).unsqueeze(0)
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
-        return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", normed, w)
+        return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", x, w)
 
     def cast_weights(self, dtype: torch.dtype, accumulate: bool = True) -> tuple[list[Weights | None], Weights | None]:
         """The linear weights every TTT step uses (the layers', lm_head's), cast to `dtype` once.
@@ -625,6 +629,7 @@ class Eagle3Draft(nn.Module):
         doc_ids_BT: Tensor | None = None,
         num_steps: int = 3,
         attn_impl: str = "auto",
+        head_rows: Sequence[Tensor] | None = None,
     ) -> Iterator[Tensor]:
         """Yield the draft logits [B,T,draft_vocab] of steps 0..num_steps-1.
 
@@ -636,6 +641,10 @@ class Eagle3Draft(nn.Module):
             input token, as official EAGLE-3 (position_ids + step) and speculators
             (positions + 1 per step) do.
         doc_ids_BT: document id per token for packed sequences (None: one document).
+        head_rows: per step, the rows whose logits are wanted (flat indices b*T + t, the
+            rows its loss can count: `loss.head_rows`); step j then yields [1, len, draft_vocab].
+            The LM head is a quarter to a third of a step's products; a row that is not
+            trained on (a prompt token, a document's last rows) needs none of it.
         A generator, so a caller can take each step's loss before the next step runs.
         """
         B, T = input_ids_BT.shape
@@ -664,7 +673,8 @@ class Eagle3Draft(nn.Module):
         for j in range(num_steps):
             ids = None if once else _shift_ids(input_ids_BT, 1 + j)
             plus = QKV(*(_rows_ahead(p, j) for p in embed_qkv)) if once else None
-            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights, plus)
+            rows = None if head_rows is None else head_rows[j]
+            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights, plus, rows)
             yield logits
 
     def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:

@@ -78,7 +78,8 @@ class OnlineStates:
         """Per sample, on the target's device: aux [T, n_aux*H], final [T, H] (store dtype),
         input_ids int32 [T], loss_mask uint8 [T]; T cut at `max_tokens` before the forward
         (states of a causal model's prefix do not depend on what follows). Nothing here waits
-        for the device: a sample with non-finite states gets its loss mask cleared on it."""
+        for the device: a sample with non-finite states gets its loss mask cleared on it.
+        loss_mask_host: the prepared loss mask on the host, before any clearing (a superset)."""
         samples = []
         for sid in sample_ids:
             if int(sid) not in self._row:
@@ -89,6 +90,7 @@ class OnlineStates:
         loss_mask = torch.zeros(input_ids.shape, dtype=torch.uint8)
         for b, s in enumerate(samples):
             loss_mask[b, :len(ids[b])] = torch.from_numpy(np.asarray(s.loss_mask)[:max_tokens])
+        host_mask = loss_mask.clone()
         device = self.parts.input_device
         if device.type == "cuda":  # one pinned, asynchronous copy each
             input_ids, attn, loss_mask = input_ids.pin_memory(), attn.pin_memory(), loss_mask.pin_memory()
@@ -99,7 +101,8 @@ class OnlineStates:
         loss_mask = loss_mask * (~bad)[:, None]
         self._nonfinite = self._nonfinite + bad.sum()
         return [{"aux": aux[b, :len(seq)], "final": final[b, :len(seq)],
-                 "input_ids": input_ids[b, :len(seq)].to(torch.int32), "loss_mask": loss_mask[b, :len(seq)]}
+                 "input_ids": input_ids[b, :len(seq)].to(torch.int32), "loss_mask": loss_mask[b, :len(seq)],
+                 "loss_mask_host": host_mask[b, :len(seq)]}
                 for b, seq in enumerate(ids)]
 
 

@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import Config, TrainSection
-from .loss import TTTLoss, simulated_acceptance_length, teacher_targets, ttt_loss
+from .loss import TTTLoss, head_rows, simulated_acceptance_length, teacher_targets, ttt_loss
 from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl
 from .parallel import (Parallel, all_gather_object, all_reduce_sum, barrier, dist_env, init_distributed, parallelize,
                        resolve_strategy)
@@ -109,6 +109,17 @@ class Batch:
     sample_ids: tuple[int, ...] = ()  # the packed samples, in order
     lens: tuple[int, ...] = ()  # their lengths (after the max_tokens cut)
     in_vocab: torch.Tensor | None = None  # [1, N] bool: the out-of-vocabulary mask's verdict, when known
+    head_rows: tuple[torch.Tensor, ...] | None = None  # per TTT step, the rows the loss can count (loss.head_rows)
+
+
+def device_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int, device: torch.device
+                     ) -> tuple[torch.Tensor, ...]:
+    """`loss.head_rows` of host tensors, made on the host and sent in one copy (pinned on a GPU)."""
+    rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
+    flat = torch.cat(rows)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return tuple(flat.to(device, non_blocking=True).split([len(r) for r in rows]))
 
 
 class VocabMaskCache:
@@ -185,7 +196,10 @@ class VocabMaskCache:
         self.fresh = {}
 
 
-def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device) -> Batch:
+def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device,
+               ttt_steps: int = 0) -> Batch:
+    """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
+    ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
     if isinstance(store, OnlineStates):
         parts = store.get_many(ids, max_tokens)  # one forward of the target for the whole micro-batch
     else:
@@ -209,10 +223,15 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
     def stored(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return cat([p[key] for p in cut], dtype)
 
+    docs = [torch.full((n,), d) for d, n in enumerate(lens)]
+    rows = None
+    if ttt_steps > 0:
+        # on the host (online states keep a host copy; their device mask may only lose rows)
+        mask = torch.cat([p.get("loss_mask_host", p["loss_mask"]).to("cpu", torch.bool) for p in cut])[None]
+        rows = device_head_rows(mask, torch.cat(docs)[None], ttt_steps, device)
     return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64),
-                 stored("loss_mask", torch.bool), cat([torch.arange(n) for n in lens]),
-                 cat([torch.full((n,), d) for d, n in enumerate(lens)]), sum(lens),
-                 sample_ids=tuple(int(i) for i in ids), lens=tuple(lens))
+                 stored("loss_mask", torch.bool), cat([torch.arange(n) for n in lens]), cat(docs), sum(lens),
+                 sample_ids=tuple(int(i) for i in ids), lens=tuple(lens), head_rows=rows)
 
 
 # ---- the target's head and the draft -------------------------------------------------------------
@@ -506,8 +525,10 @@ def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, a
     wrapper, or the bare draft for evaluation) and its loss."""
     teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
     with autocast:
-        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl)
-        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled)
+        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl,
+                       head_rows=b.head_rows)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled,
+                        head_rows=b.head_rows)
 
 
 def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
@@ -611,7 +632,8 @@ class Trainer:
             # Under fsdp every forward is a collective: a rank past the end repeats the last
             # batch without counting it, so all ranks run as many forwards.
             j = first + r
-            b = load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens, self.device)
+            b = load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens, self.device,
+                           self.tc.ttt_steps)
             b.in_vocab = self.vocab_mask.lookup(b)
             out = self._forward(b, self.model)
             self.vocab_mask.record(b, out.in_vocab)
@@ -695,7 +717,7 @@ class Trainer:
                 # Micro-batch j of the step (j = a*W + rank) is this rank's: take W from the stream.
                 share = [next(data) for _ in range(W)]
                 epoch, micro, _ = share[-1]
-                b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device)
+                b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device, tc.ttt_steps)
                 b.in_vocab = self.vocab_mask.lookup(b)
                 out = micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1)
                 self.vocab_mask.record(b, out.in_vocab)

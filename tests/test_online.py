@@ -70,6 +70,7 @@ def test_online_states_equal_the_offline_store(runs):
         assert g["aux"].shape[0] == n
         for k in ("aux", "final", "input_ids", "loss_mask"):
             torch.testing.assert_close(g[k], want[k][:n], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{sid} {k}: {m}")
+        assert g["loss_mask_host"].device.type == "cpu" and torch.equal(g["loss_mask_host"], want["loss_mask"][:n])
 
 
 def test_online_training_reproduces_the_offline_losses(runs):

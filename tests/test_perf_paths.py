@@ -438,6 +438,69 @@ def test_unroll_projects_the_embeddings_once(T, steps):
     assert all(a <= 1.5 * b + 2 ** -9 for a, b in zip(errors[True], errors[False], strict=True)), errors
 
 
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+def test_head_rows_give_the_loss_and_gradients_of_every_row(how, monkeypatch):
+    """The LM head over the rows each step's loss can count (loss.head_rows: trained tokens,
+    within their document, not past its end) gives the loss, per-step losses, accuracies,
+    counts and gradients of the head over every row (fp64; rows really dropped: a loss mask
+    with prompt spans, two packed documents, two samples, the out-of-vocabulary mask on), and
+    the forward and backward skip exactly the dropped rows' LM-head FLOPs. Compiled (dynamo,
+    aot_eager): the same, the per-step row counts changing without a graph per count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eaglet.train import device_head_rows
+
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG).double()
+    if how == "compiled":
+        torch._dynamo.reset()
+        compile_draft(model, backend="aot_eager")
+        monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
+    g = torch.Generator().manual_seed(4)
+    B, T, steps = 2, 40, 4
+    aux = torch.randn(B, T, 3 * CFG.target_hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
+    pos, doc = (torch.arange(T) % 25).expand(B, T), (torch.arange(T) // 25).expand(B, T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 3:11] = mask[1, 20:33] = mask[:, 25:28] = False  # prompts
+    final = torch.randn(B, T, CFG.target_hidden_size, generator=g, dtype=torch.float64)
+    W = torch.randn(CFG.vocab_size, CFG.target_hidden_size, generator=g, dtype=torch.float64)
+    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+    assert 0 < in_vocab.float().mean() < 1
+
+    def run(rows):
+        model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as flops:
+            out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked", head_rows=rows), teacher,
+                           in_vocab, mask, doc, compiled=how == "compiled", head_rows=rows)
+            out.total.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            flops.get_total_flops()
+
+    want, want_g, want_flops = run(None)
+    rows = device_head_rows(mask, doc, steps, torch.device("cpu"))
+    got, got_g, got_flops = run(rows)
+    for a, b in zip([got.total] + got.losses + got.correct + got.counts,
+                    [want.total] + want.losses + want.correct + want.counts, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert got_g.keys() == want_g.keys()
+    for k in want_g:
+        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+    dropped = B * T * steps - sum(len(r) for r in rows)
+    assert dropped > B * T  # prompts, document ends and the steps' tails
+    assert want_flops - got_flops == 3 * 2 * dropped * CFG.hidden_size * CFG.draft_vocab_size
+    if how == "compiled":  # other masks, other row counts: no graph past the first dynamic one
+        from torch._dynamo.utils import counters
+
+        seen = []
+        for seed in range(4):
+            mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.4
+            run(device_head_rows(mask, doc, steps, torch.device("cpu")))
+            seen.append(counters["stats"]["unique_graphs"])
+        assert seen[1] == seen[-1], seen
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, strategy):
     """One gloo rank, parallelize's wrapping, bf16 autocast. Under FSDP2 each decoder layer is
