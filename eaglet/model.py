@@ -434,7 +434,7 @@ class SelfAttention(nn.Module):
             cols: tuple[int, int] | None = None, plus: QKV | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries [B,Hq,T,D], rotated keys and values [B,Hkv,T,D].
         cols, plus: x is the weights' input columns `cols`, and `plus` the products of the
-        other columns, added (the layer-0 products of the token embeddings, `EmbedProjection`)."""
+        other columns, added (layer 0's products of the token embeddings, `DecoderLayer.embed_projection`)."""
         B, T, _ = x_BTI.shape
         q, k, v = self.projections(x_BTI, w, cols)
         if plus is not None:
