@@ -43,6 +43,26 @@ def test_flop_count_is_the_anchors():
                 assert ns["train_flops_per_token"](dims, seq, 7) == train_throughput.train_flops_per_token(dims, seq, 7)
 
 
+def test_synthetic_batch_trains_on_the_loss_share_asked_for():
+    """The training benches' batches carry a loss mask with the share of trained tokens asked
+    for (prompt spans at the start of each turn), and the rows each TTT step's loss can count."""
+    import torch
+
+    from eaglet.loss import head_rows
+    from eaglet.model import DraftConfig
+
+    shape = train_throughput.PRESETS["tiny"]
+    cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
+    for share in (train_throughput.LOSS_SHARE, 0.5, 1.0):
+        b = train_throughput._batch(cfg, 2048, 1024, torch.device("cpu"), torch.float32, seed=1, loss_share=share,
+                                    ttt_steps=3)
+        assert b.loss_mask.float().mean().item() == pytest.approx(share, abs=0.01)
+        assert not b.loss_mask[0, 0] or share == 1.0  # a turn starts with its prompt
+        want = head_rows(b.loss_mask, b.doc_ids, 3)
+        assert [r.tolist() for r in b.head_rows] == [r.tolist() for r in want]
+        assert len(want[0]) < 2048
+
+
 @pytest.mark.parametrize("wide", [False, True])  # True: the 8B target's and draft's vocabularies
 def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     """The training benches' synthetic final states point the teacher's argmax at a draft
