@@ -643,8 +643,8 @@ class Eagle3Draft(nn.Module):
         doc_ids_BT: document id per token for packed sequences (None: one document).
         head_rows: per step, the rows whose logits are wanted (flat indices b*T + t, the
             rows its loss can count: `loss.head_rows`); step j then yields [1, len, draft_vocab].
-            The LM head is a quarter to a third of a step's products; a row that is not
-            trained on (a prompt token, a document's last rows) needs none of it.
+            The LM head is about a third of a step's products; a row that is not trained
+            on (a prompt token, a document's last rows) needs none of it.
         A generator, so a caller can take each step's loss before the next step runs.
         """
         B, T = input_ids_BT.shape
