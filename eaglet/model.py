@@ -380,15 +380,16 @@ def _linear(mod: nn.Linear, name: str, x: Tensor, w: Weights | None, cols: tuple
     """mod(x); with `w`, the same product through w's copy of the weights.
     cols (a, b): the product with the weight's input columns a..b-1 only (x has b - a
     features; a view of the weight, no copy); bias False: without the bias."""
+    if w is None and cols is None and bias:
+        return mod(x)  # the module itself, its hooks included (inference, and the layers FSDP2 shards)
     if w is None:
-        if cols is None and bias:
-            return mod(x)
-        weight = mod.weight if cols is None else mod.weight[:, cols[0]:cols[1]]
-        return F.linear(x, weight, mod.bias if bias else None)
-    weight, b = w[name], w.get(name + ".bias") if bias else None
+        weight, b, acc = mod.weight, mod.bias, None
+    else:
+        weight, b, acc = w[name], w.get(name + ".bias"), w.get(name + ".grad")
     if cols is not None:
         weight = weight[:, cols[0]:cols[1]]
-    acc = w.get(name + ".grad")
+    if not bias:
+        b = None
     if acc is None:
         return F.linear(x, weight, b)
     return _AccumulatingLinear.apply(x, weight, acc, w[name + ".link"], b, 0 if cols is None else cols[0])
@@ -791,12 +792,12 @@ def compile_draft(model: Eagle3Draft, **compile_kwargs: Any) -> Eagle3Draft:
 
     Compiled: each decoder layer's `attn_inputs` (norms, q/k/v, RoPE) and `attn_output`
     (o_proj, residual, norm, MLP), layer 0's `embed_projection` (once per unroll), the `head`
-    (final norm, lm_head), and the merge of the
-    diagonal keys into the step-0 attention (`merge_diagonal_stacked`). These are the
-    memory-bound elementwise chains around the matrix products that eager mode runs as one
-    kernel each. The attention call itself stays outside (flex_attention has its own
-    compile, `compile_flex_attention`), so each piece is one graph whatever the TTT step:
-    no recompilation per step, no graph breaks. Weights, state dict and export are untouched.
+    (final norm, lm_head), and the merge of the diagonal keys into the step-0 attention
+    (`merge_diagonal_stacked`). These are the memory-bound elementwise chains around the
+    matrix products that eager mode runs as one kernel each. The attention call itself stays
+    outside (flex_attention has its own compile, `compile_flex_attention`), so each piece is
+    one graph whatever the TTT step: no recompilation per step, no graph breaks. Weights,
+    state dict and export are untouched.
     """
     model.layers[0].embed_projection = torch.compile(model.layers[0].embed_projection, **compile_kwargs)
     for layer in model.layers:
