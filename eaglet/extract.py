@@ -126,6 +126,15 @@ def nonfinite_rows(aux_BTA: torch.Tensor, final_BTH: torch.Tensor, attention_mas
     return (bad_BT & attention_mask.to(bad_BT.device).bool()).any(-1)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for it: to a GPU from pinned memory
+    (pinned here unless it is already), asynchronously. A copy from pageable memory would
+    make the host wait."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
+
+
 def _to_host(t: torch.Tensor, events: list, waits: dict[str, float] | None = None) -> torch.Tensor:
     """Start a copy to (pinned) host memory; CPU tensors are returned as they are. `waits`
     adds the seconds spent allocating the pinned buffer under 'pin_alloc_s'."""

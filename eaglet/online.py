@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .config import TargetSection
-from .extract import capture, nonfinite_rows, pad_batch
+from .extract import capture, nonfinite_rows, pad_batch, to_device
 from .prepared import PreparedData
 from .store import StoreReader
 from .target import TargetParts, load_target
@@ -90,11 +90,9 @@ class OnlineStates:
         loss_mask = torch.zeros(input_ids.shape, dtype=torch.uint8)
         for b, s in enumerate(samples):
             loss_mask[b, :len(ids[b])] = torch.from_numpy(np.asarray(s.loss_mask)[:max_tokens])
-        host_mask = loss_mask.clone()
+        host_mask = loss_mask
         device = self.parts.input_device
-        if device.type == "cuda":  # one pinned, asynchronous copy each
-            input_ids, attn, loss_mask = input_ids.pin_memory(), attn.pin_memory(), loss_mask.pin_memory()
-        input_ids, attn, loss_mask = (t.to(device, non_blocking=True) for t in (input_ids, attn, loss_mask))
+        input_ids, attn, loss_mask = (to_device(t, device) for t in (input_ids, attn, loss_mask))
         with torch.no_grad():  # not inference_mode: these tensors feed an autograd graph
             aux, final = capture(self.parts, self.layers, input_ids, attn, self.dtype)
             bad = nonfinite_rows(aux, final, attn).to(device)

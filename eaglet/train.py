@@ -54,7 +54,7 @@ from .model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_att
 from .parallel import (Parallel, all_gather_object, all_reduce_sum, barrier, dist_env, init_distributed, parallelize,
                        resolve_strategy)
 from .pipeline import StageContext
-from .extract import HEAD_FILE, TARGET_CONFIG
+from .extract import HEAD_FILE, TARGET_CONFIG, to_device
 from .online import OnlineStates, is_online
 from .store import CorruptShardError, StoreReader
 from .target import resolve_device
@@ -116,10 +116,7 @@ def device_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_s
                      ) -> tuple[torch.Tensor, ...]:
     """`loss.head_rows` of host tensors, made on the host and sent in one copy (pinned on a GPU)."""
     rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
-    flat = torch.cat(rows)
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    return tuple(flat.to(device, non_blocking=True).split([len(r) for r in rows]))
+    return tuple(to_device(torch.cat(rows), device).split([len(r) for r in rows]))
 
 
 class VocabMaskCache:
@@ -152,11 +149,7 @@ class VocabMaskCache:
             if count != n:  # cut differently (another max_tokens): find it again
                 return None
             parts.append(np.unpackbits(bits, count=n))
-        host = torch.from_numpy(np.concatenate(parts).astype(np.bool_)).unsqueeze(0)
-        dev = b.input_ids.device
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        return host.to(dev, non_blocking=True)
+        return to_device(torch.from_numpy(np.concatenate(parts).astype(np.bool_)).unsqueeze(0), b.input_ids.device)
 
     def record(self, b: Batch, in_vocab: torch.Tensor | None) -> None:
         """Keep the verdict the teacher found for b (a device tensor [1, N]), once it is on the host."""
@@ -207,30 +200,31 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
     cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
     lens = [int(p["input_ids"].shape[0]) for p in cut]
 
-    def cat(pieces: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+        """[1, N]: host pieces concatenated straight into pinned memory when bound for a GPU
+        (one host copy, then `to_device`); device pieces (online states) on their device."""
+        if pieces[0].device.type != "cpu":
+            return torch.cat(pieces).unsqueeze(0)
+        shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
+        return torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=device.type == "cuda"))[None]
+
+    def send(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # Over the bus in the stored dtype (bf16 states: half the bytes of fp32), converted
-        # on the device (the same values). Host pieces are concatenated straight into pinned
-        # memory (one host copy): a copy from pageable memory waits for the GPU's queue to
-        # drain, a host sync per micro-batch.
-        if device.type == "cuda" and pieces[0].device.type == "cpu":
-            shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
-            t = torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=True))
-        else:
-            t = torch.cat(pieces)
-        t = t.unsqueeze(0).to(device, non_blocking=True)
+        # on the device (the same values).
+        t = to_device(t, device)
         return t.to(dtype) if dtype is not None else t
 
     def stored(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return cat([p[key] for p in cut], dtype)
+        return send(cat([p[key] for p in cut]), dtype)
 
-    docs = [torch.full((n,), d) for d, n in enumerate(lens)]
+    docs = cat([torch.full((n,), d) for d, n in enumerate(lens)])
+    mask = cat([p["loss_mask"] for p in cut])
     rows = None
-    if ttt_steps > 0:
-        # on the host (online states keep a host copy; their device mask may only lose rows)
-        mask = torch.cat([p.get("loss_mask_host", p["loss_mask"]).to("cpu", torch.bool) for p in cut])[None]
-        rows = device_head_rows(mask, torch.cat(docs)[None], ttt_steps, device)
-    return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64),
-                 stored("loss_mask", torch.bool), cat([torch.arange(n) for n in lens]), cat(docs), sum(lens),
+    if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
+        host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in cut])
+        rows = device_head_rows(host_mask.bool(), docs, ttt_steps, device)
+    return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64), send(mask, torch.bool),
+                 send(cat([torch.arange(n) for n in lens])), send(docs), sum(lens),
                  sample_ids=tuple(int(i) for i in ids), lens=tuple(lens), head_rows=rows)
 
 
