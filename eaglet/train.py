@@ -599,8 +599,12 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
 
-    def _forward(self, b: Batch, module: nn.Module) -> TTTLoss:
-        return forward_loss(self.par, module, b, self.tc, self.autocast)
+    def _load(self, ids: list[int]) -> Batch:
+        """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
+        of it was seen before, the out-of-vocabulary mask's verdict (`VocabMaskCache`)."""
+        b = load_batch(self.store, ids, self.tc.max_tokens, self.device, self.tc.ttt_steps)
+        b.in_vocab = self.vocab_mask.lookup(b)
+        return b
 
     def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """The global micro-batch stream (the same on every rank): (epoch, index in its plan, sample ids)."""
@@ -626,10 +630,8 @@ class Trainer:
             # Under fsdp every forward is a collective: a rank past the end repeats the last
             # batch without counting it, so all ranks run as many forwards.
             j = first + r
-            b = load_batch(self.store, batches[min(j, len(batches) - 1)], self.tc.max_tokens, self.device,
-                           self.tc.ttt_steps)
-            b.in_vocab = self.vocab_mask.lookup(b)
-            out = self._forward(b, self.model)
+            b = self._load(batches[min(j, len(batches) - 1)])
+            out = forward_loss(self.par, self.model, b, self.tc, self.autocast)
             self.vocab_mask.record(b, out.in_vocab)
             if j < len(batches):
                 sums.add(out)
@@ -711,8 +713,7 @@ class Trainer:
                 # Micro-batch j of the step (j = a*W + rank) is this rank's: take W from the stream.
                 share = [next(data) for _ in range(W)]
                 epoch, micro, _ = share[-1]
-                b = load_batch(self.store, share[env.rank][2], tc.max_tokens, self.device, tc.ttt_steps)
-                b.in_vocab = self.vocab_mask.lookup(b)
+                b = self._load(share[env.rank][2])
                 out = micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1)
                 self.vocab_mask.record(b, out.in_vocab)
                 sums.add(out, b.tokens)
