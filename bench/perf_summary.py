@@ -61,22 +61,26 @@ def _breakdown(name: str, r: dict[str, Any]) -> str:
             f"optimizer {ms.get('optimizer', 0):.1f} ms")
 
 
-def _in_vocab_note(res: dict[str, Any]) -> str:
-    shares = sorted({round(v["in_vocab_rows"], 2) for v in res.values()
-                     if isinstance(v, dict) and v.get("in_vocab_rows") is not None and v.get("mask_out_of_vocab")})
-    if not shares:
-        return ""
-    return (f" eaglet's synthetic rows: {' / '.join(f'{x:.0%}' for x in shares)} with a teacher argmax in the draft "
-            "vocabulary (kept by the out-of-vocabulary mask), as on real data; speculators counts every row.")
+def _shares(res: dict[str, Any], key: str, only: str | None = None) -> str | None:
+    """The distinct values of `key` across the runs (of those with `only` set), as '95% / 21%'."""
+    shares = sorted({round(v[key], 2) for v in res.values()
+                     if isinstance(v, dict) and v.get(key) is not None and (only is None or v.get(only))})
+    return " / ".join(f"{x:.0%}" for x in shares) if shares else None
 
 
-def _loss_share_note(res: dict[str, Any]) -> str:
-    shares = sorted({round(v["loss_share"], 2) for v in res.values() if isinstance(v, dict) and v.get("loss_share")})
-    if not shares:
-        return ""
-    return (f" Both systems' batches are trained on {' / '.join(f'{x:.0%}' for x in shares)} of their tokens (loss "
-            "mask; the share measured on the default ShareGPT data, bench/scaling.py LOSS_SHARE); eaglet's LM head "
-            "runs over the rows each step's loss can count, speculators' over every row.")
+def _data_notes(res: dict[str, Any]) -> str:
+    """What the synthetic batches keep and train on, as the runs report it."""
+    notes = ""
+    kept = _shares(res, "in_vocab_rows", only="mask_out_of_vocab")
+    if kept:
+        notes += (f" eaglet's synthetic rows: {kept} with a teacher argmax in the draft vocabulary (kept by the "
+                  "out-of-vocabulary mask), as on real data; speculators counts every row.")
+    trained = _shares(res, "loss_share")
+    if trained:
+        notes += (f" Both systems' batches are trained on {trained} of their tokens (loss mask; the share measured "
+                  "on the default ShareGPT data, bench/scaling.py LOSS_SHARE); eaglet's LM head runs over the rows "
+                  "each step's loss can count, speculators' over every row.")
+    return notes
 
 
 def main(out_dir: str, work_dir: str) -> str:
@@ -101,7 +105,7 @@ def main(out_dir: str, work_dir: str) -> str:
              "Training: synthetic inputs of the real shapes, k = 7, bf16 autocast over fp32 weights; MFU from the "
              "anchor script's `train_flops_per_token` at 790 TFLOP/s; peak = max memory allocated. speculators 0.9.0: "
              "the anchor's step (eager loss) at the same shapes, in the same run."
-             + _in_vocab_note(res) + _loss_share_note(res), "",
+             + _data_notes(res), "",
              "| shape | eaglet | speculators 0.9.0 (this run) | eaglet / speculators | goal | speculators, anchor README |",
              "|---|---|---|---|---|---|"]
     for e, s, shape, goal in TRAIN_ROWS:

@@ -221,9 +221,8 @@ def _sync(device: torch.device) -> None:
 
 
 class GCPauses:
-    """The Python garbage collector's pauses while it is entered (gc.callbacks): a collection
-    that walks the objects a compile left behind holds up the host, and with it a GPU that
-    the host only just keeps fed."""
+    """The Python garbage collector's pauses while it is entered (gc.callbacks): time the host
+    spent collecting instead of feeding the GPU, a diagnostic beside the host's time per step."""
 
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []  # (generation, ms)
