@@ -32,6 +32,8 @@
 #        token embeddings, as before the unroll made them once (what that buys; not in the default list)
 #   e8h, ekh  eaglet at e8's and ek's shapes with the LM head over every row of every step, as
 #        before it ran over the rows each step's loss can count (what that buys; not in the default list)
+#   e8r, ekr  eaglet at e8's and ek's shapes with TTT steps 1.. over every row, as before they ran
+#        over the rows some later step counts (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -142,6 +144,8 @@ for p in ${parts//,/ }; do
     eke) train eke 150 eaglet --preset kimi-k2 --tokens 4096 --per-step-embeds --breakdown ;;
     e8h) train e8h 120 eaglet --preset llama3-8b --tokens 2048 --all-head-rows --breakdown ;;
     ekh) train ekh 150 eaglet --preset kimi-k2 --tokens 4096 --all-head-rows --breakdown ;;
+    e8r) train e8r 120 eaglet --preset llama3-8b --tokens 2048 --all-step-rows --breakdown ;;
+    ekr) train ekr 150 eaglet --preset kimi-k2 --tokens 4096 --all-step-rows --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

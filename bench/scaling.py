@@ -96,7 +96,7 @@ def _batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device,
            seed: int, head: torch.Tensor | None = None, in_vocab: float = IN_VOCAB, loss_share: float = LOSS_SHARE,
            ttt_steps: int = 0) -> Batch:
     """One packed micro-batch of random inputs, as load_batch returns them (with the rows
-    each TTT step's loss can count when ttt_steps > 0), trained on a share `loss_share` of its
+    each TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a share `loss_share` of its
     tokens (`synthetic_loss_mask`).
 
     With `head` (the target's LM head [V, H] the teacher uses), each row's final state is that
@@ -117,6 +117,7 @@ def _batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device,
         rows = head[tok].float()
         final = (rows + 0.5 * rows.std() * torch.randn(rows.shape, generator=g)).unsqueeze(0)
     mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
+    rows, active = device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else (None, None)
     return Batch(
         aux=torch.randn(1, tokens, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device),
         final=final.to(device, frozen),
@@ -125,7 +126,8 @@ def _batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device,
         position_ids=(torch.arange(tokens) % doc_tokens).unsqueeze(0).to(device),
         doc_ids=docs.unsqueeze(0).to(device),
         tokens=tokens,
-        head_rows=device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else None,
+        head_rows=rows,
+        active_rows=active,
     )
 
 

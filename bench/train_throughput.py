@@ -64,8 +64,8 @@ from eaglet.config import TrainSection  # noqa: E402
 import eaglet.loss as loss_mod  # noqa: E402
 from eaglet.model import DraftConfig, Eagle3Draft, compile_draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
 from eaglet.parallel import Parallel, parallelize  # noqa: E402
-from eaglet.train import (TargetHead, TeacherHead, forward_loss, lr_lambda, micro_batch, optimizer_step,  # noqa: E402
-                          resolve_compile)
+from eaglet.train import (TargetHead, TeacherHead, forward_loss, freeze_survivors, lr_lambda, micro_batch,  # noqa: E402
+                          optimizer_step, resolve_compile)
 
 H200_BF16_PEAK = 790e12
 
@@ -102,6 +102,8 @@ EAGLET_SWITCHES = {
                          "(Eagle3Draft.embeds_once False) instead of making them once and shifting them.",
     "--all-head-rows": "eaglet with the LM head over every row of every step instead of the rows each step's loss "
                        "can count (Batch.head_rows: trained tokens within their document).",
+    "--all-step-rows": "eaglet with TTT steps 1.. over every row instead of the rows some step from 1 on counts "
+                       "(Batch.active_rows); the LM head still over the counted rows.",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
 }
@@ -256,6 +258,7 @@ def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.
         step()
     _sync(device)
     warm_s = time.perf_counter() - t0
+    freeze_survivors()  # as the trainer has after its first steps
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if timer is not None:
@@ -345,6 +348,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     with torch.no_grad():
         known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
     in_vocab_rows = float(known.float().mean())
+    if args.all_step_rows:
+        b.active_rows = None
     if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
         b.in_vocab = known
 
@@ -375,7 +380,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows,
                loss_share=float(b.loss_mask.float().mean()),
                head_rows_share=None if b.head_rows is None else
-               sum(len(r) for r in b.head_rows) / (len(b.head_rows) * b.tokens))
+               sum(len(r) for r in b.head_rows) / (len(b.head_rows) * b.tokens),
+               active_rows_share=None if b.active_rows is None else len(b.active_rows) / b.tokens)
     return res
 
 

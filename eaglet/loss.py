@@ -120,6 +120,13 @@ def head_rows(loss_mask_BT: Tensor, doc_ids_BT: Tensor | None, num_steps: int) -
     return out
 
 
+def active_rows(rows: Sequence[Tensor]) -> Tensor:
+    """The rows TTT steps 1.. must run over, given each step's `head_rows`: every row that some
+    step from 1 on counts (ascending). From step 1 on, a row's states reach only that row's
+    later steps, so the others' work there is wasted (`Eagle3Draft.ttt_steps`' active_rows)."""
+    return torch.cat(list(rows[1:])).unique() if len(rows) > 1 else rows[0].new_zeros(0)
+
+
 @dataclass
 class TTTLoss:
     """Per-step sums and counts (tensors, so no host sync until someone asks)."""

@@ -469,24 +469,28 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor],
-        w: Weights | None = None,
+        w: Weights | None = None, embed_rows: Tensor | None = None,
     ) -> Tensor:
-        q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin, w)
+        q, k, v, residual = self.attn_inputs(h_BTH, embeds_BTH, cos, sin, w, embed_rows)
         return self.attn_output(attend(q, k, v), residual, w)
 
     # The layer in two halves around the attention call: the pieces that `compile_draft`
     # compiles (tensors in, tensors out, the same graph at every TTT step). `w`: the linear
     # weights to use instead of the parameters (`cast_linears`; the TTT unroll's once-cast copies).
     def attn_inputs(
-        self, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor, w: Weights | None = None
+        self, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor, w: Weights | None = None,
+        embed_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q, k, v, residual): the norms, the q/k/v projections and RoPE. Layer 0 takes the
-        token embeddings, or their half of the q/k/v products (`embed_projection`) ready made."""
+        token embeddings, or their half of the q/k/v products (`embed_projection`) ready made;
+        embed_rows: of those products, h's rows take these flat rows (h is [1, n])."""
         if self.first:
             normed = self.hidden_norm(h_BTH)
             residual = normed if self.norm_before_residual else h_BTH
             if isinstance(embeds_BTH, QKV):
                 H = normed.shape[-1]
+                if embed_rows is not None:
+                    embeds_BTH = QKV(*(_take_rows(p, embed_rows) for p in embeds_BTH))
                 return *self.self_attn.qkv(normed, cos, sin, w, cols=(H, 2 * H), plus=embeds_BTH), residual
             # Embedding first, hidden second: the order every EAGLE-3 loader expects.
             x = torch.cat([self.input_layernorm(embeds_BTH), normed], dim=-1)
@@ -579,20 +583,22 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def step(
-        self, hidden_BTH: Tensor, input_ids_BT: Tensor | None, position_ids_BT: Tensor, attend: Attend,
+        self, hidden_BTH: Tensor, input_ids_BT: Tensor | None, position_ids_BT: Tensor | None, attend: Attend,
         weights: tuple[list[Weights | None], Weights | None] | None = None, embed_qkv: QKV | None = None,
-        rows: Tensor | None = None,
+        rows: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None, embed_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One draft step: (hidden to feed the next step [B,T,H], logits [B,T,draft_vocab]).
         weights: (per layer, lm_head) copies of the linear weights to use (`cast_weights`).
         embed_qkv: layer 0's q/k/v products of the input tokens' embeddings, made beforehand
-        (`DecoderLayer.embed_projection`); input_ids_BT is then not read.
-        rows: the logits of these rows only (flat indices b*T + t), [1, len(rows), draft_vocab]."""
+        (`DecoderLayer.embed_projection`); input_ids_BT is then not read. embed_rows: the
+        hidden rows take these flat rows of embed_qkv's (gathered in layer 0's compiled inputs).
+        rows: the logits of these rows only (flat indices b*T + t), [1, len(rows), draft_vocab].
+        rope: (cos, sin) of the positions, made beforehand; position_ids_BT is then not read."""
         embeds = embed_qkv if embed_qkv is not None else self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
-        cos, sin = self.rope(position_ids_BT, hidden_BTH.dtype)
+        cos, sin = rope if rope is not None else self.rope(position_ids_BT, hidden_BTH.dtype)
         h = hidden_BTH
         for i, layer in enumerate(self.layers):
-            h = layer(h, embeds, cos, sin, partial(attend, i), None if weights is None else weights[0][i])
+            h = layer(h, embeds, cos, sin, partial(attend, i), None if weights is None else weights[0][i], embed_rows)
         return self.head(h, None if weights is None else weights[1], rows)
 
     def head(self, h_BTH: Tensor, w: Weights | None = None, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -631,6 +637,7 @@ class Eagle3Draft(nn.Module):
         num_steps: int = 3,
         attn_impl: str = "auto",
         head_rows: Sequence[Tensor] | None = None,
+        active_rows: Tensor | None = None,
     ) -> Iterator[Tensor]:
         """Yield the draft logits [B,T,draft_vocab] of steps 0..num_steps-1.
 
@@ -646,6 +653,12 @@ class Eagle3Draft(nn.Module):
             rows its loss can count: `loss.head_rows`); step j then yields [1, len, draft_vocab].
             The LM head is about a third of a step's products; a row that is not trained
             on (a prompt token, a document's last rows) needs none of it.
+        active_rows: with head_rows, the rows steps 1..num_steps-1 run over (flat b*T + t,
+            ascending; `loss.active_rows`: every row some step from 1 on counts, so it holds
+            head_rows[1:]). From step 1 on, a row's keys and values are seen by its own query
+            only (the diagonal), so a row that no later step counts needs no work from there
+            on: those steps run over these rows alone, gathered into one [1, n] sequence whose
+            step-0 attention reads the full step-0 keys (`ttt_attention`'s rows).
         A generator, so a caller can take each step's loss before the next step runs.
         """
         B, T = input_ids_BT.shape
@@ -656,10 +669,15 @@ class Eagle3Draft(nn.Module):
         block_mask = ttt_block_mask(doc_ids_BT, B, T, dev) if impl == "flex" else None
         kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
 
+        if head_rows is None or num_steps < 2:
+            active_rows = None
+        step_rows: Tensor | None = None  # the rows the current step runs over (None: all)
+
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kv[layer].append((k, v))
             ks, vs = [k for k, _ in kv[layer]], [v for _, v in kv[layer]]
-            return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask, merge=self.merge)
+            return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask, merge=self.merge,
+                                 rows=step_rows)
 
         hidden = self.project_aux(aux_BTA)
         lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
@@ -671,11 +689,36 @@ class Eagle3Draft(nn.Module):
         if once:
             embeds = self.embed_tokens(_shift_ids(input_ids_BT, 1)).to(hidden.dtype)
             embed_qkv = self.layers[0].embed_projection(embeds, None if weights is None else weights[0][0])
+        # What the steps from 1 on index by, made for all of them at once (a few kernels per
+        # unroll, not per step: at the 8B dims a step is a couple of milliseconds of GPU work,
+        # so the host's time per step counts). Step j runs at position + 1 + j.
+        ahead = torch.arange(1, num_steps + 1, device=dev)
+        if active_rows is not None:
+            t = active_rows % T
+            later_pos = _take_rows(position_ids_BT, active_rows)[None] + ahead[1:, None, None]  # [k-1, 1, n]
+            # the rows of step 0's embedding products that step j's rows take: b*T + min(t + j, T - 1)
+            embed_rows = (active_rows - t)[None] + (t[None] + ahead[:-1, None]).clamp(max=T - 1)  # [k-1, n]
+            later_heads = torch.searchsorted(active_rows, torch.cat(list(head_rows[1:]))).split(  # type: ignore[index]
+                [len(r) for r in head_rows[1:]])  # type: ignore[index]  # where head_rows[j] sit among the active rows
+        else:
+            later_pos = position_ids_BT[None] + ahead[1:, None, None]  # [k-1, B, T]
+        rope0, later_rope = self.rope(position_ids_BT + 1, hidden.dtype), self.rope(later_pos, hidden.dtype)
         for j in range(num_steps):
-            ids = None if once else _shift_ids(input_ids_BT, 1 + j)
-            plus = QKV(*(_rows_ahead(p, j) for p in embed_qkv)) if once else None
             rows = None if head_rows is None else head_rows[j]
-            hidden, logits = self.step(hidden, ids, position_ids_BT + 1 + j, attend, weights, plus, rows)
+            rope = rope0 if j == 0 else (later_rope[0][j - 1], later_rope[1][j - 1])
+            plus, plus_rows = None, None
+            if j > 0 and active_rows is not None:  # the active rows only, as one [1, n] sequence
+                if step_rows is None:
+                    step_rows, hidden = active_rows, _take_rows(hidden, active_rows)
+                ids = None if once else _take_rows(_shift_ids(input_ids_BT, 1 + j), active_rows)
+                if once:
+                    plus, plus_rows = embed_qkv, embed_rows[j - 1]
+                rows = later_heads[j - 1]
+            else:
+                ids = None if once else _shift_ids(input_ids_BT, 1 + j)
+                if once:
+                    plus = QKV(*(_rows_ahead(p, j) for p in embed_qkv))
+            hidden, logits = self.step(hidden, ids, None, attend, weights, plus, rows, rope, plus_rows)
             yield logits
 
     def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:
@@ -731,6 +774,11 @@ def _rows_ahead(x_BTN: Tensor, j: int) -> Tensor:
         return x_BTN
     n = min(j, x_BTN.shape[1])
     return torch.cat([x_BTN[:, n:], x_BTN[:, -1:].expand(-1, n, -1)], dim=1)
+
+
+def _take_rows(x_BT: Tensor, rows: Tensor) -> Tensor:
+    """The flat rows b*T + t of x [B, T, ...], as one sequence [1, len(rows), ...]."""
+    return x_BT.flatten(0, 1).index_select(0, rows).unsqueeze(0)
 
 
 class KVCache:
@@ -855,29 +903,63 @@ def ttt_attention(
     block_mask: BlockMask | None = None,
     chunk: int = 256,
     merge: Callable[..., Tensor] | None = None,
+    rows: Tensor | None = None,
 ) -> Tensor:
     """Attention of step j = len(ks)-1: step-0 keys causally (per document) + own-row keys
     of steps 1..j. ks/vs: [B, Hkv, T, D] per step. Returns [B, Hq, T, D].
 
     merge: None folds the diagonal keys in with `_merge_diagonal` (the reference); else a
-    function with `merge_diagonal_stacked`'s signature (compile_draft's compiled one)."""
+    function with `merge_diagonal_stacked`'s signature (compile_draft's compiled one).
+    rows: the queries and the diagonal keys (ks[1:], vs[1:]) are of these flat rows b*T + t
+    only, as one sequence [1, H, n, D] (the TTT unroll's active rows); the step-0 keys are
+    whole. The queries go to their rows of a zero [B, Hq, T, D] for the step-0 part, so that
+    its kernel and mask are step 0's; the merge runs over the n rows. Returns [1, Hq, n, D]."""
+    if rows is not None:
+        B, _, T, _ = ks[0].shape
+        if impl == "naive":  # the reference: every row, the other rows' queries and keys zero
+            full = [_rows_to_full(x, rows, B, T) for x in (q_BHTD, *ks[1:], *vs[1:])]
+            j = len(ks) - 1
+            out = ttt_attention(full[0], [ks[0], *full[1:1 + j]], [vs[0], *full[1 + j:]], impl, doc_ids_BT)
+            return _full_to_rows(out, rows)
+        out0, lse0 = _step0_attention(_rows_to_full(q_BHTD, rows, B, T), ks[0], vs[0], impl, doc_ids_BT, block_mask,
+                                      chunk)  # the merge takes the rows' results (inside its compiled graph)
+    else:
+        B, _, T, D = q_BHTD.shape
+        if impl == "naive":
+            return _naive_ttt_attention(q_BHTD, ks, vs, ttt_dense_mask(doc_ids_BT, B, T, len(ks), q_BHTD.device),
+                                        q_BHTD.shape[-1] ** -0.5)
+        out0, lse0 = _step0_attention(q_BHTD, ks[0], vs[0], impl, doc_ids_BT, block_mask, chunk)
+    if len(ks) == 1:
+        return out0.to(q_BHTD.dtype)
+    scale = q_BHTD.shape[-1] ** -0.5
+    if merge is not None:
+        return merge(q_BHTD, out0, lse0, torch.stack(ks[1:]), torch.stack(vs[1:]), scale, rows)
+    return _merge_diagonal(q_BHTD, out0, lse0, ks[1:], vs[1:], scale, rows)
+
+
+def _step0_attention(q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor, impl: str, doc_ids_BT: Tensor | None,
+                     block_mask: BlockMask | None, chunk: int) -> tuple[Tensor, Tensor]:
+    """(out, log-sum-exp) of the queries over the step-0 keys: causal, per document."""
     B, _, T, D = q_BHTD.shape
-    scale = D**-0.5
-    if impl == "naive":
-        return _naive_ttt_attention(q_BHTD, ks, vs, ttt_dense_mask(doc_ids_BT, B, T, len(ks), q_BHTD.device), scale)
     if impl == "flex":
         if block_mask is None:
             block_mask = ttt_block_mask(doc_ids_BT, B, T, q_BHTD.device)
-        out0, lse0 = _flex_with_lse(q_BHTD, ks[0], vs[0], block_mask, scale)
-    elif impl == "chunked":
-        out0, lse0 = _chunked_causal_attention(q_BHTD, ks[0], vs[0], doc_ids_BT, scale, chunk)
-    else:
-        raise ValueError(f"attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
-    if len(ks) == 1:
-        return out0.to(q_BHTD.dtype)
-    if merge is not None:
-        return merge(q_BHTD, out0, lse0, torch.stack(ks[1:]), torch.stack(vs[1:]), scale)
-    return _merge_diagonal(q_BHTD, out0, lse0, ks[1:], vs[1:], scale)
+        return _flex_with_lse(q_BHTD, k_BKTD, v_BKTD, block_mask, D**-0.5)
+    if impl == "chunked":
+        return _chunked_causal_attention(q_BHTD, k_BKTD, v_BKTD, doc_ids_BT, D**-0.5, chunk)
+    raise ValueError(f"attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
+
+
+def _rows_to_full(x_1HnD: Tensor, rows: Tensor, B: int, T: int) -> Tensor:
+    """[1, H, n, D] of the flat rows `rows` -> [B, H, T, D], zero at the other rows."""
+    _, H, _, D = x_1HnD.shape
+    full = x_1HnD.new_zeros(H, B * T, D).index_copy(1, rows, x_1HnD[0])
+    return full.view(H, B, T, D).transpose(0, 1)
+
+
+def _full_to_rows(x_BHT: Tensor, rows: Tensor) -> Tensor:
+    """[B, H, T, ...] -> its flat rows `rows`, [1, H, n, ...]."""
+    return x_BHT.transpose(0, 1).flatten(1, 2).index_select(1, rows).unsqueeze(0)
 
 
 def _acc(x: Tensor) -> Tensor:
@@ -945,10 +1027,14 @@ def _chunked_causal_attention(
 
 
 def _merge_diagonal(
-    q_BHTD: Tensor, out0_BHTD: Tensor, lse0_BHT: Tensor, ks: list[Tensor], vs: list[Tensor], scale: float
+    q_BHTD: Tensor, out0_BHTD: Tensor, lse0_BHT: Tensor, ks: list[Tensor], vs: list[Tensor], scale: float,
+    rows: Tensor | None = None,
 ) -> Tensor:
     """Fold the own-row keys of steps 1..j into the step-0 result by log-sum-exp: each is
-    one extra key per query, so its score is a per-row dot product, O(T*j*D)."""
+    one extra key per query, so its score is a per-row dot product, O(T*j*D).
+    rows: q and the keys are of these flat rows only ([1, H, n, D]), the step-0 result of all."""
+    if rows is not None:
+        out0_BHTD, lse0_BHT = _full_to_rows(out0_BHTD, rows), _full_to_rows(lse0_BHT, rows)
     B, Hq, T, D = q_BHTD.shape
     Hk = ks[0].shape[1]
     G = Hq // Hk
@@ -963,11 +1049,14 @@ def _merge_diagonal(
 
 
 def merge_diagonal_stacked(
-    q_BHTD: Tensor, out0_BHTD: Tensor, lse0_BHT: Tensor, k_JBKTD: Tensor, v_JBKTD: Tensor, scale: float
+    q_BHTD: Tensor, out0_BHTD: Tensor, lse0_BHT: Tensor, k_JBKTD: Tensor, v_JBKTD: Tensor, scale: float,
+    rows: Tensor | None = None,
 ) -> Tensor:
     """`_merge_diagonal` with the j diagonal keys and values stacked on a leading dim: one
     graph for every step when compiled (j becomes a dynamic size), no per-key Python loop.
     The same values as `_merge_diagonal` up to the order of the final sum over keys."""
+    if rows is not None:
+        out0_BHTD, lse0_BHT = _full_to_rows(out0_BHTD, rows), _full_to_rows(lse0_BHT, rows)
     B, Hq, T, D = q_BHTD.shape
     Hk = k_JBKTD.shape[2]
     G = Hq // Hk

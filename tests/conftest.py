@@ -12,3 +12,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc():
+    """Training runs gc.freeze() what survives their first steps (train.freeze_survivors);
+    hand those objects back to the collector after each test, so that a test session does
+    not keep every finished run's objects."""
+    yield
+    import gc
+
+    gc.unfreeze()

@@ -69,6 +69,38 @@ def test_ttt_attention_matches_dense_reference(impl, steps, docs):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def _rows_case(q, ks, vs, rows):
+    """The queries and the diagonal keys of `rows` only (flat b*T + t), as one sequence."""
+    take = [M._full_to_rows(x, rows) for x in (q, *ks[1:], *vs[1:])]
+    j = len(ks) - 1
+    return take[0], [ks[0], *take[1:1 + j]], [vs[0], *take[1 + j:]]
+
+
+@pytest.mark.parametrize("impl", ["chunked", "flex", "naive"])
+@pytest.mark.parametrize("steps", [2, 4])
+@pytest.mark.parametrize("docs", [None, DOCS], ids=["one-doc", "packed"])
+def test_ttt_attention_over_some_rows_is_those_rows_of_the_whole(impl, steps, docs):
+    """ttt_attention's rows (the TTT unroll's active rows from step 1 on): the queries and
+    diagonal keys of some rows of two samples, gathered into one sequence, against the full
+    step-0 keys, give those rows of the whole attention (values and gradients; the merge
+    compiled or not)."""
+    grad = impl != "flex"
+    q, ks, vs = qkv(steps, grad=grad)
+    B, _, T, _ = q.shape
+    rows = torch.tensor([0, 3, 4, 5, 9, T - 1, T, T + 2, 2 * T - 2])
+    ref = M._full_to_rows(ttt_attention(q, ks, vs, "naive", doc_ids_BT=docs), rows)
+    for merge in (None, M.merge_diagonal_stacked):
+        out = ttt_attention(*_rows_case(q, ks, vs, rows), impl, doc_ids_BT=docs, chunk=8, merge=merge, rows=rows)
+        assert out.shape == (1, q.shape[1], len(rows), q.shape[3])
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        if grad:
+            w = torch.randn_like(ref)
+            g_ref = torch.autograd.grad((ref * w).sum(), [q, *ks, *vs], retain_graph=True)
+            g_out = torch.autograd.grad((out * w).sum(), [q, *ks, *vs])
+            for a, b in zip(g_out, g_ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_reference_is_not_trivially_matched():
     """A plain causal mask over all steps' keys gives a different answer (the tests can fail)."""
     q, ks, vs = qkv(3, grad=False)
@@ -111,6 +143,16 @@ def test_compiled_flex_on_cuda_matches_reference(docs):
             g_out = torch.autograd.grad((out * w).sum(), [q, *ks, *vs])
             for a, b in zip(g_out, g_ref, strict=True):
                 torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+            if steps > 1:  # the queries and diagonal keys of some rows only (the unroll's active rows)
+                rows = torch.tensor([0, 5, 99, 100, 101, 299, 300, 450, 599], device="cuda")
+                out = ttt_attention(*_rows_case(q, ks, vs, rows), "flex", doc_ids_BT=doc_ids, rows=rows)
+                want = M._full_to_rows(ref, rows)
+                torch.testing.assert_close(out, want, rtol=2e-4, atol=2e-4)
+                w = torch.randn_like(want)
+                g_ref = torch.autograd.grad((want * w).sum(), [q, *ks, *vs])
+                g_out = torch.autograd.grad((out * w).sum(), [q, *ks, *vs])
+                for a, b in zip(g_out, g_ref, strict=True):
+                    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
     finally:
         M._flex_compiled = None
 

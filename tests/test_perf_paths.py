@@ -478,7 +478,7 @@ def test_head_rows_give_the_loss_and_gradients_of_every_row(how, monkeypatch):
             flops.get_total_flops()
 
     want, want_g, want_flops = run(None)
-    rows = device_head_rows(mask, doc, steps, torch.device("cpu"))
+    rows, _ = device_head_rows(mask, doc, steps, torch.device("cpu"))
     got, got_g, got_flops = run(rows)
     for a, b in zip([got.total] + got.losses + got.correct + got.counts,
                     [want.total] + want.losses + want.correct + want.counts, strict=True):
@@ -495,7 +495,94 @@ def test_head_rows_give_the_loss_and_gradients_of_every_row(how, monkeypatch):
         seen = []
         for seed in range(4):
             mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.4
-            run(device_head_rows(mask, doc, steps, torch.device("cpu")))
+            run(device_head_rows(mask, doc, steps, torch.device("cpu"))[0])
+            seen.append(counters["stats"]["unique_graphs"])
+        assert seen[1] == seen[-1], seen
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+def test_steps_after_the_first_run_over_the_rows_a_later_step_counts(how, monkeypatch):
+    """TTT steps 1.. over the active rows only (loss.active_rows: the rows some step from 1 on
+    counts), gathered into one sequence, give the loss, per-step losses, accuracies, counts and
+    gradients of the steps over every row (fp64; two layers with q/k/v biases, two samples, two
+    documents each, prompt spans, the out-of-vocabulary mask on; the embedding products made
+    once or per step; chunked and naive attention), and the forward and backward skip exactly
+    the dropped rows' linear products in steps 1... Compiled (aot_eager): the same, other
+    masks (other active row counts) adding no graph after the first dynamic one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from eaglet.loss import active_rows, step_mask
+    from eaglet.train import device_head_rows
+
+    cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True})
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg).double()
+    for p in model.parameters():  # biases and norm weights away from their zero / one inits
+        torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
+    if how == "compiled":
+        torch._dynamo.reset()
+        compile_draft(model, backend="aot_eager")
+        monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
+    g = torch.Generator().manual_seed(4)
+    B, T, steps = 2, 40, 4
+    aux = torch.randn(B, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    pos, doc = (torch.arange(T) % 25).expand(B, T), (torch.arange(T) // 25).expand(B, T)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 3:13] = mask[1, 12:33] = mask[:, 25:29] = False  # prompts
+    final = torch.randn(B, T, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    W = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+    assert 0 < in_vocab.float().mean() < 1
+
+    def run(rows, active, impl="chunked"):
+        model.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as flops:
+            out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl=impl, head_rows=rows,
+                                 active_rows=active), teacher, in_vocab, mask, doc, compiled=how == "compiled",
+                           head_rows=rows)
+            out.total.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            flops.get_total_flops()
+
+    rows, active = device_head_rows(mask, doc, steps, torch.device("cpu"))
+    ones = torch.ones_like(mask)
+    counted = torch.zeros(B, T, dtype=torch.bool)
+    for j in range(1, steps):
+        m = step_mask(mask, ones, doc, j)
+        counted[:, : m.shape[1]] |= m
+    counted = counted.flatten()
+    assert active.tolist() == counted.nonzero().flatten().tolist() == active_rows(rows).tolist()
+    dropped = B * T - len(active)
+    assert 0.25 * B * T < dropped < 0.5 * B * T  # the prompts but the last rows before each answer, the documents' ends
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for once in (True, False):
+        model.embeds_once = once
+        want, want_g, want_flops = run(rows, None)
+        got, got_g, got_flops = run(rows, active)
+        for a, b in zip([got.total] + got.losses + got.correct + got.counts,
+                        [want.total] + want.losses + want.correct + want.counts, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert got_g.keys() == want_g.keys()
+        for k in want_g:
+            torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+        # per dropped row and step: layer 0's q/k/v over its hidden half (both halves when each
+        # step makes its own), layer 1's q/k/v, both layers' o_proj and MLP; forward and backward
+        per_row = (1 if once else 2) * H * (q + 2 * kv) + H * (q + 2 * kv) + 2 * (q * H + 3 * H * I)
+        assert want_flops - got_flops == 3 * 2 * (steps - 1) * dropped * per_row
+    naive, naive_g, _ = run(rows, active, "naive")  # the reference attention over the rows' full sequences
+    torch.testing.assert_close(naive.total, want.total, rtol=1e-12, atol=1e-12)
+    for k in want_g:
+        torch.testing.assert_close(naive_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+    if how == "compiled":  # other masks, other active row counts: no graph past the first dynamic one
+        from torch._dynamo.utils import counters
+
+        seen = []
+        for seed in range(4):
+            mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
+            run(*device_head_rows(mask, doc, steps, torch.device("cpu")))
             seen.append(counters["stats"]["unique_graphs"])
         assert seen[1] == seen[-1], seen
         torch._dynamo.reset()

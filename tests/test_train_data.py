@@ -74,3 +74,32 @@ def test_load_batch_packs_documents_with_their_positions(device):
     assert b.position_ids.cpu().tolist() == [list(range(7)) + list(range(5)) + list(range(3))]
     assert b.doc_ids.cpu().tolist() == [[0] * 7 + [1] * 5 + [2] * 3]
     assert b.aux.device.type == device
+    from eaglet.loss import active_rows, head_rows
+
+    b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device), ttt_steps=3)
+    want = head_rows(b.loss_mask.cpu(), b.doc_ids.cpu(), 3)
+    assert [r.cpu().tolist() for r in b.head_rows] == [r.tolist() for r in want]
+    assert b.active_rows.cpu().tolist() == active_rows(want).tolist()
+    assert b.active_rows.device.type == device and 0 < len(b.active_rows) < b.tokens
+
+
+def test_freeze_survivors_collects_the_garbage_and_freezes_the_rest():
+    """What survives the collection leaves the collector's reach (gc.freeze); what is garbage
+    (a reference cycle) is collected first, not frozen for good."""
+    import gc
+    import weakref
+
+    from eaglet.train import freeze_survivors
+
+    class Node:
+        pass
+
+    kept = [Node() for _ in range(1000)]
+    cycle = Node()
+    cycle.me = cycle
+    dead = weakref.ref(cycle)
+    del cycle
+    gc.unfreeze()
+    freeze_survivors()
+    assert dead() is None
+    assert gc.get_freeze_count() >= len(kept)
