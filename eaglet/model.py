@@ -23,7 +23,9 @@ of rows <= t in the same document, and its own row's keys of steps 1..j (the "di
 nothing else. This is exactly what a KV-cached chain of drafts sees at inference time.
 Since step j's tokens are step 0's shifted j rows on, the unroll makes layer 0's q/k/v
 products of the token embeddings once and shifts them for each step (`embeds_once`): at
-k = 7 that removes 6 of 7 of those products, forward and backward.
+k = 7 that removes 6 of 7 of those products, forward and backward. And since from step 1 on a
+row's states reach only its own row, the steps from 1 on can run over the rows some later step
+trains on only (`ttt_steps`' active_rows), gathered into one sequence.
 
 Three interchangeable attention implementations (`attn_impl`):
     "flex"    flex_attention with one T x T causal/document BlockMask for the step-0 keys,
@@ -447,7 +449,7 @@ class SelfAttention(nn.Module):
 
     def out(self, out_BHTD: Tensor, w: Weights | None = None) -> Tensor:
         B, _, T, _ = out_BHTD.shape
-        return _linear(self.o_proj, "o_proj", out_BHTD.transpose(1, 2).reshape(B, T, -1), w)
+        return _linear(self.o_proj, "o_proj", out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim), w)
 
     def forward(self, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, attend: Callable[..., Tensor]) -> Tensor:
         return self.out(attend(*self.qkv(x_BTI, cos_BTD, sin_BTD)))
@@ -694,12 +696,14 @@ class Eagle3Draft(nn.Module):
         # so the host's time per step counts). Step j runs at position + 1 + j.
         ahead = torch.arange(1, num_steps + 1, device=dev)
         if active_rows is not None:
+            assert head_rows is not None
             t = active_rows % T
             later_pos = _take_rows(position_ids_BT, active_rows)[None] + ahead[1:, None, None]  # [k-1, 1, n]
             # the rows of step 0's embedding products that step j's rows take: b*T + min(t + j, T - 1)
             embed_rows = (active_rows - t)[None] + (t[None] + ahead[:-1, None]).clamp(max=T - 1)  # [k-1, n]
-            later_heads = torch.searchsorted(active_rows, torch.cat(list(head_rows[1:]))).split(  # type: ignore[index]
-                [len(r) for r in head_rows[1:]])  # type: ignore[index]  # where head_rows[j] sit among the active rows
+            # where head_rows[j] sit among the active rows
+            later_heads = torch.searchsorted(active_rows, torch.cat(list(head_rows[1:]))).split(
+                [len(r) for r in head_rows[1:]])
         else:
             later_pos = position_ids_BT[None] + ahead[1:, None, None]  # [k-1, B, T]
         rope0, later_rope = self.rope(position_ids_BT + 1, hidden.dtype), self.rope(later_pos, hidden.dtype)
@@ -924,7 +928,7 @@ def ttt_attention(
         out0, lse0 = _step0_attention(_rows_to_full(q_BHTD, rows, B, T), ks[0], vs[0], impl, doc_ids_BT, block_mask,
                                       chunk)  # the merge takes the rows' results (inside its compiled graph)
     else:
-        B, _, T, D = q_BHTD.shape
+        B, _, T, _ = q_BHTD.shape
         if impl == "naive":
             return _naive_ttt_attention(q_BHTD, ks, vs, ttt_dense_mask(doc_ids_BT, B, T, len(ks), q_BHTD.device),
                                         q_BHTD.shape[-1] ** -0.5)

@@ -547,9 +547,9 @@ def freeze_survivors() -> None:
     graphs, guards, kernels); each full collection walks all of them, on the host, in the
     middle of a step: one took 392 ms at the 8B bench shape on the H200 (a 63 ms step),
     the GPU idle meanwhile, and under torchrun every rank waits for the one that collects.
-    Later collections then walk only what was made since. The trainer calls this after steps
-    1, 2, 4, 8, ... and after each evaluation (where new graphs appear), at the same points
-    on every rank."""
+    Later collections then walk only what was made since. The trainer calls this after the
+    1st, 2nd, 4th, 8th, ... step it runs and after each evaluation (where new graphs appear),
+    at the same points on every rank."""
     gc.collect()
     gc.freeze()
 
@@ -712,6 +712,7 @@ class Trainer:
         last = latest_checkpoint(ckpt_dir)
         if last is not None:
             step, epoch, micro = self._resume(last, fp)
+        first_step = step
         metrics = MetricLog(self.out_dir, step, tc.tensorboard, enabled=env.is_main)
         self.model.train()
         log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
@@ -739,7 +740,8 @@ class Trainer:
             lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
             bar.update(1)
-            if step & (step - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
+            ran = step - first_step  # steps this process has run (a resumed run compiles again)
+            if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
                 freeze_survivors()
             if step % tc.log_every == 0 or step == self.total_steps:
                 sums.all_reduce(tc.ttt_steps, self.device)

@@ -139,7 +139,7 @@ def test_compiled_flex_on_cuda_matches_reference(docs):
             out = ttt_attention(q, ks, vs, "flex", doc_ids_BT=doc_ids)
             torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
             w = torch.randn_like(ref)
-            g_ref = torch.autograd.grad((ref * w).sum(), [q, *ks, *vs])
+            g_ref = torch.autograd.grad((ref * w).sum(), [q, *ks, *vs], retain_graph=True)
             g_out = torch.autograd.grad((out * w).sum(), [q, *ks, *vs])
             for a, b in zip(g_out, g_ref, strict=True):
                 torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)

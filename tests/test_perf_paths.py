@@ -438,6 +438,78 @@ def test_unroll_projects_the_embeddings_once(T, steps):
     assert all(a <= 1.5 * b + 2 ** -9 for a, b in zip(errors[True], errors[False], strict=True)), errors
 
 
+class _RowsCase:
+    """The row-skipping tests' case: a draft in fp64 (eager, or compiled through aot_eager with
+    the compiled soft CE) and a batch of two samples of two packed documents each, with prompt
+    spans and the out-of-vocabulary mask on; `run` gives the TTT loss, the gradients and the
+    FLOPs of one forward and backward."""
+
+    B, T, steps = 2, 40, 4
+
+    def __init__(self, cfg, how, monkeypatch, prompts):
+        from eaglet.train import device_head_rows
+
+        self.how, self.rows_of = how, partial(device_head_rows, num_steps=self.steps, device=torch.device("cpu"))
+        torch.manual_seed(0)
+        self.model = Eagle3Draft(cfg).double()
+        for p in self.model.parameters():  # biases and norm weights away from their zero / one inits
+            torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
+        if how == "compiled":
+            torch._dynamo.reset()
+            compile_draft(self.model, backend="aot_eager")
+            monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
+        B, T = self.B, self.T
+        g = torch.Generator().manual_seed(4)
+        self.aux = torch.randn(B, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
+        self.ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+        self.pos, self.doc = (torch.arange(T) % 25).expand(B, T), (torch.arange(T) // 25).expand(B, T)
+        self.mask = torch.ones(B, T, dtype=torch.bool)
+        for b, start, end in prompts:
+            self.mask[b, start:end] = False
+        final = torch.randn(B, T, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+        W = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+        self.teacher, self.in_vocab = teacher_targets(final, W, self.model.t2d, self.model.d2t)
+        assert 0 < self.in_vocab.float().mean() < 1
+
+    def run(self, head_rows=None, active_rows=None, impl="chunked"):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        m = self.model
+        m.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as flops:
+            out = ttt_loss(m(self.aux, self.ids, self.pos, self.doc, num_steps=self.steps, attn_impl=impl,
+                             head_rows=head_rows, active_rows=active_rows),
+                           self.teacher, self.in_vocab, self.mask, self.doc, compiled=self.how == "compiled",
+                           head_rows=head_rows)
+            out.total.backward()
+        return out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, \
+            flops.get_total_flops()
+
+    @staticmethod
+    def assert_same(got, want):
+        """Loss, per-step losses, accuracies, counts and gradients (fp64)."""
+        (got, got_g, _), (want, want_g, _) = got, want
+        for a, b in zip([got.total] + got.losses + got.correct + got.counts,
+                        [want.total] + want.losses + want.correct + want.counts, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert got_g.keys() == want_g.keys()
+        for k in want_g:
+            torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+
+    def graphs_over_masks(self, keep, pick):
+        """Compiled graphs after each of four random masks keeping `keep` of the tokens;
+        pick(head_rows, active_rows) -> run's keyword arguments."""
+        from torch._dynamo.utils import counters
+
+        seen = []
+        for seed in range(4):
+            mask = torch.rand(self.B, self.T, generator=torch.Generator().manual_seed(seed)) < keep
+            self.run(**pick(*self.rows_of(mask, self.doc)))
+            seen.append(counters["stats"]["unique_graphs"])
+        torch._dynamo.reset()
+        return seen
+
+
 @pytest.mark.parametrize("how", ["eager", "compiled"])
 def test_head_rows_give_the_loss_and_gradients_of_every_row(how, monkeypatch):
     """The LM head over the rows each step's loss can count (loss.head_rows: trained tokens,
@@ -446,59 +518,17 @@ def test_head_rows_give_the_loss_and_gradients_of_every_row(how, monkeypatch):
     with prompt spans, two packed documents, two samples, the out-of-vocabulary mask on), and
     the forward and backward skip exactly the dropped rows' LM-head FLOPs. Compiled (dynamo,
     aot_eager): the same, the per-step row counts changing without a graph per count."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from eaglet.train import device_head_rows
-
-    torch.manual_seed(0)
-    model = Eagle3Draft(CFG).double()
-    if how == "compiled":
-        torch._dynamo.reset()
-        compile_draft(model, backend="aot_eager")
-        monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
-    g = torch.Generator().manual_seed(4)
-    B, T, steps = 2, 40, 4
-    aux = torch.randn(B, T, 3 * CFG.target_hidden_size, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, CFG.vocab_size, (B, T), generator=g)
-    pos, doc = (torch.arange(T) % 25).expand(B, T), (torch.arange(T) // 25).expand(B, T)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 3:11] = mask[1, 20:33] = mask[:, 25:28] = False  # prompts
-    final = torch.randn(B, T, CFG.target_hidden_size, generator=g, dtype=torch.float64)
-    W = torch.randn(CFG.vocab_size, CFG.target_hidden_size, generator=g, dtype=torch.float64)
-    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
-    assert 0 < in_vocab.float().mean() < 1
-
-    def run(rows):
-        model.zero_grad(set_to_none=True)
-        with FlopCounterMode(display=False) as flops:
-            out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl="chunked", head_rows=rows), teacher,
-                           in_vocab, mask, doc, compiled=how == "compiled", head_rows=rows)
-            out.total.backward()
-        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
-            flops.get_total_flops()
-
-    want, want_g, want_flops = run(None)
-    rows, _ = device_head_rows(mask, doc, steps, torch.device("cpu"))
-    got, got_g, got_flops = run(rows)
-    for a, b in zip([got.total] + got.losses + got.correct + got.counts,
-                    [want.total] + want.losses + want.correct + want.counts, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert got_g.keys() == want_g.keys()
-    for k in want_g:
-        torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
-    dropped = B * T * steps - sum(len(r) for r in rows)
-    assert dropped > B * T  # prompts, document ends and the steps' tails
-    assert want_flops - got_flops == 3 * 2 * dropped * CFG.hidden_size * CFG.draft_vocab_size
+    case = _RowsCase(CFG, how, monkeypatch, [(0, 3, 11), (1, 20, 33), (0, 25, 28), (1, 25, 28)])
+    want = case.run()
+    rows, _ = case.rows_of(case.mask, case.doc)
+    got = case.run(rows)
+    case.assert_same(got, want)
+    dropped = case.B * case.T * case.steps - sum(len(r) for r in rows)
+    assert dropped > case.B * case.T  # prompts, document ends and the steps' tails
+    assert want[2] - got[2] == 3 * 2 * dropped * CFG.hidden_size * CFG.draft_vocab_size
     if how == "compiled":  # other masks, other row counts: no graph past the first dynamic one
-        from torch._dynamo.utils import counters
-
-        seen = []
-        for seed in range(4):
-            mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.4
-            run(device_head_rows(mask, doc, steps, torch.device("cpu"))[0])
-            seen.append(counters["stats"]["unique_graphs"])
+        seen = case.graphs_over_masks(0.6, lambda rows, _: dict(head_rows=rows))
         assert seen[1] == seen[-1], seen
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("how", ["eager", "compiled"])
@@ -510,82 +540,39 @@ def test_steps_after_the_first_run_over_the_rows_a_later_step_counts(how, monkey
     once or per step; chunked and naive attention), and the forward and backward skip exactly
     the dropped rows' linear products in steps 1... Compiled (aot_eager): the same, other
     masks (other active row counts) adding no graph after the first dynamic one."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from eaglet.loss import active_rows, step_mask
-    from eaglet.train import device_head_rows
 
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True})
-    torch.manual_seed(0)
-    model = Eagle3Draft(cfg).double()
-    for p in model.parameters():  # biases and norm weights away from their zero / one inits
-        torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
-    if how == "compiled":
-        torch._dynamo.reset()
-        compile_draft(model, backend="aot_eager")
-        monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
-    g = torch.Generator().manual_seed(4)
-    B, T, steps = 2, 40, 4
-    aux = torch.randn(B, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    pos, doc = (torch.arange(T) % 25).expand(B, T), (torch.arange(T) // 25).expand(B, T)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 3:13] = mask[1, 12:33] = mask[:, 25:29] = False  # prompts
-    final = torch.randn(B, T, cfg.target_hidden_size, generator=g, dtype=torch.float64)
-    W = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, dtype=torch.float64)
-    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
-    assert 0 < in_vocab.float().mean() < 1
-
-    def run(rows, active, impl="chunked"):
-        model.zero_grad(set_to_none=True)
-        with FlopCounterMode(display=False) as flops:
-            out = ttt_loss(model(aux, ids, pos, doc, num_steps=steps, attn_impl=impl, head_rows=rows,
-                                 active_rows=active), teacher, in_vocab, mask, doc, compiled=how == "compiled",
-                           head_rows=rows)
-            out.total.backward()
-        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
-            flops.get_total_flops()
-
-    rows, active = device_head_rows(mask, doc, steps, torch.device("cpu"))
-    ones = torch.ones_like(mask)
+    case = _RowsCase(cfg, how, monkeypatch, [(0, 3, 13), (1, 12, 33), (0, 25, 29), (1, 25, 29)])
+    B, T, steps = case.B, case.T, case.steps
+    rows, active = case.rows_of(case.mask, case.doc)
+    ones = torch.ones_like(case.mask)
     counted = torch.zeros(B, T, dtype=torch.bool)
     for j in range(1, steps):
-        m = step_mask(mask, ones, doc, j)
+        m = step_mask(case.mask, ones, case.doc, j)
         counted[:, : m.shape[1]] |= m
-    counted = counted.flatten()
-    assert active.tolist() == counted.nonzero().flatten().tolist() == active_rows(rows).tolist()
+    assert active.tolist() == counted.flatten().nonzero().flatten().tolist() == active_rows(rows).tolist()
     dropped = B * T - len(active)
     assert 0.25 * B * T < dropped < 0.5 * B * T  # the prompts but the last rows before each answer, the documents' ends
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for once in (True, False):
-        model.embeds_once = once
-        want, want_g, want_flops = run(rows, None)
-        got, got_g, got_flops = run(rows, active)
-        for a, b in zip([got.total] + got.losses + got.correct + got.counts,
-                        [want.total] + want.losses + want.correct + want.counts, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        assert got_g.keys() == want_g.keys()
-        for k in want_g:
-            torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+        case.model.embeds_once = once
+        want, got = case.run(rows), case.run(rows, active)
+        case.assert_same(got, want)
         # per dropped row and step: layer 0's q/k/v over its hidden half (both halves when each
         # step makes its own), layer 1's q/k/v, both layers' o_proj and MLP; forward and backward
         per_row = (1 if once else 2) * H * (q + 2 * kv) + H * (q + 2 * kv) + 2 * (q * H + 3 * H * I)
-        assert want_flops - got_flops == 3 * 2 * (steps - 1) * dropped * per_row
-    naive, naive_g, _ = run(rows, active, "naive")  # the reference attention over the rows' full sequences
-    torch.testing.assert_close(naive.total, want.total, rtol=1e-12, atol=1e-12)
-    for k in want_g:
-        torch.testing.assert_close(naive_g[k], want_g[k], rtol=1e-10, atol=1e-12)
+        assert want[2] - got[2] == 3 * 2 * (steps - 1) * dropped * per_row
+    case.assert_same(case.run(rows, active, "naive"), want)  # the reference attention over the rows' full sequences
+    case.mask[:] = False  # nothing trained on: the steps from 1 on run over no rows at all
+    case.mask[:, 2] = True  # row 0 of step 0 trains on token 2
+    rows, active = case.rows_of(case.mask, case.doc)
+    assert len(active) == 0 and len(rows[0]) == B
+    case.assert_same(case.run(rows, active), case.run(rows))
     if how == "compiled":  # other masks, other active row counts: no graph past the first dynamic one
-        from torch._dynamo.utils import counters
-
-        seen = []
-        for seed in range(4):
-            mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.5
-            run(*device_head_rows(mask, doc, steps, torch.device("cpu")))
-            seen.append(counters["stats"]["unique_graphs"])
+        seen = case.graphs_over_masks(0.5, lambda rows, active: dict(head_rows=rows, active_rows=active))
         assert seen[1] == seen[-1], seen
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
