@@ -485,13 +485,13 @@ class DecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q, k, v, residual): the norms, the q/k/v projections and RoPE. Layer 0 takes the
         token embeddings, or their half of the q/k/v products (`embed_projection`) ready made;
-        embed_rows: of those products, h's rows take these flat rows (h is [1, n])."""
+        embed_rows: of those products, h's rows take these flat rows (shaped as h's rows)."""
         if self.first:
             normed = self.hidden_norm(h_BTH)
             residual = normed if self.norm_before_residual else h_BTH
             if isinstance(embeds_BTH, QKV):
                 H = normed.shape[-1]
-                if embed_rows is not None:
+                if embed_rows is not None:  # [B', T'] flat rows of the products, shaped as h's rows
                     embeds_BTH = QKV(*(_take_rows(p, embed_rows) for p in embeds_BTH))
                 return *self.self_attn.qkv(normed, cos, sin, w, cols=(H, 2 * H), plus=embeds_BTH), residual
             # Embedding first, hidden second: the order every EAGLE-3 loader expects.
@@ -607,7 +607,7 @@ class Eagle3Draft(nn.Module):
         """(hidden for the next step, logits [B,T,draft_vocab]) from the last layer's output;
         rows: the logits of those rows (flat b*T + t) only, [1, len(rows), draft_vocab]."""
         normed = self.norm(h_BTH)
-        x = normed if rows is None else normed.flatten(0, 1).index_select(0, rows).unsqueeze(0)
+        x = normed if rows is None else _take_rows(normed, rows[None])
         # EAGLE-3.1 (norm_output) feeds the normed state forward; EAGLE-3 the residual stream.
         return (normed if self.config.norm_output else h_BTH), _linear(self.lm_head, "lm_head", x, w)
 
@@ -688,40 +688,39 @@ class Eagle3Draft(nn.Module):
         # embeddings are step 0's shifted too: made once (not under FSDP2, whose layer 0 is
         # sharded outside its own forward).
         once = self.embeds_once and not _sharded(self.layers[0].self_attn.q_proj.weight)
+        ids0 = _shift_ids(input_ids_BT, 1)  # row t of step 0 reads token t + 1
         if once:
-            embeds = self.embed_tokens(_shift_ids(input_ids_BT, 1)).to(hidden.dtype)
-            embed_qkv = self.layers[0].embed_projection(embeds, None if weights is None else weights[0][0])
-        # What the steps from 1 on index by, made for all of them at once (a few kernels per
-        # unroll, not per step: at the 8B dims a step is a couple of milliseconds of GPU work,
-        # so the host's time per step counts). Step j runs at position + 1 + j.
-        ahead = torch.arange(1, num_steps + 1, device=dev)
-        if active_rows is not None:
+            embed_qkv = self.layers[0].embed_projection(self.embed_tokens(ids0).to(hidden.dtype),
+                                                        None if weights is None else weights[0][0])
+        # The steps from 1 on run over `seq` (flat rows b*T + t, shaped as their sequence):
+        # every row, or the active rows as one [1, n] sequence. Row t of step j reads what row
+        # min(t + j, T - 1) of step 0 read (token t + 1 + j; the pad token past the end): its
+        # tokens, or their embedding products, are gathered from step 0's by `src[j - 1]`.
+        # Step 0 gathers by the identity (`every`), so that layer 0's compiled inputs are one
+        # graph whatever the step. These indices and every step's positions and RoPE tables are
+        # made here, once per unroll (a few kernels, not a few per step: at the 8B dims a step is
+        # a couple of milliseconds of GPU work, so the host's time per step counts).
+        every = torch.arange(B * T, device=dev).view(B, T)
+        seq = every if active_rows is None else active_rows[None]
+        t, ahead = seq % T, torch.arange(1, num_steps, device=dev)[:, None, None]  # j = 1..k-1
+        src = seq - t + (t + ahead).clamp(max=T - 1)  # [k-1, *seq.shape]
+        rope0 = self.rope(position_ids_BT + 1, hidden.dtype)
+        later_rope = self.rope(_take_rows(position_ids_BT, seq) + 1 + ahead, hidden.dtype)  # position + 1 + j
+        if active_rows is not None:  # where head_rows[j] sit among the active rows
             assert head_rows is not None
-            t = active_rows % T
-            later_pos = _take_rows(position_ids_BT, active_rows)[None] + ahead[1:, None, None]  # [k-1, 1, n]
-            # the rows of step 0's embedding products that step j's rows take: b*T + min(t + j, T - 1)
-            embed_rows = (active_rows - t)[None] + (t[None] + ahead[:-1, None]).clamp(max=T - 1)  # [k-1, n]
-            # where head_rows[j] sit among the active rows
             later_heads = torch.searchsorted(active_rows, torch.cat(list(head_rows[1:]))).split(
                 [len(r) for r in head_rows[1:]])
-        else:
-            later_pos = position_ids_BT[None] + ahead[1:, None, None]  # [k-1, B, T]
-        rope0, later_rope = self.rope(position_ids_BT + 1, hidden.dtype), self.rope(later_pos, hidden.dtype)
         for j in range(num_steps):
-            rows = None if head_rows is None else head_rows[j]
-            rope = rope0 if j == 0 else (later_rope[0][j - 1], later_rope[1][j - 1])
-            plus, plus_rows = None, None
-            if j > 0 and active_rows is not None:  # the active rows only, as one [1, n] sequence
-                if step_rows is None:
-                    step_rows, hidden = active_rows, _take_rows(hidden, active_rows)
-                ids = None if once else _take_rows(_shift_ids(input_ids_BT, 1 + j), active_rows)
-                if once:
-                    plus, plus_rows = embed_qkv, embed_rows[j - 1]
-                rows = later_heads[j - 1]
+            if j == 0:
+                ids, plus, plus_rows, rope = (None, embed_qkv, every, rope0) if once else (ids0, None, None, rope0)
+                rows = None if head_rows is None else head_rows[0]
             else:
-                ids = None if once else _shift_ids(input_ids_BT, 1 + j)
-                if once:
-                    plus = QKV(*(_rows_ahead(p, j) for p in embed_qkv))
+                if j == 1 and active_rows is not None:  # the active rows only, as one [1, n] sequence
+                    step_rows, hidden = active_rows, _take_rows(hidden, seq)
+                ids = None if once else _take_rows(ids0, src[j - 1])
+                plus, plus_rows = (embed_qkv, src[j - 1]) if once else (None, None)
+                rope = later_rope[0][j - 1], later_rope[1][j - 1]
+                rows = None if head_rows is None else head_rows[j] if active_rows is None else later_heads[j - 1]
             hidden, logits = self.step(hidden, ids, None, attend, weights, plus, rows, rope, plus_rows)
             yield logits
 
@@ -771,18 +770,9 @@ def _shift_ids(ids_BT: Tensor, n: int) -> Tensor:
     return torch.cat([ids_BT[:, n:], ids_BT.new_zeros(B, n)], dim=1)
 
 
-def _rows_ahead(x_BTN: Tensor, j: int) -> Tensor:
-    """Row t gets row min(t + j, T - 1) of x: for rows made from `_shift_ids(ids, 1)`, the
-    rows `_shift_ids(ids, 1 + j)` would make (the last row is the pad token's)."""
-    if j == 0:
-        return x_BTN
-    n = min(j, x_BTN.shape[1])
-    return torch.cat([x_BTN[:, n:], x_BTN[:, -1:].expand(-1, n, -1)], dim=1)
-
-
 def _take_rows(x_BT: Tensor, rows: Tensor) -> Tensor:
-    """The flat rows b*T + t of x [B, T, ...], as one sequence [1, len(rows), ...]."""
-    return x_BT.flatten(0, 1).index_select(0, rows).unsqueeze(0)
+    """The flat rows b*T + t of x [B, T, ...] that `rows` holds, shaped as rows: [*rows.shape, ...]."""
+    return x_BT.flatten(0, 1).index_select(0, rows.flatten()).view(*rows.shape, *x_BT.shape[2:])
 
 
 class KVCache:
