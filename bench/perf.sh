@@ -31,7 +31,8 @@
 #   e8e, eke  eaglet at e8's and ek's shapes with each TTT step making layer 0's products of its
 #        token embeddings, as before the unroll made them once (what that buys; not in the default list)
 #   e8h, ekh  eaglet at e8's and ek's shapes with the LM head over every row of every step, as
-#        before it ran over the rows each step's loss can count (what that buys; not in the default list)
+#        before it ran over the rows each step's loss can count, and so (the active rows come from
+#        those) steps 1.. over every row too (not in the default list)
 #   e8r, ekr  eaglet at e8's and ek's shapes with TTT steps 1.. over every row, as before they ran
 #        over the rows some later step counts (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,

@@ -95,9 +95,9 @@ def synthetic_loss_mask(tokens: int, doc_tokens: int, share: float = LOSS_SHARE)
 def _batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device, frozen: torch.dtype,
            seed: int, head: torch.Tensor | None = None, in_vocab: float = IN_VOCAB, loss_share: float = LOSS_SHARE,
            ttt_steps: int = 0) -> Batch:
-    """One packed micro-batch of random inputs, as load_batch returns them (with the rows
-    each TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a share `loss_share` of its
-    tokens (`synthetic_loss_mask`).
+    """One packed micro-batch of random inputs, as load_batch returns them (with the rows each
+    TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a
+    share `loss_share` of its tokens (`synthetic_loss_mask`).
 
     With `head` (the target's LM head [V, H] the teacher uses), each row's final state is that
     head's row for a token picked per row, plus noise, so that the teacher's argmax is that

@@ -101,7 +101,8 @@ EAGLET_SWITCHES = {
     "--per-step-embeds": "eaglet with each TTT step making layer 0's q/k/v products of its token embeddings "
                          "(Eagle3Draft.embeds_once False) instead of making them once and shifting them.",
     "--all-head-rows": "eaglet with the LM head over every row of every step instead of the rows each step's loss "
-                       "can count (Batch.head_rows: trained tokens within their document).",
+                       "can count (Batch.head_rows: trained tokens within their document); the active rows come "
+                       "from those, so TTT steps 1.. run over every row too (--all-step-rows).",
     "--all-step-rows": "eaglet with TTT steps 1.. over every row instead of the rows some step from 1 on counts "
                        "(Batch.active_rows); the LM head still over the counted rows.",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
