@@ -45,10 +45,11 @@ def test_flop_count_is_the_anchors():
 
 def test_synthetic_batch_trains_on_the_loss_share_asked_for():
     """The training benches' batches carry a loss mask with the share of trained tokens asked
-    for (prompt spans at the start of each turn), and the rows each TTT step's loss can count."""
+    for (prompt spans at the start of each turn), the rows each TTT step's loss can count, and
+    the rows TTT steps 1.. run over."""
     import torch
 
-    from eaglet.loss import head_rows
+    from eaglet.loss import active_rows, head_rows
     from eaglet.model import DraftConfig
 
     shape = train_throughput.PRESETS["tiny"]
@@ -60,6 +61,7 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
         assert not b.loss_mask[0, 0] or share == 1.0  # a turn starts with its prompt
         want = head_rows(b.loss_mask, b.doc_ids, 3)
         assert [r.tolist() for r in b.head_rows] == [r.tolist() for r in want]
+        assert b.active_rows.tolist() == active_rows(want).tolist()
         assert len(want[0]) < 2048
 
 
