@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--breakdown", action="store_true", help="Per-phase CUDA-event times (eaglet).")
     ap.add_argument("--profile", action="store_true", help="torch.profiler: top kernels by device time.")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="Also run N steps under cProfile: where the host's time in a step goes (the Python "
+                         "functions and the ops it calls, by own time and by cumulative time).")
     ap.add_argument("--top", type=int, default=25, help="Kernels listed by --profile.")
     ap.add_argument("--trace", default=None, help="With --profile: also write the Chrome trace here.")
     ap.add_argument("--check", action="store_true", help="First step's losses against an eager copy (eaglet).")
@@ -309,6 +312,40 @@ def _profile(step: Callable[[], Any], n: int, device: torch.device, top: int, tr
                                                row_limit=top)}
 
 
+def _host_profile(step: Callable[[], Any], n: int, device: torch.device, top: int) -> dict[str, Any]:
+    """cProfile over n steps (the device synchronised before and after): the host's time per
+    step, and the functions that take it, by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    host_s = time.perf_counter() - t0
+    _sync(device)
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = name if file == "~" else f"{Path(file).parent.name}/{Path(file).name}:{line}({name})"
+        rows.append({"fn": where[-120:], "calls_per_step": calls / n, "own_ms": 1000 * own / n, "cum_ms": 1000 * cum / n})
+    by_own = sorted(rows, key=lambda r: -r["own_ms"])[:top]
+    by_cum = sorted(rows, key=lambda r: -r["cum_ms"])[:top]
+    buf = io.StringIO()
+    print(f"host profile: {1000 * host_s / n:.1f} ms of host time per step under cProfile; by own time:", file=buf)
+    for r in by_own:
+        print(f"  {r['own_ms']:8.2f} ms x{r['calls_per_step']:<6.0f} {r['fn']}", file=buf)
+    print("by cumulative time:", file=buf)
+    for r in by_cum:
+        print(f"  {r['cum_ms']:8.2f} ms x{r['calls_per_step']:<6.0f} {r['fn']}", file=buf)
+    print(buf.getvalue(), end="", flush=True)
+    return {"host_ms_per_step": 1000 * host_s / n, "by_own": by_own, "by_cum": by_cum}
+
+
 # ---- eaglet -----------------------------------------------------------------------------------------
 
 def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -376,6 +413,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         timer.enabled = False
     if args.profile:
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
+    if args.host_profile:
+        res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
     res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
                trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows,
@@ -469,6 +508,8 @@ def run_speculators(args: argparse.Namespace, device: torch.device) -> dict[str,
     res = _timed_loop(step, args.warmup, args.steps, device)
     if args.profile:
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
+    if args.host_profile:
+        res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
     res.update(speculators_version=version("speculators"), loss_impl=args.loss_impl,
                loss_share=float(batch["loss_mask"].float().mean()),
                trainable_params_m=sum(p.numel() for p in params) / 1e6)

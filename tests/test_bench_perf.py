@@ -93,6 +93,21 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     assert teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item() < 0.5
 
 
+def test_host_profile_lists_where_a_steps_host_time_goes():
+    """--host-profile N: cProfile over N steps; the step function itself takes the whole host
+    time (cumulative), and the unroll's step and the backward are among the listed functions."""
+    res = train_throughput.main(TINY + ["--compile", "off", "--host-profile", "2", "--top", "60"])
+    hp = res["host_profile"]
+    assert hp["host_ms_per_step"] > 0 and len(hp["by_own"]) == len(hp["by_cum"]) == 60
+    top = hp["by_cum"][0]
+    assert top["fn"].endswith("(step)") and top["calls_per_step"] == 1
+    assert top["cum_ms"] == pytest.approx(hp["host_ms_per_step"], rel=0.2)
+    names = [r["fn"] for r in hp["by_cum"]]
+    assert any("model.py" in n and n.endswith("(ttt_steps)") for n in names), names
+    assert any("run_backward" in n for n in names), names
+    assert sorted((r["own_ms"] for r in hp["by_own"]), reverse=True) == [r["own_ms"] for r in hp["by_own"]]
+
+
 def test_extract_bench(tmp_path):
     out = tmp_path / "e.json"
     r = extract_throughput.main(["--preset", "tiny", "--device", "cpu", "--batches", "2", "--dir", str(tmp_path),
