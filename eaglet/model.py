@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 try:
@@ -289,15 +289,30 @@ class RMSNorm(nn.Module):
 Weights = dict[str, Tensor]
 
 
-@torch.library.custom_op("eaglet::accumulate_weight_grad_", mutates_args=("acc",))
-def accumulate_weight_grad_(acc: Tensor, grad_out: Tensor, x: Tensor, col0: int = 0) -> None:
-    """acc[:, col0 : col0 + in] += grad_out^T x over all rows: one GEMM whose epilogue adds
-    into `acc` (beta = 1), written in place also when it is a band of acc's columns (a
-    product that uses part of the weight's inputs). An opaque op, so that a compiled backward
-    calls it in place on `acc` (inductor turns an in-place addmm_ on a graph input into an
-    out-of-place addmm and a copy back)."""
+def _accumulate_weight_grad(acc: Tensor, grad_out: Tensor, x: Tensor, col0: int = 0) -> None:
     x2 = x.reshape(-1, x.shape[-1])
     acc.narrow(1, col0, x2.shape[1]).addmm_(grad_out.reshape(-1, grad_out.shape[-1]).t(), x2)
+
+
+def _accumulate_weight_grad_fake(acc: Tensor, grad_out: Tensor, x: Tensor, col0: int = 0) -> None:
+    return None
+
+
+# acc[:, col0 : col0 + in] += grad_out^T x over all rows: one GEMM whose epilogue adds into `acc`
+# (beta = 1), written in place also when it is a band of acc's columns (a product that uses
+# part of the weight's inputs). An opaque op, so that a compiled backward calls it in place on
+# `acc` (inductor turns an in-place addmm_ on a graph input into an out-of-place addmm and a
+# copy back). Defined through torch.library's low-level API, with one kernel for every backend:
+# the backward calls it once per weight and TTT step (59 times a step at the 8B dims, k = 7), and
+# `torch.library.custom_op`'s Python wrappers around each call (autograd, in-place views, its
+# checks) cost tens of microseconds of host time each, which at the single-sequence 8B shape is
+# time the GPU waits. No autograd formula: it runs in the backward, where grad mode is off.
+ACCUMULATE_OP = "eaglet::accumulate_weight_grad_"
+_EAGLET_LIB = torch.library.Library("eaglet", "FRAGMENT")  # the registrations live as long as this module
+_EAGLET_LIB.define("accumulate_weight_grad_(Tensor(a!) acc, Tensor grad_out, Tensor x, int col0=0) -> ()")
+_EAGLET_LIB.impl("accumulate_weight_grad_", _accumulate_weight_grad, "CompositeExplicitAutograd")
+torch.library.register_fake(ACCUMULATE_OP, _accumulate_weight_grad_fake, lib=_EAGLET_LIB)
+accumulate_weight_grad_ = torch.ops.eaglet.accumulate_weight_grad_.default
 
 
 class _AccumulatingLinear(torch.autograd.Function):
@@ -820,6 +835,7 @@ def cached_attention(q_BHnD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_nS:
 # The compiled flex_attention for CUDA inputs; `compile_flex_attention()` sets it (needed for
 # speed on GPU). Its LSE API changed: older torch takes return_lse=True, newer return_aux.
 _flex_compiled: Callable[..., Any] | None = None
+_SPARSE_BLOCK = 128  # flex attention's block of queries and of keys (its default)
 _FLEX_RETURNS_AUX = "return_aux" in inspect.signature(flex_attention).parameters
 
 
@@ -863,19 +879,51 @@ def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
     return attn_impl
 
 
-def ttt_block_mask(doc_ids_BT: Tensor | None, B: int, T: int, device: torch.device) -> BlockMask:
-    """BlockMask over the step-0 keys: causal, and within one document when doc_ids is given."""
+def ttt_block_mask(doc_ids_BT: Tensor | None, B: int, T: int, device: torch.device,
+                   block: int = _SPARSE_BLOCK) -> BlockMask:
+    """BlockMask over the step-0 keys: causal, and within one document when doc_ids is given.
+
+    doc_ids: each row's documents one contiguous span each, their ids ascending along the row
+    (what the packer makes). The blocks come straight from each block's first and last
+    document, a few small ops on [B, blocks, blocks]. `create_block_mask` gets the same
+    BlockMask by evaluating the mask at every one of the T x T positions under vmap, whose host
+    time, once per micro-batch, was milliseconds, at the 8B dims as long as a TTT step's GPU time.
+    (A test checks the two agree on every layout it builds.)
+
+    With ascending contiguous documents and key block j before query block i, some pair of the
+    two blocks shares a document iff block j's last key and block i's first query do, and every
+    pair does iff block j's first key and block i's last query do. A diagonal block is partial
+    (causal), a block after the diagonal empty. A query block cut short by T (its padding is
+    masked) is never full, as in `create_block_mask`."""
     if doc_ids_BT is None:
+        doc_ids_BT, mod_b = torch.zeros(1, T, dtype=torch.int64, device=device), 1
 
-        def causal(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             return q >= k
+    else:
+        mod_b = B
 
-        return create_block_mask(causal, None, None, T, T, device=device)
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return (q >= k) & (doc_ids_BT[b, q] == doc_ids_BT[b, k])
 
-    def causal_doc(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        return (q >= k) & (doc_ids_BT[b, q] == doc_ids_BT[b, k])
+    n = -(-T // block)
+    starts = torch.arange(n, device=device) * block
+    first = doc_ids_BT[:, starts]  # [b, n]
+    last = doc_ids_BT[:, (starts + block).clamp(max=T) - 1]
+    ahead = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # key block j < query block i
+    some = ahead & (last[:, None, :] == first[:, :, None]) | torch.eye(n, dtype=torch.bool, device=device)
+    every = ahead & (first[:, None, :] == last[:, :, None])
+    if T % block:
+        every[:, -1] = False
+    partial = (some & ~every)[:, None]  # [b, 1, n, n]
+    full = every[:, None]
 
-    return create_block_mask(causal_doc, B, None, T, T, device=device)
+    def ordered(blocks: Tensor) -> tuple[Tensor, Tensor]:  # count per query block, indices (those first)
+        blocks = blocks.to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(T, T))
 
 
 def ttt_dense_mask(doc_ids_BT: Tensor | None, B: int, T: int, num_steps: int, device: torch.device) -> Tensor:

@@ -101,6 +101,57 @@ def test_ttt_attention_over_some_rows_is_those_rows_of_the_whole(impl, steps, do
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def _spans(T: int, cuts: list[int]) -> torch.Tensor:
+    """Document ids [T]: a new document at each cut."""
+    ids = torch.zeros(T, dtype=torch.int64)
+    for c in cuts:
+        ids[c:] += 1
+    return ids
+
+
+@pytest.mark.parametrize("T", [16, 33, 64, 100, 129])
+def test_block_mask_from_document_spans_is_create_block_masks(T):
+    """ttt_block_mask builds the BlockMask from each block's first and last document; it is the
+    one create_block_mask makes by evaluating the mask everywhere (every index tensor, partial
+    and full, kv and q side), for one document, and for packed layouts: documents cut at block
+    edges, one token long, spanning blocks, T not a multiple of the block; and flex attention
+    through it gives the reference's values."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(T)
+    block = 16
+    layouts = [None, _spans(T, [])[None]]
+    for _ in range(6):  # two rows, random cuts, some on block edges, some adjacent (1-token documents)
+        rows = []
+        for _ in range(2):
+            cuts = torch.randint(1, T, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+            cuts += [c for c in range(block, T, block) if torch.rand(1, generator=g) < 0.3]
+            cuts += [c + 1 for c in cuts[:2] if c + 1 < T]
+            rows.append(_spans(T, sorted(set(cuts))) + 7)
+        layouts.append(torch.stack(rows))
+    for docs in layouts:
+        B = 1 if docs is None else docs.shape[0]
+        got = M.ttt_block_mask(docs, B, T, torch.device("cpu"), block=block)
+        if docs is None:
+            want = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu", BLOCK_SIZE=block)
+        else:
+            want = create_block_mask(lambda b, h, q, k: (q >= k) & (docs[b, q] == docs[b, k]), B, None, T, T,
+                                     device="cpu", BLOCK_SIZE=block)
+        assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE
+        for side in ("kv", "full_kv", "q", "full_q"):
+            n_got, n_want = getattr(got, f"{side}_num_blocks"), getattr(want, f"{side}_num_blocks")
+            i_got, i_want = getattr(got, f"{side}_indices"), getattr(want, f"{side}_indices")
+            assert torch.equal(n_got, n_want), (side, docs)
+            for idx in itertools.product(*(range(d) for d in n_got.shape)):  # the listed blocks, in order
+                assert torch.equal(i_got[idx][: n_got[idx]], i_want[idx][: n_want[idx]]), (side, idx, docs)
+        assert torch.equal(got.to_dense(), want.to_dense())
+        q, ks, vs = qkv(1, B=B, T=T, grad=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = ttt_attention(q, ks, vs, "flex", doc_ids_BT=docs, block_mask=got)
+        torch.testing.assert_close(out, ttt_attention(q, ks, vs, "naive", doc_ids_BT=docs), rtol=1e-10, atol=1e-10)
+
+
 def test_reference_is_not_trivially_matched():
     """A plain causal mask over all steps' keys gives a different answer (the tests can fail)."""
     q, ks, vs = qkv(3, grad=False)
