@@ -35,6 +35,8 @@
 #        those) steps 1.. over every row too (not in the default list)
 #   e8r, ekr  eaglet at e8's and ek's shapes with TTT steps 1.. over every row, as before they ran
 #        over the rows some later step counts (what that buys; not in the default list)
+#   e8o, eko  eaglet at e8's and ek's shapes with torch's fused AdamW over fp32 gradients, as before
+#        UnrollAdamW read the unroll's bf16 accumulators (what that buys; not in the default list)
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -146,7 +148,9 @@ for p in ${parts//,/ }; do
     e8h) train e8h 120 eaglet --preset llama3-8b --tokens 2048 --all-head-rows --breakdown ;;
     ekh) train ekh 150 eaglet --preset kimi-k2 --tokens 4096 --all-head-rows --breakdown ;;
     e8r) train e8r 120 eaglet --preset llama3-8b --tokens 2048 --all-step-rows --breakdown ;;
+    e8o) train e8o 120 eaglet --preset llama3-8b --tokens 2048 --plain-optimizer --breakdown ;;
     ekr) train ekr 150 eaglet --preset kimi-k2 --tokens 4096 --all-step-rows --breakdown ;;
+    eko) train eko 150 eaglet --preset kimi-k2 --tokens 4096 --plain-optimizer --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac
 done

@@ -64,7 +64,7 @@ from eaglet.config import TrainSection  # noqa: E402
 import eaglet.loss as loss_mod  # noqa: E402
 from eaglet.model import DraftConfig, Eagle3Draft, compile_draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
 from eaglet.parallel import Parallel, parallelize  # noqa: E402
-from eaglet.train import (TargetHead, TeacherHead, forward_loss, freeze_survivors, lr_lambda, micro_batch,  # noqa: E402
+from eaglet.train import (TargetHead, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda, micro_batch,  # noqa: E402
                           optimizer_step, resolve_compile)
 
 H200_BF16_PEAK = 790e12
@@ -107,6 +107,10 @@ EAGLET_SWITCHES = {
                        "(Batch.active_rows); the LM head still over the counted rows.",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
+    "--plain-optimizer": "eaglet with torch's fused AdamW over fp32 gradients (train.unroll_optimizer false: the "
+                         "unroll's bf16 gradients cast into .grad, the weights cast again each step) instead of "
+                         "UnrollAdamW (eaglet/optim.py); the flags above that change the casts or the clipping "
+                         "imply it.",
 }
 
 
@@ -378,7 +382,11 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)
             par = replace(par, compiled=True)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
+    # the trainer's optimizer for one process (UnrollAdamW under bf16, eaglet/optim.py); torch's AdamW
+    # with --plain-optimizer and with the flags that bring back a per-step cast or a separate clip
+    plain = args.plain_optimizer or args.per_product_casts or args.summed_weight_grads or args.clip_pass
+    opt = build_optimizer(draft, replace(tc, unroll_optimizer=not plain), "none", device, device.type == "cuda",
+                          compiled)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab,
@@ -415,7 +423,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
     if args.host_profile:
         res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
-    res.update(compile=compiled, compile_backend=args.compile_backend if compiled else None,
+    res.update(optimizer=type(opt).__name__, compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
                trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows,
                loss_share=float(b.loss_mask.float().mean()),

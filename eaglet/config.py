@@ -149,6 +149,10 @@ class TrainSection:
     warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.")
     min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of lr.")
     grad_clip: float = _f(0.5, "Clip the gradient norm to this (0: off).")
+    unroll_optimizer: bool = _f(
+        True, "With one process, grad_accum 1 and bf16: the linear weights keep a bf16 copy and gradient accumulator "
+        "between steps, and AdamW reads the accumulated bf16 gradient and writes the copy in one compiled kernel per "
+        "weight (eaglet/optim.py); no fp32 gradient and no per-step cast. Otherwise, or false: torch's AdamW.")
     ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).")
     gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.")
     attn_impl: Literal["auto", "flex", "chunked", "naive"] = _f(

@@ -360,6 +360,27 @@ class _UnrollWeight(torch.autograd.Function):
         return grad, None, None
 
 
+@dataclass
+class UnrollCopy:
+    """A linear weight's persistent low-precision copy for the TTT unroll, and the buffer its
+    products accumulate the weight gradient into (zero between optimizer steps). Kept on the
+    nn.Linear as `unroll_copy` by eaglet.optim.attach_unroll_copies; the optimizer
+    (eaglet.optim.UnrollAdamW) reads `grad`, updates the parameter and writes `weight`."""
+
+    weight: Tensor
+    grad: Tensor
+    version: int  # the parameter's version counter when `weight` was last made from it
+
+    def fresh(self, param: Tensor) -> Tensor:
+        """The copy, cast again first if the parameter was changed in place since (a checkpoint
+        loaded, an initialisation): its version counter moved."""
+        if param._version != self.version:
+            with torch.no_grad():
+                self.weight.copy_(param)
+            self.version = param._version
+        return self.weight
+
+
 def _sharded(t: Tensor) -> bool:
     """A DTensor: FSDP2 holds a unit's parameters whole only inside that unit's own forward."""
     return DTensor is not None and isinstance(t, DTensor)
@@ -375,14 +396,29 @@ def cast_linears(modules: Iterable[tuple[str, nn.Module]], dtype: torch.dtype, a
     accumulate: where a weight gets a gradient, its products accumulate it into a zeroed
     buffer ("<name>.grad", in `dtype`) inside their weight-gradient GEMMs (`_AccumulatingLinear`),
     handed to the parameter once when the backward is done with the copy (`_UnrollWeight`).
-    False: autograd sums the products' gradients of the copy, one add per product."""
+    False: autograd sums the products' gradients of the copy, one add per product.
+
+    A linear with an `unroll_copy` (`UnrollCopy`, set by eaglet.optim.attach_unroll_copies for
+    the single-process optimizer) gives that persistent copy instead, re-cast only when the
+    parameter changed since, and, with grad, its persistent accumulator: the products add into
+    it, nothing is handed to the parameter (its .grad stays None), and the optimizer reads it.
+    The "link" is then a fresh leaf that only keeps the products' backward running."""
     out: Weights = {}
     for name, mod in modules:
         if isinstance(mod, nn.Linear):
             if _sharded(mod.weight):
                 return None
             key, weight = name.rsplit(".", 1)[-1], mod.weight
-            if accumulate and torch.is_grad_enabled() and weight.requires_grad and weight.dtype != dtype:
+            kept: UnrollCopy | None = getattr(mod, "unroll_copy", None)
+            if kept is not None and kept.weight.dtype == dtype:  # eaglet.optim's copy and accumulator
+                out[key] = kept.fresh(weight)
+                if torch.is_grad_enabled() and weight.requires_grad:
+                    if not accumulate:
+                        raise ValueError(f"{name}: its gradient goes to unroll_copy.grad; accumulate=False needs "
+                                         "the plain optimizer (no unroll copies)")
+                    out[key + ".grad"] = kept.grad
+                    out[key + ".link"] = torch.zeros((), dtype=dtype, device=weight.device, requires_grad=True)
+            elif accumulate and torch.is_grad_enabled() and weight.requires_grad and weight.dtype != dtype:
                 out[key + ".grad"] = acc = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
                 out[key], out[key + ".link"] = _UnrollWeight.apply(weight, acc, dtype)
             else:
@@ -642,6 +678,11 @@ class Eagle3Draft(nn.Module):
         products; lm_head, whole in the root unit's forward, is cast once."""
         return ([cast_linears(layer.named_modules(), dtype, accumulate) for layer in self.layers],
                 cast_linears([("lm_head", self.lm_head)], dtype, accumulate))
+
+    def unroll_linears(self) -> list[nn.Module]:
+        """The linears `cast_weights` casts once per unroll (the layers', lm_head): those that
+        can have an `UnrollCopy`. Not fc, which runs once per unroll on the captured states."""
+        return [m for layer in self.layers for m in layer.modules() if isinstance(m, nn.Linear)] + [self.lm_head]
 
     # ---- training: the TTT unroll ---------------------------------------------------------
 

@@ -57,6 +57,7 @@ from .parallel import (Parallel, all_gather_object, all_reduce_sum, barrier, dis
 from .pipeline import StageContext
 from .extract import HEAD_FILE, TARGET_CONFIG, to_device
 from .online import OnlineStates, is_online
+from .optim import UnrollAdamW, attach_unroll_copies
 from .store import CorruptShardError, StoreReader
 from .target import resolve_device
 from .utils import atomic_write_json, fsync_dir, log
@@ -554,11 +555,28 @@ def freeze_survivors() -> None:
     gc.freeze()
 
 
-def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: float,
+                 more: list[torch.Tensor] | None = None) -> torch.Tensor:
     """What dividing every gradient by clips them to total norm `max_norm`: clip_grad_norm_'s
-    coefficient max_norm / (norm + 1e-6), capped at 1, inverted. A device tensor (no sync)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+    coefficient max_norm / (norm + 1e-6), capped at 1, inverted. A device tensor (no sync).
+    more: gradients held outside .grad (UnrollAdamW's bf16 accumulators), their norms taken in fp32."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).float()
+    if more:
+        norm = torch.linalg.vector_norm(torch.stack([norm, *torch._foreach_norm(more, 2, dtype=torch.float32)]))
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device: torch.device, bf16: bool,
+                    compiled: bool) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (on the device, before any forward). One
+    process, one micro-batch a step, bf16 and `train.unroll_optimizer`: UnrollAdamW, which reads
+    the unroll's bf16 gradient accumulators and writes its bf16 weight copies (eaglet/optim.py);
+    otherwise torch's, fused on the GPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    adamw: dict[str, Any] = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    if tc.unroll_optimizer and strategy == "none" and bf16 and tc.grad_accum == 1:
+        return UnrollAdamW(params, attach_unroll_copies(model.unroll_linears()), compile=compiled, **adamw)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **adamw)
 
 
 def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -571,8 +589,11 @@ def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim
     and write of all of them. Not under FSDP2 (DTensor gradients, whose norm clip_grad_norm_
     reduces across ranks). clip_in_step False: clip_grad_norm_ first, always."""
     lr = sched.get_last_lr()[0]
+    if isinstance(opt, UnrollAdamW) and tc.grad_clip > 0 and not clip_in_step:
+        raise ValueError("UnrollAdamW clips in its step (its gradients are not .grad, which clip_grad_norm_ reads)")
     if tc.grad_clip > 0 and clip_in_step and opt.defaults.get("fused") and par.strategy != "fsdp":
-        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip)
+        more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None
+        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, more)
         try:
             opt.step()
         finally:
@@ -592,13 +613,13 @@ class Trainer:
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
+        use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
         self.par = parallelize(model, TeacherHead.for_training(head, self.tc), strategy, self.device,
                                frozen_dtype=head.lm_head.dtype, env=self.env,
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
-        use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         self.lengths = dict(zip(store.sample_ids.tolist(), store.lengths.tolist()))
         self.train_ids, self.eval_ids = split_ids(store.sample_ids, self.tc.eval_fraction, cfg.run.seed)
@@ -612,9 +633,7 @@ class Trainer:
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
         if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
             compile_flex_attention()  # flex_attention is only fast compiled (shapes vary: dynamic)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=self.tc.lr, betas=tuple(self.tc.betas), weight_decay=self.tc.weight_decay,
-                                     fused=self.device.type == "cuda")
+        self.opt = build_optimizer(self.model, self.tc, strategy, self.device, use_bf16, self.par.compiled)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
 
