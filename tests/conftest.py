@@ -23,3 +23,17 @@ def _unfreeze_gc():
     import gc
 
     gc.unfreeze()
+
+
+def tiny_pipeline_upto_vocab(tmp, conversations: int, seed: int, overrides: list[str]) -> list[str]:
+    """A tiny Llama target and `conversations` chat records in `tmp`, run through prepare,
+    extract and vocab into tmp/run; returns the overrides (target, data and `overrides`) that
+    later runs on a copy of tmp/run take."""
+    from eaglet import pipeline, tiny
+    from eaglet.config import load_config
+
+    target = tiny.save_target(tmp / "target", family="llama", template="llama3")
+    data = tiny.write_jsonl(tmp / "data.jsonl", tiny.make_conversations(conversations, seed=seed))
+    base = [f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]", *overrides]
+    pipeline.run_all(load_config(None, [f"run.dir={tmp / 'run'}", *base]), upto="vocab")
+    return base

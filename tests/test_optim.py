@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import tiny_pipeline_upto_vocab
 from eaglet.model import cast_linears
 from eaglet.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies, detach_unroll_copies
 
@@ -115,19 +116,12 @@ def test_the_update_function_is_adamws_arithmetic():
 
 @pytest.fixture(scope="module")
 def store_run(tmp_path_factory):
-    from eaglet import pipeline, tiny
-    from eaglet.config import load_config
-
     tmp = tmp_path_factory.mktemp("uopt")
-    target = tiny.save_target(tmp / "target", family="llama", template="llama3")
-    data = tiny.write_jsonl(tmp / "data.jsonl", tiny.make_conversations(32, seed=3))
-    base = ["run.seed=5", f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]",
-            "extract.store_dtype=float32", "vocab.size=150", "train.max_tokens=256", "train.ttt_steps=3",
-            "train.log_every=1", "train.eval_every=0", "train.attn_impl=chunked", "train.eval_fraction=0.1",
-            "train.precision=bf16", "train.warmup_steps=1", "train.min_lr_ratio=1.0",
-            "train.lr=0.003", "train.grad_clip=0.05", "train.tensorboard=false"]
-    pipeline.run_all(load_config(None, [f"run.dir={tmp / 'run'}", *base]), upto="vocab")
-    return tmp, base
+    return tmp, tiny_pipeline_upto_vocab(tmp, 32, 3, [
+        "run.seed=5", "extract.store_dtype=float32", "vocab.size=150", "train.max_tokens=256", "train.ttt_steps=3",
+        "train.log_every=1", "train.eval_every=0", "train.attn_impl=chunked", "train.eval_fraction=0.1",
+        "train.precision=bf16", "train.warmup_steps=1", "train.min_lr_ratio=1.0", "train.lr=0.003",
+        "train.grad_clip=0.05", "train.tensorboard=false"])
 
 
 def _train(tmp, base, name, monkeypatch, *extra, fresh=True):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import eaglet.train as train_mod
-from eaglet import pipeline, tiny
+from conftest import tiny_pipeline_upto_vocab
+from eaglet import pipeline
 from eaglet.config import load_config
 from eaglet.train import Batch, VocabMaskCache
 
@@ -45,14 +46,10 @@ def test_cache_round_trip():
 @pytest.fixture(scope="module")
 def store_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vmc")
-    target = tiny.save_target(tmp / "target", family="llama", template="llama3")
-    data = tiny.write_jsonl(tmp / "data.jsonl", tiny.make_conversations(48, seed=5))
-    base = ["run.seed=7", f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]",
-            "extract.store_dtype=float32", "vocab.size=150", "train.epochs=3", "train.max_tokens=256",
-            "train.ttt_steps=2", "train.log_every=1", "train.eval_every=4", "train.ckpt_every=1000",
-            "train.attn_impl=chunked", "train.eval_fraction=0.15"]
-    pipeline.run_all(load_config(None, [f"run.dir={tmp / 'run'}", *base]), upto="vocab")
-    return tmp, base
+    return tmp, tiny_pipeline_upto_vocab(tmp, 48, 5, [
+        "run.seed=7", "extract.store_dtype=float32", "vocab.size=150", "train.epochs=3", "train.max_tokens=256",
+        "train.ttt_steps=2", "train.log_every=1", "train.eval_every=4", "train.ckpt_every=1000",
+        "train.attn_impl=chunked", "train.eval_fraction=0.15"])
 
 
 def _train(tmp, base, name, monkeypatch, cached):
