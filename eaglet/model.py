@@ -724,7 +724,7 @@ class Eagle3Draft(nn.Module):
         if position_ids_BT is None:
             position_ids_BT = torch.arange(T, device=dev).expand(B, T)
         impl = resolve_attn_impl(attn_impl, dev)
-        block_mask = ttt_block_mask(doc_ids_BT, B, T, dev) if impl == "flex" else None
+        block_mask = ttt_block_mask(doc_ids_BT, T, dev) if impl == "flex" else None
         kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
 
         if head_rows is None or num_steps < 2:
@@ -920,7 +920,7 @@ def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
     return attn_impl
 
 
-def ttt_block_mask(doc_ids_BT: Tensor | None, B: int, T: int, device: torch.device,
+def ttt_block_mask(doc_ids_BT: Tensor | None, T: int, device: torch.device,
                    block: int = _SPARSE_BLOCK) -> BlockMask:
     """BlockMask over the step-0 keys: causal, and within one document when doc_ids is given.
 
@@ -937,12 +937,11 @@ def ttt_block_mask(doc_ids_BT: Tensor | None, B: int, T: int, device: torch.devi
     (causal), a block after the diagonal empty. A query block cut short by T (its padding is
     masked) is never full, as in `create_block_mask`."""
     if doc_ids_BT is None:
-        doc_ids_BT, mod_b = torch.zeros(1, T, dtype=torch.int64, device=device), 1
+        doc_ids_BT = torch.zeros(1, T, dtype=torch.int64, device=device)
 
         def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             return q >= k
     else:
-        mod_b = B
 
         def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             return (q >= k) & (doc_ids_BT[b, q] == doc_ids_BT[b, k])
@@ -1026,7 +1025,7 @@ def _step0_attention(q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor, impl: str, 
     B, _, T, D = q_BHTD.shape
     if impl == "flex":
         if block_mask is None:
-            block_mask = ttt_block_mask(doc_ids_BT, B, T, q_BHTD.device)
+            block_mask = ttt_block_mask(doc_ids_BT, T, q_BHTD.device)
         return _flex_with_lse(q_BHTD, k_BKTD, v_BKTD, block_mask, D**-0.5)
     if impl == "chunked":
         return _chunked_causal_attention(q_BHTD, k_BKTD, v_BKTD, doc_ids_BT, D**-0.5, chunk)

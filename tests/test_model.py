@@ -131,7 +131,7 @@ def test_block_mask_from_document_spans_is_create_block_masks(T):
         layouts.append(torch.stack(rows))
     for docs in layouts:
         B = 1 if docs is None else docs.shape[0]
-        got = M.ttt_block_mask(docs, B, T, torch.device("cpu"), block=block)
+        got = M.ttt_block_mask(docs, T, torch.device("cpu"), block=block)
         if docs is None:
             want = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu", BLOCK_SIZE=block)
         else:
