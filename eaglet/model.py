@@ -1022,7 +1022,7 @@ def ttt_attention(
 def _step0_attention(q_BHTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor, impl: str, doc_ids_BT: Tensor | None,
                      block_mask: BlockMask | None, chunk: int) -> tuple[Tensor, Tensor]:
     """(out, log-sum-exp) of the queries over the step-0 keys: causal, per document."""
-    B, _, T, D = q_BHTD.shape
+    T, D = q_BHTD.shape[2:]
     if impl == "flex":
         if block_mask is None:
             block_mask = ttt_block_mask(doc_ids_BT, T, q_BHTD.device)
