@@ -34,14 +34,14 @@ from torch import Tensor, nn
 from .model import UnrollCopy
 
 
-def attach_unroll_copies(modules: nn.Module | Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16
+def attach_unroll_copies(modules: Iterable[nn.Module], dtype: torch.dtype = torch.bfloat16
                          ) -> dict[nn.Parameter, UnrollCopy]:
-    """Give every nn.Linear among `modules` (a module: it and its submodules) with a trainable
-    weight not already in `dtype` an `unroll_copy`; returns them by parameter. The TTT unroll
-    (`cast_linears`) uses these; only the linears it casts may have one (for the draft,
-    `Eagle3Draft.unroll_linears()`: a linear used otherwise would get a .grad, not its copy's)."""
+    """Give every nn.Linear among `modules` with a trainable weight not already in `dtype` an
+    `unroll_copy`; returns them by parameter. The TTT unroll (`cast_linears`) uses these; only
+    the linears it casts may have one (for the draft, `Eagle3Draft.unroll_linears()`: a linear
+    used otherwise would get a .grad, not its copy's)."""
     copies: dict[nn.Parameter, UnrollCopy] = {}
-    for mod in (modules.modules() if isinstance(modules, nn.Module) else modules):
+    for mod in modules:
         if isinstance(mod, nn.Linear) and mod.weight.requires_grad and mod.weight.dtype != dtype:
             w = mod.weight
             kept = UnrollCopy(weight=w.detach().to(dtype), grad=torch.zeros(w.shape, dtype=dtype, device=w.device),
@@ -49,13 +49,6 @@ def attach_unroll_copies(modules: nn.Module | Iterable[nn.Module], dtype: torch.
             mod.unroll_copy = kept
             copies[w] = kept
     return copies
-
-
-def detach_unroll_copies(model: nn.Module) -> None:
-    """Undo `attach_unroll_copies`: the unroll casts per step again."""
-    for mod in model.modules():
-        if hasattr(mod, "unroll_copy"):
-            del mod.unroll_copy
 
 
 def adamw_from_low_precision_grads(
@@ -96,6 +89,8 @@ class UnrollAdamW(torch.optim.AdamW):
             if group["amsgrad"] or group["maximize"] or group["differentiable"]:
                 raise ValueError("UnrollAdamW: amsgrad, maximize and differentiable are not supported")
         self.copies = copies
+        # per group, its parameters with a copy (fixed: load_state_dict keeps the parameters)
+        self._kept = [[p for p in group["params"] if p in copies] for group in self.param_groups]
         self._update: Callable[..., None] = (
             torch.compile(adamw_from_low_precision_grads) if compile else adamw_from_low_precision_grads)
 
@@ -109,8 +104,7 @@ class UnrollAdamW(torch.optim.AdamW):
             raise ValueError("UnrollAdamW.step takes no closure")
         super().step()  # the parameters with a .grad; those with a copy have none
         divisor = getattr(self, "grad_scale", None)
-        for group in self.param_groups:
-            ps = [p for p in group["params"] if p in self.copies]
+        for group, ps in zip(self.param_groups, self._kept, strict=True):
             if not ps:
                 continue
             if any(p.grad is not None for p in ps):

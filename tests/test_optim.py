@@ -9,7 +9,7 @@ from torch import nn
 
 from conftest import tiny_pipeline_upto_vocab
 from eaglet.model import cast_linears
-from eaglet.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies, detach_unroll_copies
+from eaglet.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies
 
 
 def _pair(seed: int = 0):
@@ -33,7 +33,7 @@ def test_unroll_adamw_is_adamw_on_the_same_gradients(clip, compiled):
     ref_m, m = _pair()
     kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
     ref = torch.optim.AdamW(ref_m.parameters(), fused=True, **kw)
-    copies = attach_unroll_copies(m)
+    copies = attach_unroll_copies(m.modules())
     assert set(copies) == {m[0].weight, m[2].weight}  # the linears' weights; biases and the norm keep .grad
     opt = UnrollAdamW(m.parameters(), copies, compile=compiled, **kw)
     g = torch.Generator().manual_seed(1)
@@ -69,7 +69,7 @@ def test_unroll_uses_the_persistent_copy_and_accumulator():
     loaded checkpoint changes it) and its accumulator; a product's backward adds its weight
     gradient there, and the parameter gets no .grad."""
     _, m = _pair()
-    copies = attach_unroll_copies(m)
+    copies = attach_unroll_copies(m.modules())
     w = cast_linears(m.named_modules(), torch.bfloat16)
     assert w["0"] is copies[m[0].weight].weight and w["0.grad"] is copies[m[0].weight].grad
     assert w["0.link"].requires_grad and w["0.link"].is_leaf
@@ -87,7 +87,8 @@ def test_unroll_uses_the_persistent_copy_and_accumulator():
     assert torch.equal(cast_linears(m.named_modules(), torch.bfloat16)["0"], m[0].weight.detach().to(torch.bfloat16))
     with pytest.raises(ValueError, match="accumulate=False"):
         cast_linears(m.named_modules(), torch.bfloat16, accumulate=False)
-    detach_unroll_copies(m)
+    for mod in m.modules():  # without the copies: the per-unroll buffers again
+        mod.__dict__.pop("unroll_copy", None)
     assert "0.grad" in cast_linears(m.named_modules(), torch.bfloat16)  # the per-unroll buffer again
     assert cast_linears(m.named_modules(), torch.bfloat16)["0.grad"] is not copies[m[0].weight].grad
 
