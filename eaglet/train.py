@@ -589,10 +589,10 @@ def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim
     and write of all of them. Not under FSDP2 (DTensor gradients, whose norm clip_grad_norm_
     reduces across ranks). clip_in_step False: clip_grad_norm_ first, always."""
     lr = sched.get_last_lr()[0]
-    if isinstance(opt, UnrollAdamW) and tc.grad_clip > 0 and not clip_in_step:
+    more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None  # gradients outside .grad
+    if more is not None and tc.grad_clip > 0 and not clip_in_step:
         raise ValueError("UnrollAdamW clips in its step (its gradients are not .grad, which clip_grad_norm_ reads)")
     if tc.grad_clip > 0 and clip_in_step and opt.defaults.get("fused") and par.strategy != "fsdp":
-        more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None
         opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, more)
         try:
             opt.step()
@@ -613,13 +613,13 @@ class Trainer:
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
-        use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         # The pure draft; self.par.module is what the training forward calls (see parallel.py).
         self.par = parallelize(model, TeacherHead.for_training(head, self.tc), strategy, self.device,
                                frozen_dtype=head.lm_head.dtype, env=self.env,
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
+        use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         self.lengths = dict(zip(store.sample_ids.tolist(), store.lengths.tolist()))
         self.train_ids, self.eval_ids = split_ids(store.sample_ids, self.tc.eval_fraction, cfg.run.seed)
