@@ -381,7 +381,6 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             compile_draft(draft, backend=args.compile_backend)
             loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)
             par = replace(par, compiled=True)
-    params = [p for p in draft.parameters() if p.requires_grad]
     # the trainer's optimizer for one process (UnrollAdamW under bf16, eaglet/optim.py); torch's AdamW
     # with --plain-optimizer and with the flags that bring back a per-step cast or a separate clip
     plain = args.plain_optimizer or args.per_product_casts or args.summed_weight_grads or args.clip_pass
@@ -425,7 +424,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
     res.update(optimizer=type(opt).__name__, compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
-               trainable_params_m=sum(p.numel() for p in params) / 1e6, in_vocab_rows=in_vocab_rows,
+               trainable_params_m=sum(p.numel() for g in opt.param_groups for p in g["params"]) / 1e6,
+               in_vocab_rows=in_vocab_rows,
                loss_share=float(b.loss_mask.float().mean()),
                head_rows_share=None if b.head_rows is None else
                sum(len(r) for r in b.head_rows) / (len(b.head_rows) * b.tokens),
