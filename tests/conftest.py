@@ -37,3 +37,20 @@ def tiny_pipeline_upto_vocab(tmp, conversations: int, seed: int, overrides: list
     base = [f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]", *overrides]
     pipeline.run_all(load_config(None, [f"run.dir={tmp / 'run'}", *base]), upto="vocab")
     return base
+
+
+def train_on_copy(tmp, base: list[str], name: str, *extra: str, fresh: bool = True) -> tuple:
+    """Train on a copy (tmp/name) of `tiny_pipeline_upto_vocab`'s tmp/run with `base` and `extra`
+    overrides (fresh False: in tmp/name as it is, e.g. to resume it); returns (the run folder,
+    its train/log.jsonl records)."""
+    import json
+    import shutil
+
+    from eaglet import pipeline
+    from eaglet.config import load_config
+
+    run = tmp / name
+    if fresh:
+        shutil.copytree(tmp / "run", run)
+    pipeline.run_all(load_config(None, [f"run.dir={run}", *base, *extra]), upto="train")
+    return run, [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_pipeline_upto_vocab
+from conftest import tiny_pipeline_upto_vocab, train_on_copy
 from eaglet.model import cast_linears
 from eaglet.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies
 
@@ -126,15 +126,6 @@ def store_run(tmp_path_factory):
 
 
 def _train(tmp, base, name, monkeypatch, *extra, fresh=True):
-    import json
-    import shutil
-
-    from eaglet import pipeline
-    from eaglet.config import load_config
-
-    run = tmp / name
-    if fresh:
-        shutil.copytree(tmp / "run", run)
     steps = {"unroll": 0}
     real = UnrollAdamW.step
 
@@ -144,8 +135,7 @@ def _train(tmp, base, name, monkeypatch, *extra, fresh=True):
 
     with monkeypatch.context() as m:
         m.setattr(UnrollAdamW, "step", counting)
-        pipeline.run_all(load_config(None, [f"run.dir={run}", *base, *extra]), upto="train")
-    log = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+        run, log = train_on_copy(tmp, base, name, *extra, fresh=fresh)
     from safetensors.torch import load_file
 
     last = sorted((run / "train" / "checkpoints").glob("step-*"))[-1]

@@ -2,16 +2,12 @@
 sample's first teacher pass, the teacher runs over the draft columns only, and training is
 the same as when every pass computes the full-vocabulary argmax."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 import eaglet.train as train_mod
-from conftest import tiny_pipeline_upto_vocab
-from eaglet import pipeline
-from eaglet.config import load_config
+from conftest import tiny_pipeline_upto_vocab, train_on_copy
 from eaglet.train import Batch, VocabMaskCache
 
 
@@ -53,10 +49,6 @@ def store_run(tmp_path_factory):
 
 
 def _train(tmp, base, name, monkeypatch, cached):
-    import shutil
-
-    run = tmp / name
-    shutil.copytree(tmp / "run", run)
     calls = {"full": 0, "draft": 0, "masked": 0}
     real = train_mod.teacher_targets
 
@@ -70,8 +62,7 @@ def _train(tmp, base, name, monkeypatch, cached):
         m.setattr(train_mod, "teacher_targets", counting)
         if not cached:
             m.setattr(VocabMaskCache, "lookup", lambda self, b: None)
-        pipeline.run_all(load_config(None, [f"run.dir={run}", *base]), upto="train")
-    log = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+        _, log = train_on_copy(tmp, base, name)
     return log, calls
 
 
