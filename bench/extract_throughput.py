@@ -12,7 +12,7 @@ read). Inputs: `--batches` batches of `--batch-size` random sequences of `--seq`
 
 Three timings, each over the same batches after one untimed warm-up batch:
 - forward: the base model's forward (what extract runs: no LM head), nothing kept;
-- extract: eaglet's own loop (`extract._extract_loop`: hooks capture the states entering
+- extract: eaglet's own loop (`extract.extract_samples`: hooks capture the states entering
   the aux layers into one buffer, non-finite check, non-blocking copies to pinned host
   memory, the previous batch handed to the StoreWriter while the next forward runs) and
   the StoreWriter's background threads (sha256 + safetensors + fsync, `--writer-threads`),
@@ -31,7 +31,6 @@ import json
 import math
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,12 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from eaglet.config import ExtractSection  # noqa: E402
-from eaglet.extract import _extract_loop  # noqa: E402
-from eaglet.store import DTYPES, StoreWriter  # noqa: E402
-from eaglet.target import TargetParts, resolve_layers  # noqa: E402
+from eaglet.config import ExtractSection
+from eaglet.formats.store import StoreWriter
+from eaglet.stages.extract import extract_samples
+from eaglet.targets.families import resolve_layers
+from eaglet.targets.load import TargetParts
+from eaglet.utils import DTYPES
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512,
@@ -113,7 +112,7 @@ class _Sample:
 
 
 class _Samples:
-    """What _extract_loop reads of PreparedData: lengths, sample_ids and samples by position."""
+    """What extract_samples reads of PreparedData: lengths, sample_ids and samples by position."""
 
     def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -159,7 +158,7 @@ def time_forward(parts: TargetParts, data: _Samples, B: int, device: torch.devic
 def time_extract(parts: TargetParts, layers: list[int], data: _Samples, B: int, folder: Path,
                  args: argparse.Namespace) -> tuple[float, int, dict[str, float]]:
     """Seconds for eaglet's extract loop over `data` until the writer has every shard on disk,
-    the bytes written, and where the loop's host thread waited (`_extract_loop`'s `waits`, plus
+    the bytes written, and where the loop's host thread waited (`extract_samples`'s `waits`, plus
     'close_s': from the last batch handed over to the last shard on disk)."""
     meta = _meta(parts, layers, "bfloat16")
     writer = _writer(folder, meta, args)
@@ -167,8 +166,8 @@ def time_extract(parts: TargetParts, layers: list[int], data: _Samples, B: int, 
     _sync(parts.input_device)
     t0 = time.perf_counter()
     try:
-        tokens = _extract_loop(data, list(range(len(data))), parts, layers, DTYPES["bfloat16"], writer,
-                               batch_tokens=B * args.seq, max_batch_size=B, show=False, waits=waits)
+        tokens = extract_samples(data, list(range(len(data))), parts, layers, DTYPES["bfloat16"], writer,
+                                 batch_tokens=B * args.seq, max_batch_size=B, show=False, waits=waits)
         t1 = time.perf_counter()
         records = writer.close(index=False)
     except BaseException:

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eaglet import pipeline, tiny  # noqa: E402
-from eaglet.config import load_config  # noqa: E402
-from eaglet.doctor import run_doctor  # noqa: E402
-from eaglet.utils import atomic_write_json, log  # noqa: E402
+from eaglet import pipeline
+from eaglet.checks.doctor import run_doctor
+from eaglet.config import load_config
+from eaglet.shadow import shadow_findings
+from eaglet.testing import tiny
+from eaglet.utils import atomic_write_json, log
 
 
 FULL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -109,7 +108,7 @@ def main() -> None:
     res["overrides"] = args.set
     cfg = load_config(None, sets)
     lines: list[str] = []
-    res["doctor_rc"] = run_doctor(cfg, shadow=True, out=lambda s: (lines.append(s), print(s)))
+    res["doctor_rc"] = run_doctor(cfg, out=lambda s: (lines.append(s), print(s)), more=shadow_findings)
     res["doctor"] = lines
     stages = {}
     for stage in ("prepare", "extract", "vocab", "train"):

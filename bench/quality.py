@@ -89,11 +89,11 @@ def cmd_original(args: argparse.Namespace) -> None:
 def cmd_heldout(args: argparse.Namespace) -> None:
     """prompts.json (the eval prompts, the same for every draft) and regen-input.jsonl: the
     ShareGPT records minus every held-out one, so no draft trains on an eval conversation."""
-    from eaglet.data import RecordError, iter_records
-    from eaglet.evaluate import heldout_prompts
-    from eaglet.online import split_source
-    from eaglet.prepared import PreparedData
-    from eaglet.train import split_ids
+    from eaglet.formats.datasets import RecordError, iter_records
+    from eaglet.stages.evaluate import heldout_prompts
+    from eaglet.stages.online import split_source
+    from eaglet.formats.prepared import PreparedData
+    from eaglet.stages.train_data import split_ids
 
     cfg = _cfg(args, "original", _setup(args.work)["data"])
     up = {n: cfg.run_dir / n for n in pipeline.STAGE_NAMES}
@@ -118,7 +118,7 @@ def cmd_heldout(args: argparse.Namespace) -> None:
 def cmd_regenerate(args: argparse.Namespace) -> None:
     """The target's own replies for every record of regen-input.jsonl (resumable: killed by a
     time limit, a rerun continues; `regen` trains on what is there)."""
-    from eaglet.regenerate import run_regenerate
+    from eaglet.stages.regenerate import run_regenerate
 
     src = _cfg(args, "regen", str(args.work / "regen-input.jsonl"), ["prepare.max_records=null"])
     t0 = time.time()
@@ -133,7 +133,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
 def cmd_regen(args: argparse.Namespace) -> None:
     """Prepare, extract (online), vocab, train and export on the regenerated conversations;
     every one trains (the eval prompts come from prompts.json)."""
-    from eaglet.regenerate import output_files
+    from eaglet.stages.regenerate import output_files
 
     files = output_files(args.work / "regenerated.jsonl")  # and the shards, when GPUs split the work
     cfg = _cfg(args, "regen", ",".join(map(str, files)), ["train.eval_fraction=0.0", "prepare.max_records=null"])
@@ -147,8 +147,8 @@ def _prompts(work: Path) -> list[list[int]]:
 def _load(work: Path, which: str):
     """(draft, aux layer ids) of one of the benchmark's drafts."""
     from eaglet.demo import untrained_like
-    from eaglet.store import StoreReader
-    from eaglet.train import FINAL_DIR, load_final
+    from eaglet.formats.store import StoreReader
+    from eaglet.formats.draft import FINAL_DIR, load_final
 
     if which in ("eaglet", "untrained"):
         draft, aux = load_final(work / "original" / "train" / FINAL_DIR)
@@ -165,9 +165,9 @@ def _load(work: Path, which: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from eaglet.chat import load_tokenizer
-    from eaglet.evaluate import evaluate_draft
-    from eaglet.target import load_target
+    from eaglet.targets.chat import load_tokenizer
+    from eaglet.stages.evaluate import evaluate_draft
+    from eaglet.targets.load import load_target
 
     cfg = _cfg(args, "original", _setup(args.work)["data"],
                [f"eval.method={args.method}", f"eval.max_new_tokens={args.max_new_tokens}",
@@ -234,7 +234,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         if pm.is_file():
             s = json.loads(pm.read_text())["stats"]
             out[f"prepare_{name}"] = {k: s.get(k) for k in ("records", "samples", "tokens", "loss_tokens", "skipped")}
-    from eaglet.regenerate import output_files
+    from eaglet.stages.regenerate import output_files
 
     files = output_files(w / "regenerated.jsonl")
     if files:

@@ -11,27 +11,24 @@ smallest of a few doubling sizes that holds the call's prompts and replies, up t
 --new-tokens; `cache_sizes` lists the sizes the variant's calls took. The first call of a variant
 is timed apart (a static cache compiles the decoding step there); tokens/s counts the reply
 tokens up to EOS over the remaining calls, and so includes the compiling for each smaller cache
-size that they reach. Prints one line per variant and saves the JSON.
+size that they reach. Prints one line per variant and saves the JSON (`--prompts-out`: the
+prompts too).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eaglet.chat import load_tokenizer, resolve_chat_template  # noqa: E402
-from eaglet.config import load_config  # noqa: E402
-from eaglet.data import RecordError, normalize_record  # noqa: E402
-from eaglet.regenerate import batched_generate, generation_prompt, source_records, static_cache_len  # noqa: E402
-from eaglet.target import load_target  # noqa: E402
-from eaglet.utils import atomic_write_json, log  # noqa: E402
+from eaglet.config import load_config
+from eaglet.formats.datasets import RecordError, normalize_record
+from eaglet.stages.regenerate import batched_generate, generation_prompt, source_records, static_cache_len
+from eaglet.targets.chat import load_tokenizer, resolve_chat_template
+from eaglet.targets.load import load_target
+from eaglet.utils import atomic_write_json, log
 
 
 def first_turn_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
@@ -66,12 +63,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variants", default="dynamic:1024,static:256,static:1024")
     ap.add_argument("--set", action="append", default=[], help="Extra config override (e.g. target.dtype=float32).")
     ap.add_argument("--out", type=Path, default=Path("regen-throughput.json"))
+    ap.add_argument("--prompts-out", type=Path, default=None,
+                    help="Also write the prompts taken (token ids, in --data's order) to this JSON file.")
     args = ap.parse_args(argv)
     cfg = load_config(None, [f"target.path={args.target}", f"prepare.data=[{args.data}]",
                              f"prepare.max_length={args.max_length}", *args.set])
     tokenizer = load_tokenizer(cfg.target)
     tokenizer.padding_side = "left"
     prompts = first_turn_prompts(cfg, tokenizer, args.prompts)
+    if args.prompts_out:
+        atomic_write_json(args.prompts_out, {"prompts": prompts})
     model, info = load_target(cfg.target)
     model.eval()
     res = {"target": info["class"], "device": str(info["device"]), "prompts": len(prompts),

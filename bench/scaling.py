@@ -4,9 +4,10 @@
     torchrun --standalone --nproc-per-node 2 bench/scaling.py --preset kimi-k2 --parallel fsdp
     torchrun --standalone --nproc-per-node 2 bench/scaling.py --device cpu --preset tiny --steps 3   # CPU smoke test (gloo)
 
-The step is eaglet's own (`train.micro_batch` and `train.optimizer_step` on a draft wrapped by
-`parallel.parallelize`, compiled as `train.compile` says: `--compile`), on synthetic inputs of fixed shape: random captured states, tokens,
-documents of `--doc-tokens`, and a random target head for the teacher. Reading the store is
+The step is eaglet's own (`eaglet.draft.step.micro_batch` and `optimizer_step` on a draft wrapped by
+`eaglet.draft.parallelize.parallelize`, compiled as `train.compile` says: `--compile`), on synthetic
+inputs of fixed shape (`eaglet.testing.synthetic.synthetic_batch`: random captured states, tokens,
+documents of `--doc-tokens`) and a random target head for the teacher. Reading the store is
 left out. Weak scaling: every rank trains `--grad-accum` micro-batches of `--max-tokens`
 tokens per optimizer step, so N ranks train N times the tokens per step, as `eaglet train`
 does under torchrun.
@@ -23,41 +24,19 @@ import argparse
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from eaglet.config import TrainSection  # noqa: E402
-from eaglet.model import DraftConfig, Eagle3Draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
-from eaglet.parallel import barrier, init_distributed, parallelize, resolve_strategy  # noqa: E402
-from eaglet.train import (Batch, TargetHead, TeacherHead, device_head_rows, lr_lambda, micro_batch,  # noqa: E402
-                          optimizer_step, resolve_compile)
-
-# Draft shapes of real targets (DraftConfig.from_target_config of their configs) and a tiny one.
-# The share of rows whose teacher argmax is a draft token in the synthetic batches (`_batch`): a
-# 32k draft vocabulary's coverage of real chat data is of this order (the vocab stage prints it).
-IN_VOCAB = 0.95
-# The share of tokens trained on (the assistant tokens, loss mask 1) in the synthetic batches:
-# 0.784 measured on the embedded default data, the first 3000 ShareGPT records rendered with
-# SmolLM2-135M-Instruct's chat template at prepare.max_length 2048 (2868 samples, 4.2M tokens;
-# `eaglet prepare` and the sum of the prepared loss masks). Laid out as turns of TURN_TOKENS
-# whose first (1 - share) tokens are the prompt.
-LOSS_SHARE = 0.78
-TURN_TOKENS = 512
-
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                 vocab_size=512, draft_vocab_size=128),
-    "llama3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000),
-    "kimi-k2": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
-                    intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000),
-}
+from eaglet.config import TrainSection
+from eaglet.distributed import barrier, init_distributed
+from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
+from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.parallelize import parallelize, resolve_strategy
+from eaglet.draft.step import TeacherHead, lr_lambda, micro_batch, optimizer_step, resolve_compile
+from eaglet.testing.synthetic import PRESETS, synthetic_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,52 +64,6 @@ def _device(name: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
-def synthetic_loss_mask(tokens: int, doc_tokens: int, share: float = LOSS_SHARE) -> torch.Tensor:
-    """[1, tokens] bool: each document in turns of TURN_TOKENS (or the document), the first
-    1 - share of each turn a prompt (0), the rest the answer (1)."""
-    turn = min(TURN_TOKENS, doc_tokens)
-    return ((torch.arange(tokens) % doc_tokens) % turn >= round((1 - share) * turn)).unsqueeze(0)
-
-
-def _batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device, frozen: torch.dtype,
-           seed: int, head: torch.Tensor | None = None, in_vocab: float = IN_VOCAB, loss_share: float = LOSS_SHARE,
-           ttt_steps: int = 0) -> Batch:
-    """One packed micro-batch of random inputs, as load_batch returns them (with the rows each
-    TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a
-    share `loss_share` of its tokens (`synthetic_loss_mask`).
-
-    With `head` (the target's LM head [V, H] the teacher uses), each row's final state is that
-    head's row for a token picked per row, plus noise, so that the teacher's argmax is that
-    token: a draft token (id < draft_vocab_size, the identity maps of a new draft) for a
-    fraction `in_vocab` of the rows. The out-of-vocabulary mask then drops what it drops on real
-    data (the vocab stage's coverage), not the ~80% of rows that random states would give: a
-    backward whose gradients are mostly zero rows runs faster than on real data (the GEMMs draw
-    less power), which flatters the step."""
-    g = torch.Generator().manual_seed(seed)
-    docs = torch.arange(tokens) // doc_tokens
-    if head is None:
-        final = torch.randn(1, tokens, cfg.target_hidden_size, generator=g)
-    else:
-        n, V = cfg.draft_vocab_size, cfg.vocab_size
-        tok = torch.where(torch.rand(tokens, generator=g) < in_vocab, torch.randint(0, n, (tokens,), generator=g),
-                          torch.randint(n, V, (tokens,), generator=g))
-        rows = head[tok].float()
-        final = (rows + 0.5 * rows.std() * torch.randn(rows.shape, generator=g)).unsqueeze(0)
-    mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
-    rows, active = device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else (None, None)
-    return Batch(
-        aux=torch.randn(1, tokens, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device),
-        final=final.to(device, frozen),
-        input_ids=torch.randint(0, cfg.vocab_size, (1, tokens), generator=g).to(device),
-        loss_mask=mask.to(device),
-        position_ids=(torch.arange(tokens) % doc_tokens).unsqueeze(0).to(device),
-        doc_ids=docs.unsqueeze(0).to(device),
-        tokens=tokens,
-        head_rows=rows,
-        active_rows=active,
-    )
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -141,17 +74,17 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     """Build, wrap, warm up and time the training step; returns tokens/s over all `world` ranks."""
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
-                      norm_eps=cfg.rms_norm_eps, embed=None)
-    par = parallelize(draft, TeacherHead.for_training(head, tc), strategy, device, frozen_dtype=frozen,
-                      compile=resolve_compile(tc.compile, device))
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen)  # the target's, random
+    teacher = TeacherHead(lm_head, norm_eps=cfg.rms_norm_eps, chunk=tc.teacher_chunk,
+                          mask_out_of_vocab=tc.mask_out_of_vocab)
+    par = parallelize(draft, teacher, strategy, device, frozen_dtype=frozen, compile=resolve_compile(tc.compile, device))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, args.warmup + args.steps))
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    batches = [_batch(cfg, tc.max_tokens, args.doc_tokens, device, frozen, seed=1000 * rank + a, head=head.lm_head,
-                      ttt_steps=tc.ttt_steps)
+    batches = [synthetic_batch(cfg, tc.max_tokens, args.doc_tokens, device, frozen, seed=1000 * rank + a, head=lm_head,
+                               ttt_steps=tc.ttt_steps)
                for a in range(tc.grad_accum)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

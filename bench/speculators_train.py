@@ -18,7 +18,7 @@ How eaglet's Batch is fed to speculators (worked out from speculators' train/dat
 speculators' step j, row t reads input_ids[t+j] at position_ids[t]+j with hidden row t and
 is scored against teacher row t+j under loss_mask[t+j]. eaglet's step j, row t reads token
 x[t+1+j] at position pos[t]+1+j with aux[t], teacher final[t+1+j], counted when
-loss_mask[t+2+j] & in_vocab[t+1+j] & doc[t] == doc[t+2+j] (eaglet/loss.py). So, for the
+loss_mask[t+2+j] & in_vocab[t+1+j] & doc[t] == doc[t+2+j] (eaglet/draft/loss.py). So, for the
 whole packed sequence (not per sample, which is what speculators' collator does; its
 per-sample shift drops each document's last row, whose every prediction eaglet masks):
 
@@ -75,8 +75,12 @@ The states source is a seam: `open_states` returns what eaglet's trainer reads (
 store, or online states for an extract.mode online run); anything with the
 interface this module and eaglet's Trainer use can be passed as `states=`: get(sample id)
 -> {aux, final, input_ids, loss_mask}, sample_ids and lengths (aligned arrays), meta
-(layers, final_state, norm_eps), n_aux, and folder holding extract's head.safetensors and
-target_config.json.
+(layers, final_state, norm_eps), n_aux, target_head(device) (the target's head for those
+states), and folder holding extract's head.safetensors and target_config.json.
+
+--probe DIR (after training): speculators' forward of the saved draft on the first micro-batch
+it trained on, written to DIR for a check against eaglet's own TTT unroll, teacher and loss
+(tests/test_bench_speculators.py): see `probe_forward`.
 """
 
 from __future__ import annotations
@@ -94,13 +98,14 @@ import torch
 from torch import Tensor, nn
 
 from eaglet.config import Config, load_config
-from eaglet.extract import TARGET_CONFIG
-from eaglet.loss import step_mask, teacher_targets
-from eaglet.train import Batch, TargetHead, Trainer, build_draft, load_batch, load_head, lr_lambda
-from eaglet.store import StoreReader
-from eaglet.target import resolve_device
+from eaglet.distributed import resolve_device
+from eaglet.draft.loss import step_mask, teacher_targets
+from eaglet.draft.step import Batch, lr_lambda
+from eaglet.formats.store import TARGET_CONFIG, StoreReader, TargetHead, read_target_head
+from eaglet.formats.vocab import load_vocab
+from eaglet.stages.train import Trainer, build_draft
+from eaglet.stages.train_data import load_batch
 from eaglet.utils import atomic_write_json, log
-from eaglet.vocab import load_vocab
 
 MASKS = ("eaglet", "speculators")
 INITS = ("eaglet", "speculators")
@@ -113,7 +118,7 @@ def open_states(run_dir: str | Path, target: Any = None) -> Any:
     """The hidden-state source eaglet's trainer reads for this run: its offline store, or
     online states (the target run in-process, `target`: the run config's target section)
     when its extract stage ran with extract.mode: online."""
-    from eaglet.online import open_states as eaglet_open_states
+    from eaglet.stages.online import open_states as eaglet_open_states
     from eaglet.pipeline import STAGE_NAMES
 
     return eaglet_open_states({name: Path(run_dir) / name for name in STAGE_NAMES}, target)
@@ -129,9 +134,9 @@ def speculators_config(dcfg: Any, aux_layer_ids: list[int], verifier: str, archi
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    from eaglet.export import _llama_fields
+    from eaglet.formats.serving import llama_fields
 
-    fields = {k: v for k, v in _llama_fields(dcfg, "float32").items() if k not in ("model_type", "torch_dtype")}
+    fields = {k: v for k, v in llama_fields(dcfg, "float32").items() if k not in ("model_type", "torch_dtype")}
     tl = LlamaConfig(**fields)
     tl._attn_implementation = attn_impl
     return Eagle3SpeculatorConfig(
@@ -240,7 +245,7 @@ def speculators_inputs(b: Batch, ttt_steps: int, in_vocab: Tensor | None = None,
 
 
 def eaglet_counts(b: Batch, in_vocab: Tensor, ttt_steps: int) -> Tensor:
-    """Rows eaglet's loss counts per TTT step [k] (eaglet.loss.step_mask)."""
+    """Rows eaglet's loss counts per TTT step [k] (eaglet.draft.loss.step_mask)."""
     return torch.stack([step_mask(b.loss_mask, in_vocab, b.doc_ids, j).sum() for j in range(ttt_steps)])
 
 
@@ -292,7 +297,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     dev = resolve_device(device or tc.device)
     states = states if states is not None else open_states(run_dir, cfg.target)
     d2t, t2d = load_vocab(run_dir / "vocab")
-    head_cpu = load_head(states, torch.device("cpu"))
+    head_cpu = states.target_head(torch.device("cpu"))
     eaglet_draft = build_draft(cfg, states, d2t, t2d, head_cpu)
     # eaglet's own Trainer (on the CPU, never stepped) decides split, epoch plans, packing and the
     # step count, so the micro-batches are exactly those it would train on, in its order.
@@ -302,7 +307,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     plan = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)  # takes over head_cpu's tensors
     total_steps = plan.total_steps
     del plan.model, plan.opt, plan.sched, eaglet_draft
-    head = load_head(states, dev)
+    head = states.target_head(dev)
     pad_to = math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK if attn_impl == "simple_flex_attention" else None
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and dev.type == "cuda")
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16)
@@ -320,11 +325,13 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     model.train()
     data = plan.micro_batches(0, 0)
     sums, first, last = _Sums(), None, None
+    first_ids: list[int] | None = None
     t0 = t_log = time.perf_counter()
     tokens = tokens_log = 0
     for step in range(1, total_steps + 1):
         for _ in range(tc.grad_accum):
             epoch, _micro, ids = next(data)
+            first_ids = first_ids if first_ids is not None else [int(i) for i in ids]
             b = load_batch(states, ids, tc.max_tokens, dev)
             extra = {}
             in_vocab = None
@@ -361,10 +368,100 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
         "system": "speculators-0.9.0", "out": str(out_dir), "steps": total_steps, "micro_batches_per_step": tc.grad_accum,
         "tokens": tokens, "seconds": round(seconds, 3), "device": str(dev), "attention": attn_impl, "loss_impl": loss_impl,
         "mask": mask, "init": init, "final_state": states.meta.get("final_state", "post_norm"),
-        "first": first, "last": last,
+        "first": first, "last": last, "first_micro_batch": first_ids,
     }
     atomic_write_json(out_dir / RESULT_FILE, result)
     return result
+
+
+# ---- a check of the forward against eaglet's --------------------------------------------------------
+
+class PreNormStates:
+    """`states` presented as a pre-norm source (what the vLLM backend stores) without one:
+    each final row scaled by a random factor in [0.3, 3.3) seeded by its sample id, which the
+    target's final RMSNorm undoes, and meta final_state "pre_norm" (so its head has the norm)."""
+
+    def __init__(self, states: Any):
+        self.s, self.meta = states, {**states.meta, "final_state": "pre_norm"}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.s, name)
+
+    def __len__(self) -> int:
+        return len(self.s)
+
+    def target_head(self, device: torch.device) -> TargetHead:
+        return read_target_head(self.s.folder, self.meta, device)
+
+    def get(self, i: int) -> dict[str, Tensor]:
+        d = dict(self.s.get(i))
+        g = torch.Generator().manual_seed(int(i))
+        d["final"] = d["final"].float() * (0.3 + 3 * torch.rand(d["final"].shape[0], 1, generator=g))
+        return d
+
+
+PROBE_CASES = ("post_norm", "pre_norm")
+
+
+@torch.no_grad()
+def probe_forward(cfg: Config, run_dir: str | Path, draft_dir: str | Path, probe_dir: str | Path, ids: list[int],
+                  loss_impl: str = "eager") -> dict[str, str]:
+    """speculators' forward (on the CPU, eval mode) of the draft saved in `draft_dir` on the
+    micro-batch of sample ids `ids`, for the run's states ("post_norm") and for the same states
+    as a pre-norm source ("pre_norm": PreNormStates): eager attention, and the flex_attention
+    path CUDA trains with on the batch padded to twice training's padded length (forward only:
+    CPU flex_attention has no backward). Writes probe_dir/<case>.safetensors: the batch (aux,
+    final, input_ids, loss_mask, position_ids, doc_ids), the verifier head's logits ("teacher"),
+    each step's draft logits ("logits<j>", "flex_logits<j>", cut to the batch's rows) and
+    speculators' metrics ("m.<name>"). Returns case -> file."""
+    from safetensors.torch import load_file, save_file
+    from speculators.losses import resolve_loss_config
+
+    run_dir, probe_dir = Path(run_dir), Path(probe_dir)
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    tc, cpu = cfg.train, torch.device("cpu")
+    d2t, t2d = load_vocab(run_dir / "vocab")
+    saved = load_file(str(Path(draft_dir) / "model.safetensors"))
+    loss_config = resolve_loss_config("kl_div", implementation=loss_impl)
+    pad_to = 2 * math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK
+    files = {}
+    for case in PROBE_CASES:
+        states = open_states(run_dir, cfg.target)
+        if case == "pre_norm":
+            states = PreNormStates(states)
+        head = states.target_head(cpu)
+        model = build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="eager")
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        if unexpected or set(missing) - {"verifier_lm_head.weight", "verifier_norm.weight"}:
+            raise RuntimeError(f"saved draft -> speculators: missing {missing}, unexpected {unexpected}")
+        model.eval()
+        b = load_batch(states, ids, tc.max_tokens, cpu)
+        in_vocab = draft_vocab_rows(b, head, t2d, d2t, tc.teacher_chunk)
+        logits: list[Tensor] = []
+        teacher: list[Tensor] = []
+        h1 = model.lm_head.register_forward_hook(lambda m, a, o: logits.append(o.detach()))
+        h2 = model.verifier_lm_head.register_forward_hook(lambda m, a, o: teacher.append(o.detach()))
+        _, _loss, metrics = model(**speculators_inputs(b, tc.ttt_steps, in_vocab), ttt_steps=tc.ttt_steps,
+                                  ttt_step_loss_decay=tc.gamma, loss_config=loss_config)
+        h1.remove()
+        h2.remove()
+        flex = build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="simple_flex_attention")
+        flex.load_state_dict(saved, strict=False)
+        flex_logits: list[Tensor] = []
+        h3 = flex.eval().lm_head.register_forward_hook(lambda m, a, o: flex_logits.append(o.detach()))
+        flex(**speculators_inputs(b, tc.ttt_steps, in_vocab, pad_to=pad_to), ttt_steps=tc.ttt_steps,
+             loss_config=loss_config)
+        h3.remove()
+        T = b.input_ids.shape[1]
+        tensors = {"aux": b.aux, "final": b.final.float(), "input_ids": b.input_ids, "loss_mask": b.loss_mask,
+                   "position_ids": b.position_ids, "doc_ids": b.doc_ids, "teacher": teacher[0],
+                   **{f"logits{j}": t for j, t in enumerate(logits)},
+                   **{f"flex_logits{j}": t[:, :T] for j, t in enumerate(flex_logits)},
+                   **{f"m.{k}": v.reshape(1).float() for k, v in metrics.items()}}
+        path = probe_dir / f"{case}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        files[case] = str(path)
+    return files
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
@@ -372,13 +469,13 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
 def load_saved_draft(draft_dir: str | Path, store: Any) -> tuple[Any, dict[str, Any]]:
     """(eaglet's Eagle3Draft, load_draft's meta) of the checkpoint in `draft_dir` (any format
     load_draft reads), the target's embedding from `store`'s head file when the file lacks it."""
-    from eaglet.export import load_draft
-    from eaglet.model import Eagle3Draft
+    from eaglet.formats.serving import load_draft
+    from eaglet.draft.model import Eagle3Draft
 
     dcfg, state, meta = load_draft(draft_dir)
     draft = Eagle3Draft(dcfg)
     if "embed_tokens.weight" in meta["missing"]:
-        state["embed_tokens.weight"] = load_head(store, torch.device("cpu")).embed
+        state["embed_tokens.weight"] = store.target_head(torch.device("cpu")).embed
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return draft, meta
 
@@ -386,14 +483,14 @@ def load_saved_draft(draft_dir: str | Path, store: Any) -> tuple[Any, dict[str, 
 def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path, states: Any = None) -> dict[str, Any]:
     """eaglet's evaluate_draft of the draft in `draft_dir` (any format load_draft reads) on the
     run's held-out prompts, with cfg.eval's settings (chain or tree, temperature, ...)."""
-    from eaglet.chat import load_tokenizer
-    from eaglet.evaluate import evaluate_draft, heldout_prompts, resolve_eval_dtype
-    from eaglet.prepared import PreparedData
-    from eaglet.target import load_target
+    from eaglet.targets.chat import load_tokenizer
+    from eaglet.stages.evaluate import evaluate_draft, heldout_prompts, resolve_eval_dtype
+    from eaglet.formats.prepared import PreparedData
+    from eaglet.targets.load import load_target
 
     run_dir = Path(run_dir)
     if states is None:  # the held-out split and the head need no target, even for an online run
-        from eaglet.online import split_source
+        from eaglet.stages.online import split_source
         from eaglet.pipeline import STAGE_NAMES
 
         store = StoreReader(run_dir / "extract", verify=False)
@@ -417,7 +514,8 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", help="eaglet config of the run")
+    ap.add_argument("config", nargs="?", default=None,
+                    help="eaglet config of the run (default none: the defaults and the --set overrides).")
     ap.add_argument("--run-dir", required=True, help="Run folder that has gone through `eaglet run --until vocab`.")
     ap.add_argument("--steps", type=int, help="Optimizer steps (default: train.max_steps / train.epochs).")
     ap.add_argument("--out", required=True, help="Folder for the speculators checkpoint, train_log.jsonl, bench.json.")
@@ -427,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask", default="eaglet", choices=MASKS, help="Loss mask convention (module header).")
     ap.add_argument("--init", default="eaglet", choices=INITS, help="Initial weights (module header).")
     ap.add_argument("--log-every", type=int, default=1, help="Log a line every N optimizer steps.")
+    ap.add_argument("--probe", metavar="DIR", help="Also write speculators' forward of the saved draft on the first "
+                                                     "micro-batch to DIR (module header, `probe_forward`).")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="Override a config key (repeatable), as `eaglet --set`.")
     args = ap.parse_args(argv)
@@ -435,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
                                     mask=args.mask, init=args.init)
     if args.eval:
         result["eval"] = evaluate_saved_draft(cfg, args.run_dir, args.out)["aggregate"]
+    if args.probe:
+        result["probe"] = probe_forward(cfg, args.run_dir, args.out, args.probe, result["first_micro_batch"],
+                                        args.loss_impl)
+    if args.eval or args.probe:
         atomic_write_json(Path(args.out) / RESULT_FILE, result)
     print(json.dumps(result))
     return 0

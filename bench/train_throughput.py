@@ -5,12 +5,12 @@
     python bench/train_throughput.py --system speculators --preset kimi-k2 --tokens 4096
     python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1       # CPU smoke test
 
-eaglet: its own step (`train.micro_batch` = `train.forward_loss` + backward, then
-`train.optimizer_step`) on a draft built by `parallel.parallelize` as the Trainer builds it
-(bf16 autocast over fp32 weights on CUDA, frozen embedding and teacher head in bf16,
-`train.compile` and `train.attn_impl` as given), on synthetic inputs of the real shapes (bench/
-scaling.py's presets and batches): random captured states and tokens, `--tokens` per
-micro-batch made of documents of `--doc-tokens`, a random target head for the teacher.
+eaglet: its own step (`eaglet.draft.step.micro_batch` = `forward_loss` + backward, then
+`optimizer_step`) on a draft built by `eaglet.draft.parallelize.parallelize` as the Trainer
+builds it (bf16 autocast over fp32 weights on CUDA, frozen embedding and teacher head in bf16,
+`train.compile` and `train.attn_impl` as given), on synthetic inputs of the real shapes
+(eaglet.testing.synthetic's presets and batches): random captured states and tokens, `--tokens`
+per micro-batch made of documents of `--doc-tokens`, a random target head for the teacher.
 speculators (`--system speculators`, needs the speculators 0.9.0 package): the step of
 ../shared/anchors/speculators_train_step.py (its Eagle3DraftModel forward with its TTT loop,
 flex attention and loss, backward, clip, fused AdamW, bf16 autocast over fp32 weights),
@@ -34,6 +34,7 @@ each TTT step's forward, each step's loss, backward, optimizer. Events do not sy
 --profile: torch.profiler over `--profile-steps` more steps; the top kernels by device time
 are printed and saved in the JSON (`--trace FILE` also writes the Chrome trace).
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
+--flops-only: the preset's FLOP figures alone (nothing built, nothing run).
 """
 
 from __future__ import annotations
@@ -44,28 +45,23 @@ import gc
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
-sys.path.insert(0, str(HERE))
-
-from scaling import IN_VOCAB, LOSS_SHARE, PRESETS, _batch, synthetic_loss_mask  # noqa: E402
-
-from eaglet.config import TrainSection  # noqa: E402
-import eaglet.loss as loss_mod  # noqa: E402
-from eaglet.model import DraftConfig, Eagle3Draft, compile_draft, compile_flex_attention, resolve_attn_impl  # noqa: E402
-from eaglet.parallel import Parallel, parallelize  # noqa: E402
-from eaglet.train import (TargetHead, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda, micro_batch,  # noqa: E402
-                          optimizer_step, resolve_compile)
+from eaglet.config import TrainSection
+from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
+from eaglet.draft.loss import compile_soft_ce
+from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.parallelize import Parallel, parallelize
+from eaglet.draft.step import (TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda, micro_batch,
+                               optimizer_step, resolve_compile)
+from eaglet.draft.unroll import use_fast_unroll
+from eaglet.testing.synthetic import IN_VOCAB, LOSS_SHARE, PRESETS, synthetic_batch, synthetic_loss_mask
 
 H200_BF16_PEAK = 790e12
 
@@ -83,7 +79,7 @@ def train_flops_per_token(d: dict[str, int], seq: int, k: int) -> float:
 
 
 def anchor_dims(shape: dict[str, int]) -> dict[str, int]:
-    """A scaling.py preset in the anchor script's keys."""
+    """An eaglet.testing.synthetic preset in the anchor script's keys."""
     return dict(hidden=shape["hidden_size"], heads=shape["num_attention_heads"], kv=shape["num_key_value_heads"],
                 inter=shape["intermediate_size"], vocab=shape["vocab_size"], draft_vocab=shape["draft_vocab_size"])
 
@@ -91,25 +87,24 @@ def anchor_dims(shape: dict[str, int]) -> dict[str, int]:
 # eaglet's step with one of its fast paths taken out (or, --known-vocab-mask, a later epoch's
 # teacher), for side-by-sides; each is reported in the JSON (None for speculators).
 EAGLET_SWITCHES = {
-    "--per-product-casts": "eaglet without the unroll's once-cast weights (Eagle3Draft.cast_weights): each product "
-                           "casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.",
+    "--per-product-casts": "eaglet without the unroll's once-cast weights (FastUnroll casts 'per_product'): each "
+                           "product casts its fp32 weight, as before; for a side-by-side of what the once-cast buys.",
     "--summed-weight-grads": "eaglet with autograd summing the TTT steps' weight gradients (k - 1 full-size adds per "
-                             "weight) instead of the GEMMs accumulating them (Eagle3Draft.cast_weights "
-                             "accumulate=False).",
+                             "weight) instead of the GEMMs accumulating them (FastUnroll casts 'sum').",
     "--clip-pass": "eaglet clipping with clip_grad_norm_ before the step instead of inside the fused AdamW "
-                   "(train.optimizer_step clip_in_step=False).",
+                   "(eaglet.draft.step.optimizer_step clip_in_step=False).",
     "--per-step-embeds": "eaglet with each TTT step making layer 0's q/k/v products of its token embeddings "
-                         "(Eagle3Draft.embeds_once False) instead of making them once and shifting them.",
+                         "(FastUnroll embeds_once False) instead of making them once and shifting them.",
     "--all-head-rows": "eaglet with the LM head over every row of every step instead of the rows each step's loss "
                        "can count (Batch.head_rows: trained tokens within their document); the active rows come "
                        "from those, so TTT steps 1.. run over every row too (--all-step-rows).",
     "--all-step-rows": "eaglet with TTT steps 1.. over every row instead of the rows some step from 1 on counts "
                        "(Batch.active_rows); the LM head still over the counted rows.",
-    "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train.VocabMaskCache, from a "
+    "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train_data.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
     "--plain-optimizer": "eaglet with torch's fused AdamW over fp32 gradients (train.unroll_optimizer false: the "
                          "unroll's bf16 gradients cast into .grad, the weights cast again each step) instead of "
-                         "UnrollAdamW (eaglet/optim.py); the flags above that change the casts or the clipping "
+                         "UnrollAdamW (eaglet/draft/optim.py); the flags above that change the casts or the clipping "
                          "imply it.",
 }
 
@@ -117,7 +112,7 @@ EAGLET_SWITCHES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system", choices=["eaglet", "speculators"], default="eaglet")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="Draft shape (bench/scaling.py).")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="Draft shape (eaglet.testing.synthetic.PRESETS).")
     ap.add_argument("--tokens", type=int, default=8192, help="Tokens per micro-batch (one packed sequence).")
     ap.add_argument("--doc-tokens", type=int, default=None, help="Tokens per document (default: --tokens, one document).")
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -139,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=25, help="Kernels listed by --profile.")
     ap.add_argument("--trace", default=None, help="With --profile: also write the Chrome trace here.")
     ap.add_argument("--check", action="store_true", help="First step's losses against an eager copy (eaglet).")
+    ap.add_argument("--flops-only", action="store_true",
+                    help="Report the FLOP figures of the preset's step (--tokens, --doc-tokens, --ttt-steps) and stop: "
+                         "nothing built or run.")
     ap.add_argument("--no-vocab-mask", action="store_true",
                     help="eaglet with train.mask_out_of_vocab false: the teacher over the draft columns only, "
                          "as speculators computes it (no full-vocabulary argmax).")
@@ -148,8 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Share of the synthetic rows whose teacher argmax is a draft token (the rows the "
                          "out-of-vocabulary mask keeps; real data's is about the vocab stage's coverage).")
     ap.add_argument("--loss-share", type=float, default=LOSS_SHARE,
-                    help="Share of the synthetic tokens trained on (loss mask 1), both systems (scaling.LOSS_SHARE: "
-                         "measured on the default ShareGPT data).")
+                    help="Share of the synthetic tokens trained on (loss mask 1), both systems "
+                         "(eaglet.testing.synthetic.LOSS_SHARE: measured on the default ShareGPT data).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.doc_tokens = args.doc_tokens or args.tokens
@@ -364,32 +362,33 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         compile_flex_attention()
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    head = TargetHead(lm_head=(torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen), norm=None,
-                      norm_eps=cfg.rms_norm_eps, embed=None)
-    draft.embeds_once = not args.per_step_embeds
-    if args.per_product_casts:
-        draft.cast_weights = lambda dtype: None  # ttt_steps then leaves the casts to autocast in each product
-    elif args.summed_weight_grads:
-        draft.cast_weights = partial(draft.cast_weights, accumulate=False)
-    reference = copy.deepcopy(draft) if args.check and compiled else None
-    teacher = TeacherHead.for_training(head, tc)
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen)  # the target's, random
+    reference = copy.deepcopy(draft) if args.check and compiled else None  # eager: no unroll installed yet
+    teacher = TeacherHead(lm_head, norm_eps=cfg.rms_norm_eps, chunk=tc.teacher_chunk,
+                          mask_out_of_vocab=tc.mask_out_of_vocab)
     if args.compile_backend == "inductor":
         par = parallelize(draft, teacher, "none", device, frozen_dtype=frozen, compile=compiled)
     else:  # the same pieces through another backend
-        par = parallelize(draft, teacher, "none", device, frozen_dtype=frozen)
+        par = parallelize(draft, teacher, "none", device, frozen_dtype=frozen, compile=False)
         if compiled:
-            compile_draft(draft, backend=args.compile_backend)
-            loss_mod._compiled_soft_ce = torch.compile(loss_mod.masked_soft_ce, backend=args.compile_backend)
+            use_fast_unroll(draft, compile=True, backend=args.compile_backend)
+            compile_soft_ce(backend=args.compile_backend)
             par = replace(par, compiled=True)
-    # the trainer's optimizer for one process (UnrollAdamW under bf16, eaglet/optim.py); torch's AdamW
+    # the switches that take one of the unroll's fast paths out (EAGLET_SWITCHES), on the unroll installed
+    draft.unroll.embeds_once = not args.per_step_embeds
+    if args.per_product_casts:
+        draft.unroll.casts = "per_product"  # the casts left to autocast in each product
+    elif args.summed_weight_grads:
+        draft.unroll.casts = "sum"  # cast once, autograd sums the steps' weight gradients
+    # the trainer's optimizer for one process (UnrollAdamW under bf16, eaglet/draft/optim.py); torch's AdamW
     # with --plain-optimizer and with the flags that bring back a per-step cast or a separate clip
     plain = args.plain_optimizer or args.per_product_casts or args.summed_weight_grads or args.clip_pass
     opt = build_optimizer(draft, replace(tc, unroll_optimizer=not plain), "none", device, device.type == "cuda",
                           compiled)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    b = _batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=head.lm_head, in_vocab=args.in_vocab,
-               loss_share=args.loss_share, ttt_steps=0 if args.all_head_rows else tc.ttt_steps)
+    b = synthetic_batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=lm_head, in_vocab=args.in_vocab,
+                        loss_share=args.loss_share, ttt_steps=0 if args.all_head_rows else tc.ttt_steps)
     with torch.no_grad():
         known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
     in_vocab_rows = float(known.float().mean())
@@ -438,6 +437,7 @@ def _check_against_eager(reference: Eagle3Draft, par: Parallel, b: Any, tc: Trai
     """Losses of one forward of the compiled draft and of an eager copy with the same weights
     (read back once, before the timed steps)."""
     ref_par = parallelize(reference, par.teacher, "none", device, frozen_dtype=frozen, compile=False)
+    reference.unroll.embeds_once, reference.unroll.casts = par.draft.unroll.embeds_once, par.draft.unroll.casts
     with torch.no_grad():
         want = forward_loss(ref_par, reference, b, tc, autocast)
     got = forward_loss(par, par.module, b, tc, autocast)  # with grad: the graphs training uses
@@ -530,15 +530,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.tokens % args.doc_tokens:
         raise SystemExit(f"--tokens {args.tokens} is not a multiple of --doc-tokens {args.doc_tokens}")
+    d = anchor_dims(PRESETS[args.preset])
+    flops = train_flops_per_token(d, args.doc_tokens, args.ttt_steps)
+    extra = 2 * d["hidden"] * (d["vocab"] - d["draft_vocab"])
+    figures = {"anchor_dims": d, "gflop_per_token": flops / 1e9, "gflop_per_token_full_teacher": (flops + extra) / 1e9,
+               "flops_formula": "anchor train_flops_per_token"}
+    if args.flops_only:
+        report = {"system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
+                  "ttt_steps": args.ttt_steps, **figures}
+        print(f"{args.preset} documents of {args.doc_tokens}, {args.ttt_steps} TTT steps: "
+              f"{report['gflop_per_token']:.2f} GFLOP/token (anchor formula), "
+              f"{report['gflop_per_token_full_teacher']:.2f} with the full-vocabulary teacher", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        return report
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # set_device needs an index
         torch.cuda.set_device(device)
     res = run_eaglet(args, device) if args.system == "eaglet" else run_speculators(args, device)
-    d = anchor_dims(PRESETS[args.preset])
-    flops = train_flops_per_token(d, args.doc_tokens, args.ttt_steps)
-    extra = 2 * d["hidden"] * (d["vocab"] - d["draft_vocab"])
     tok_s = args.tokens / (res["step_ms"] / 1000)
     report = {
         "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
@@ -547,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **{k: getattr(args, k) if args.system == "eaglet" else None
            for k in (f[2:].replace("-", "_") for f in EAGLET_SWITCHES)},
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
-        "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token",
+        "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": figures["flops_formula"],
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,

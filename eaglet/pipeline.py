@@ -7,7 +7,7 @@ input hash of the stage before it, so a change anywhere reruns that stage and al
 `eaglet run` skips a stage whose manifest is complete with the same input hash.
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
-(they split the work, see eaglet/parallel.py); the other stages run on rank 0 while the
+(they split the work, see eaglet/draft/parallelize.py); the other stages run on rank 0 while the
 others wait; rank 0 alone writes manifests. run.dir must be one folder all ranks see.
 """
 
@@ -19,26 +19,16 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .config import Config
-from .parallel import broadcast_object, dist_env, init_distributed, run_on_main
+from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
+from .stages.context import StageContext
 from .utils import atomic_write_text, file_fingerprint, log
 
 MANIFEST = "manifest.json"
-
-
-@dataclass
-class StageContext:
-    """What a stage function receives besides the config."""
-
-    name: str
-    out_dir: Path  # this stage's folder (exists)
-    run_dir: Path
-    input_hash: str
-    upstream: dict[str, Path] = field(default_factory=dict)  # earlier stages' folders by name
 
 
 @dataclass(frozen=True)
@@ -62,15 +52,15 @@ def _target_files(cfg: Config) -> list[str]:
 
 
 STAGES: list[Stage] = [
-    Stage("prepare", ("target", "prepare"), "eaglet.prepare:run_prepare",
+    Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
           lambda cfg: list(cfg.prepare.data) + _target_files(cfg)),
-    Stage("extract", ("target", "extract"), "eaglet.extract:run_extract", distributed=True),
-    Stage("vocab", ("vocab",), "eaglet.vocab:run_vocab"),
-    Stage("train", ("train",), "eaglet.train:run_train",
+    Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True),
+    Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab"),
+    Stage("train", ("train",), "eaglet.stages.train:run_train",
           lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else [],
           distributed=True),
-    Stage("export", ("export", "target"), "eaglet.export:run_export"),
-    Stage("eval", ("eval",), "eaglet.evaluate:run_eval"),
+    Stage("export", ("export", "target"), "eaglet.stages.export:run_export"),
+    Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval"),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 PREFLIGHT_STAGES = ("extract", "train")  # stages that load large things: the doctor's cheap checks run first
@@ -129,7 +119,7 @@ def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]
 def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
               preflight: bool = True) -> dict[str, Any]:
     """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
-    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/doctor.py)."""
+    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/checks/doctor.py)."""
     init_distributed(cfg.run.dist_timeout_minutes)
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
@@ -156,7 +146,7 @@ def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream
         log(f"[{stage.name}] up to date ({out_dir}), skipped")
         return old
     if preflight and stage.name in PREFLIGHT_STAGES:
-        from .doctor import preflight as run_preflight
+        from .checks.doctor import preflight as run_preflight
 
         run_on_main(run_preflight, cfg, stage.name)  # raises PreflightError before any weights load
 

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+import torch
+
+from . import pipeline
+from .checks.findings import Probe, Report
 from .config import Config
+from .targets.load import TargetParts, model_from_config
 
 SHADOW_LAYERS = 8  # >= 8: the default layer ids [2, L//2, L-3] are distinct
 SHADOW_RECORDS = 16  # records read per data file
@@ -86,8 +92,6 @@ def _drop_derived(c: dict[str, Any], obj: Any) -> None:
     its sub-configs as __init__ arguments) and the aliases of its attribute_map (Qwen3-MoE
     saves num_experts as num_local_experts: dropped, the tiny model had the default 128)."""
     if dataclasses.is_dataclass(obj):
-        import inspect
-
         declared = {f.name for f in dataclasses.fields(obj)}
         declared |= set(inspect.signature(type(obj).__init__).parameters)
         aliases = getattr(type(obj), "attribute_map", None) or {}
@@ -120,10 +124,6 @@ def shrink_config(hf_config: Any, num_layers: int = SHADOW_LAYERS) -> Any:
 def build_tiny_model(hf_config: Any, trust_remote_code: bool = False, seed: int = 0) -> Any:
     """A random float32 model of the shrunk config; the final norm gets random weights so a
     teacher state without the final norm changes the top-1 token (ones would only rescale)."""
-    import torch
-
-    from .target import TargetParts, model_from_config
-
     torch.manual_seed(seed)
     model = model_from_config(shrink_config(hf_config), dtype=torch.float32, trust_remote_code=trust_remote_code)
     with torch.no_grad():
@@ -143,8 +143,6 @@ def _scaled_layers(layers: list[int] | None, old: int, new: int) -> list[int] | 
 
 def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: int) -> tuple[Config, list[str]]:
     """The user's config pointed at the tiny target and made small; returns (config, notes)."""
-    from .pipeline import STAGE_NAMES
-
     s = copy.deepcopy(cfg)
     notes = []
     s.run.dir = str(root / "run")
@@ -179,21 +177,27 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
     if tr.init_from:
         notes.append(f"train.init_from {tr.init_from} not used (its sizes are the real target's)")
         tr.init_from = None
-    if "eval" in STAGE_NAMES:
+    if "eval" in pipeline.STAGE_NAMES:
         ev = s.eval
         ev.num_prompts, ev.max_new_tokens, ev.device = 1, 16, "cpu"
         ev.dtype = "auto"
     return s, notes
 
 
-def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: int,
-               report: Callable[[str, str, str, str, str], None], keep: Path | None = None) -> None:
+def shadow_findings(p: Probe, report: Report, keep: Path | None = None) -> None:
+    """The doctor's further check (`eaglet doctor --shadow`): the shadow run on what the
+    doctor's checks found (the target's config, tokenizer and adapter), when they found it all."""
+    if p.hf_config is None or p.tokenizer is None or p.parts is None:
+        report("FAIL", "shadow", "the target's config, tokenizer and adapter", "not all resolved (see above)",
+               "fix the FAIL lines above first")
+        return
+    run_shadow(p.cfg, p.hf_config, p.tokenizer, p.parts.num_layers, report, keep=keep)
+
+
+def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: int, report: Report,
+               keep: Path | None = None) -> None:
     """Build the tiny target, run every stage, and `report(status, check, expected, found, fix)`
     one line per step. `keep`: write into this folder and leave it (default: a temp folder)."""
-    import torch
-
-    from . import pipeline
-
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="eaglet-shadow-"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and immune to a busy machine

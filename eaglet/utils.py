@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic writes, file hashing, logging."""
+"""Small shared helpers: atomic writes, file hashing, logging, dtype names, host-to-device copies."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # config names
 
 
 def log(msg: str, all_ranks: bool = False) -> None:
@@ -97,3 +101,12 @@ def file_fingerprint(path: str | Path, cache_file: Path | None = None) -> str:
         cache[key] = digest
         atomic_write_json(cache_file, cache, fsync=False)
     return digest
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for it: to a GPU from pinned memory
+    (pinned here unless it is already), asynchronously. A copy from pageable memory would
+    make the host wait."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)

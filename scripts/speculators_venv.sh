@@ -42,6 +42,6 @@ fi
 "${PIP[@]}" --no-deps "speculators==0.9.0"
 "${PIP[@]}" --no-deps -e .
 "$VENV/bin/python" -c "
-import importlib.metadata as md, torch, transformers, speculators.models, eaglet.export
+import importlib.metadata as md, torch, transformers, speculators.models, eaglet.formats.serving
 print('[speculators_venv] speculators', md.version('speculators'), 'torch', torch.__version__,
       'transformers', transformers.__version__)"

@@ -29,7 +29,8 @@ def tiny_pipeline_upto_vocab(tmp, conversations: int, seed: int, overrides: list
     """A tiny Llama target and `conversations` chat records in `tmp`, run through prepare,
     extract and vocab into tmp/run; returns the overrides (target, data and `overrides`) that
     later runs on a copy of tmp/run take."""
-    from eaglet import pipeline, tiny
+    from eaglet import pipeline
+    from eaglet.testing import tiny
     from eaglet.config import load_config
 
     target = tiny.save_target(tmp / "target", family="llama", template="llama3")

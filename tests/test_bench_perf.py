@@ -49,8 +49,8 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
     the rows TTT steps 1.. run over."""
     import torch
 
-    from eaglet.loss import active_rows, head_rows
-    from eaglet.model import DraftConfig
+    from eaglet.draft.loss import active_rows, head_rows
+    from eaglet.draft.model import DraftConfig
 
     shape = train_throughput.PRESETS["tiny"]
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
@@ -72,8 +72,8 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     a uniformly random token (about draft/target vocabulary: a quarter at the 8B dims)."""
     import torch
 
-    from eaglet.loss import teacher_targets
-    from eaglet.model import DraftConfig
+    from eaglet.draft.loss import teacher_targets
+    from eaglet.draft.model import DraftConfig
 
     shape = dict(train_throughput.PRESETS["tiny"])
     if wide:
@@ -164,8 +164,9 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
 
     import torch
 
-    from eaglet.extract import _extract_loop
-    from eaglet.target import TargetParts, resolve_layers
+    from eaglet.stages.extract import extract_samples
+    from eaglet.targets.load import TargetParts
+    from eaglet.targets.families import resolve_layers
 
     model = extract_throughput.build_target("tiny", None, torch.device("cpu"), torch.float32)
     parts = TargetParts.of(model)
@@ -184,7 +185,7 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
 
     waits: dict[str, float] = {}
     writer = SlowWriter()
-    tokens = _extract_loop(data, list(range(6)), parts, layers, torch.float32, writer, batch_tokens=32,
+    tokens = extract_samples(data, list(range(6)), parts, layers, torch.float32, writer, batch_tokens=32,
                            max_batch_size=2, show=False, waits=waits)
     assert tokens == 6 * 16 and sorted(writer.added) == sorted(int(i) for i in data.sample_ids)
     assert set(waits) == {"pin_alloc_s", "copy_wait_s", "writer_wait_s", "loop_s"}

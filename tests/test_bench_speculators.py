@@ -20,15 +20,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet import cli, tiny
+from eaglet import cli
+from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.export import load_draft
-from eaglet.extract import HEAD_FILE
-from eaglet.loss import step_mask, teacher_targets, ttt_loss
-from eaglet.model import Eagle3Draft
-from eaglet.store import StoreReader
-from eaglet.train import Trainer, build_draft, load_batch, load_head
-from eaglet.vocab import load_vocab
+from eaglet.formats.serving import load_draft
+from eaglet.formats.store import HEAD_FILE
+from eaglet.draft.loss import step_mask, teacher_targets, ttt_loss
+from eaglet.draft.model import Eagle3Draft
+from eaglet.formats.store import StoreReader
+from eaglet.stages.train import Trainer, build_draft
+from eaglet.stages.train_data import load_batch
+from eaglet.formats.vocab import load_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -51,8 +53,8 @@ sys.path.insert(0, str(Path.cwd() / "bench"))
 import speculators_train as st
 from speculators.losses import resolve_loss_config
 from eaglet.config import load_config
-from eaglet.train import load_batch, load_head
-from eaglet.vocab import load_vocab
+from eaglet.stages.train_data import load_batch
+from eaglet.formats.vocab import load_vocab
 
 config, run, out, probe, sets, first_ids = sys.argv[1:7]
 cfg = load_config(config, json.loads(sets))
@@ -79,7 +81,7 @@ d2t, t2d = load_vocab(Path(run) / "vocab")
 saved = load_file(str(Path(out) / "model.safetensors"))
 loss_config = resolve_loss_config("kl_div", implementation="eager")
 for case, states in (("post_norm", st.open_states(run)), ("pre_norm", PreNorm(st.open_states(run)))):
-    head = load_head(states, torch.device("cpu"))
+    head = states.target_head(torch.device("cpu"))
     model = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="eager")
     missing, unexpected = model.load_state_dict(saved, strict=False)
     assert not unexpected and set(missing) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, (missing, unexpected)
@@ -136,9 +138,9 @@ def spec_run(tmp_path_factory):
     cfg = load_config(cfg_path, [*sets, f"train.max_steps={STEPS}"])
     store = StoreReader(root / "run" / "extract")
     d2t, t2d = load_vocab(root / "run" / "vocab")
-    head = load_head(store, torch.device("cpu"))
+    head = store.target_head(torch.device("cpu"))
     # The Trainer takes over the head it is given (it frees the tensors): give it its own.
-    trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), load_head(store, torch.device("cpu")),
+    trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), store.target_head(torch.device("cpu")),
                       root / "eaglet")
     micro = trainer.micro_batches(0, 0)
     plan = [next(micro)[2] for _ in range(cfg.train.grad_accum)]

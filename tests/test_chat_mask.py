@@ -1,4 +1,4 @@
-"""Loss masks from eaglet.chat, checked token by token against hand-built expectations.
+"""Loss masks from eaglet.targets.chat, checked token by token against hand-built expectations.
 
 The expectation never uses the code under test: each test writes out the text the template
 must produce as a list of (piece, is_assistant) pairs, decodes the token ids one at a time
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaglet.chat import (
+from eaglet.targets.chat import (
     MaskMismatch,
     TemplateError,
     check_fast_tokenizer,
@@ -21,7 +21,7 @@ from eaglet.chat import (
     spans_to_mask,
 )
 from eaglet.config import ConfigError
-from eaglet.tiny import CHATML_TEMPLATE, TEMPLATES, build_tokenizer
+from eaglet.testing.tiny import CHATML_TEMPLATE, TEMPLATES, build_tokenizer
 
 SYSTEM = "You answer briefly."
 DEFAULT_SYSTEM = "You are a helpful AI assistant named Tiny."

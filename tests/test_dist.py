@@ -27,10 +27,12 @@ import pytest
 import torch
 import yaml
 
-from eaglet import pipeline, tiny
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.parallel import DistEnv, resolve_strategy
-from eaglet.store import StoreReader
+from eaglet.distributed import DistEnv
+from eaglet.draft.parallelize import resolve_strategy
+from eaglet.formats.store import StoreReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 REPO = Path(__file__).resolve().parent.parent

@@ -15,9 +15,13 @@ import pytest
 import torch
 import yaml
 
-from eaglet import cli, pipeline, tiny
+from eaglet import cli
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.doctor import PreflightError, diagnose, run_doctor
+from eaglet.checks.doctor import diagnose, run_doctor
+from eaglet.checks.findings import PreflightError
+from eaglet.shadow import shadow_findings
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,7 +132,7 @@ def test_unsupported_architecture(tmp_path, assets):
             shutil.copy(f, folder)
     (f,) = _fails(_cfg(tmp_path, assets, f"target.path={folder}"))
     assert f.check == "architecture" and "GPT2LMHeadModel" in f.found
-    assert "Llama" in f.expected and "DeepSeek-V3" in f.expected and "eaglet/families.py" in f.fix
+    assert "Llama" in f.expected and "DeepSeek-V3" in f.expected and "eaglet/targets/families.py" in f.fix
 
 
 def test_removed_kwarg_in_a_contract(tmp_path, assets, monkeypatch):
@@ -173,7 +177,7 @@ def test_remote_code_is_named(tmp_path, assets):
 
 
 def test_preflight_stops_extract_before_loading_weights(tmp_path, assets, monkeypatch):
-    import eaglet.extract as extract_mod
+    import eaglet.stages.extract as extract_mod
 
     cfg = _cfg(tmp_path, assets, "extract.layers=[2, 9]")
     pipeline.run_stage(cfg, "prepare")
@@ -197,7 +201,7 @@ def test_preflight_stops_extract_before_loading_weights(tmp_path, assets, monkey
 def test_shadow_run(tmp_path, assets, family):
     lines = []
     t0 = time.time()
-    rc = run_doctor(_cfg(tmp_path, assets, family=family), shadow=True, out=lines.append)
+    rc = run_doctor(_cfg(tmp_path, assets, family=family), out=lines.append, more=shadow_findings)
     seconds = time.time() - t0
     assert rc == 0, "\n".join(lines)
     shadow = [ln for ln in lines if "shadow:" in ln]

@@ -6,11 +6,14 @@ import json
 import pytest
 import torch
 
-from eaglet import cli, pipeline, tiny, train
+from eaglet import cli
+from eaglet import pipeline
+from eaglet.testing import tiny
+from eaglet.stages import train
 from eaglet.config import load_config
-from eaglet.export import load_draft
-from eaglet.store import StoreReader
-from eaglet.vocab import load_vocab
+from eaglet.formats.serving import load_draft
+from eaglet.formats.store import StoreReader
+from eaglet.formats.vocab import load_vocab
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def test_training_starts_from_an_exported_checkpoint(finished_run, fmt):
     cfg = load_config(None, [*sets, f"train.init_from={export}"])
     store = StoreReader(root / "run" / "extract")
     d2t, t2d = load_vocab(root / "run" / "vocab")
-    head = train.load_head(store, torch.device("cpu"))
+    head = store.target_head(torch.device("cpu"))
     model = train.build_draft(cfg, store, d2t, t2d, head)
     _, state, _ = load_draft(export)
     for k, v in state.items():

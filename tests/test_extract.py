@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-import eaglet.extract as extract_mod
+import eaglet.stages.extract as extract_mod
 from eaglet.config import Config
-from eaglet.extract import pad_batch, plan_batches, run_extract
-from eaglet.pipeline import StageContext
-from eaglet.prepared import PreparedData, PreparedWriter
-from eaglet.store import INDEX, StoreReader
-from eaglet.target import TargetParts, default_layers, load_target, resolve_layers
-from eaglet.tiny import save_target
+from eaglet.stages.extract import pad_batch, plan_batches, run_extract
+from eaglet.stages.context import StageContext
+from eaglet.formats.prepared import PreparedData, PreparedWriter
+from eaglet.formats.store import INDEX, StoreReader
+from eaglet.targets.load import TargetParts, load_target
+from eaglet.targets.families import default_layers, resolve_layers
+from eaglet.testing.tiny import save_target
 
 NUM_LAYERS = 8  # default layers [2, 4, 5]: three distinct states
 POISON = 511  # a token id the random samples never use

@@ -1,4 +1,4 @@
-"""Every target family of eaglet/families.py on a tiny random model of its own transformers class.
+"""Every target family of eaglet/targets/families.py on a tiny random model of its own transformers class.
 
 Per family (and for Kimi-K2.5 both nestings: transformers' class, and a checkpoint-style
 remote-code wrapper loaded with trust_remote_code):
@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from eaglet import pipeline, tiny
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import Config, load_config
-from eaglet.doctor import run_doctor
-from eaglet.extract import HEAD_FILE, capture, head_meta, pad_batch, save_target_head
-from eaglet.families import FAMILIES, UnsupportedFamily, family_of, markdown_table
-from eaglet.loss import teacher_targets
-from eaglet.model import DraftConfig, draft_intermediate_size
-from eaglet.target import TargetParts, load_target, resolve_layers
+from eaglet.checks.doctor import run_doctor
+from eaglet.shadow import shadow_findings
+from eaglet.stages.extract import capture, head_meta, pad_batch, save_target_head
+from eaglet.formats.store import HEAD_FILE
+from eaglet.targets.families import FAMILIES, UnsupportedFamily, family_of, markdown_table
+from eaglet.draft.loss import teacher_targets
+from eaglet.draft.model import DraftConfig, draft_intermediate_size
+from eaglet.targets.load import TargetParts, load_target
+from eaglet.targets.families import resolve_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,19 +159,19 @@ def _rule_intermediate(key: str, tc: dict) -> int:
 @pytest.mark.parametrize("key,remote", VARIANTS, ids=IDS)
 def test_doctor_shadow_run_and_training(tmp_path, assets, key, remote, monkeypatch):
     """The doctor and its shadow run (every stage) pass; then more steps on the shadow's store lower the loss."""
-    import eaglet.evaluate
+    import eaglet.stages.evaluate
     from eaglet.shadow import shadow_config
-    from eaglet.train import FINAL_DIR, load_final
+    from eaglet.formats.draft import FINAL_DIR, load_final
 
     # eval's figure is a third of a shadow run's time here and has nothing per family (test_specdec draws it)
-    monkeypatch.setattr(eaglet.evaluate, "plot_eval", lambda result: b"")
+    monkeypatch.setattr(eaglet.stages.evaluate, "plot_eval", lambda result: b"")
 
     folder = _target(assets, key, remote)
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={folder}", "target.dtype=float32",
                              f"target.trust_remote_code={str(remote).lower()}", f"prepare.data=[{assets['data']}]",
                              "vocab.size=128", "train.ttt_steps=2"])
     lines: list[str] = []
-    rc = run_doctor(cfg, shadow=True, out=lines.append, keep=tmp_path / "shadow")
+    rc = run_doctor(cfg, out=lines.append, more=partial(shadow_findings, keep=tmp_path / "shadow"))
     text = "\n".join(lines)
     assert rc == 0, text
     assert not [ln for ln in lines if ln.startswith(("warn", "FAIL"))], text
@@ -231,7 +236,7 @@ def test_unsupported_family_names_the_supported_ones_and_the_module():
     with pytest.raises(UnsupportedFamily) as e:
         TargetParts.of(model)
     msg = str(e.value)
-    assert "gpt2" in msg and "eaglet/families.py" in msg
+    assert "gpt2" in msg and "eaglet/targets/families.py" in msg
     assert all(f.name in msg for f in FAMILIES.values())
     assert family_of(GPT2Config()) is None and family_of(tiny.tiny_config("qwen3")).key == "qwen3"
 
@@ -241,8 +246,8 @@ def test_kimi_k2_model_type():
     its adapter finds the parts, and train reads its saved text config through DeepseekV3Config."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from eaglet.families import text_config_from_dict
-    from eaglet.remote_kimi_k25 import KimiK2Config
+    from eaglet.targets.families import text_config_from_dict
+    from eaglet.testing.remote_kimi_k25 import KimiK2Config
 
     sizes = {k: v for k, v in tiny.tiny_config("kimi_k2").to_dict().items() if k != "model_type"}
     model = DeepseekV3ForCausalLM(KimiK2Config(**sizes))
@@ -259,6 +264,6 @@ def test_readme_has_the_generated_table():
     from pathlib import Path
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert markdown_table() in readme, "regenerate the table: python -m eaglet.families"
+    assert markdown_table() in readme, "regenerate the table: python -m eaglet.targets.families"
     first = [ln for ln in readme.splitlines() if ln.strip()][:6]
     assert not any(ln.startswith("| family") for ln in first)

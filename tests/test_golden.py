@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import pipeline, tiny
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import load_config
 
 GOLDEN = Path(__file__).parent / "golden" / "train_tiny.json"

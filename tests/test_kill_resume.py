@@ -17,9 +17,10 @@ import pytest
 import torch
 import yaml
 
-from eaglet import pipeline, tiny
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.store import StoreReader
+from eaglet.formats.store import StoreReader
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,10 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eaglet import model as M
-from eaglet.model import DraftConfig, Eagle3Draft, KVCache, ttt_attention, ttt_dense_mask
+from eaglet.draft import attention as A
+from eaglet.draft import model as M
+from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.attention import KVCache, ttt_attention, ttt_dense_mask
 
 # CPU flex_attention runs unfused (eager); that is what these tests want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -71,7 +73,7 @@ def test_ttt_attention_matches_dense_reference(impl, steps, docs):
 
 def _rows_case(q, ks, vs, rows):
     """The queries and the diagonal keys of `rows` only (flat b*T + t), as one sequence."""
-    take = [M._full_to_rows(x, rows) for x in (q, *ks[1:], *vs[1:])]
+    take = [A._full_to_rows(x, rows) for x in (q, *ks[1:], *vs[1:])]
     j = len(ks) - 1
     return take[0], [ks[0], *take[1:1 + j]], [vs[0], *take[1 + j:]]
 
@@ -88,8 +90,8 @@ def test_ttt_attention_over_some_rows_is_those_rows_of_the_whole(impl, steps, do
     q, ks, vs = qkv(steps, grad=grad)
     B, _, T, _ = q.shape
     rows = torch.tensor([0, 3, 4, 5, 9, T - 1, T, T + 2, 2 * T - 2])
-    ref = M._full_to_rows(ttt_attention(q, ks, vs, "naive", doc_ids_BT=docs), rows)
-    for merge in (None, M.merge_diagonal_stacked):
+    ref = A._full_to_rows(ttt_attention(q, ks, vs, "naive", doc_ids_BT=docs), rows)
+    for merge in (None, A.merge_diagonal_stacked):
         out = ttt_attention(*_rows_case(q, ks, vs, rows), impl, doc_ids_BT=docs, chunk=8, merge=merge, rows=rows)
         assert out.shape == (1, q.shape[1], len(rows), q.shape[3])
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -131,7 +133,7 @@ def test_block_mask_from_document_spans_is_create_block_masks(T):
         layouts.append(torch.stack(rows))
     for docs in layouts:
         B = 1 if docs is None else docs.shape[0]
-        got = M.ttt_block_mask(docs, T, torch.device("cpu"), block=block)
+        got = A.ttt_block_mask(docs, T, torch.device("cpu"), block=block)
         if docs is None:
             want = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu", BLOCK_SIZE=block)
         else:
@@ -158,7 +160,7 @@ def test_reference_is_not_trivially_matched():
     T = q.shape[2]
     wrong = torch.ones(T, T, dtype=torch.bool).tril().repeat(1, 3)[None].expand(2, T, 3 * T)
     ref = ttt_attention(q, ks, vs, "naive")
-    assert (M._naive_ttt_attention(q, ks, vs, wrong, q.shape[-1] ** -0.5) - ref).abs().max() > 1e-2
+    assert (A._naive_ttt_attention(q, ks, vs, wrong, q.shape[-1] ** -0.5) - ref).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("returns_aux", [True, False])
@@ -169,7 +171,7 @@ def test_flex_lse_api_branches(monkeypatch, returns_aux):
     params = inspect.signature(torch.nn.attention.flex_attention.flex_attention).parameters
     if ("return_aux" if returns_aux else "return_lse") not in params:
         pytest.skip("this torch has only the other LSE API")
-    monkeypatch.setattr(M, "_FLEX_RETURNS_AUX", returns_aux)
+    monkeypatch.setattr(A, "_FLEX_RETURNS_AUX", returns_aux)
     q, ks, vs = qkv(3, grad=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -180,7 +182,7 @@ def test_flex_lse_api_branches(monkeypatch, returns_aux):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (flex_attention backward)")
 @pytest.mark.parametrize("docs", [None, "packed"])
 def test_compiled_flex_on_cuda_matches_reference(docs):
-    M.compile_flex_attention(dynamic=False)
+    A.compile_flex_attention(dynamic=False)
     try:
         T = 300  # more than two 128-blocks, not a multiple of the block size
         doc_ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 300]).cuda() if docs else None
@@ -197,7 +199,7 @@ def test_compiled_flex_on_cuda_matches_reference(docs):
             if steps > 1:  # the queries and diagonal keys of some rows only (the unroll's active rows)
                 rows = torch.tensor([0, 5, 99, 100, 101, 299, 300, 450, 599], device="cuda")
                 out = ttt_attention(*_rows_case(q, ks, vs, rows), "flex", doc_ids_BT=doc_ids, rows=rows)
-                want = M._full_to_rows(ref, rows)
+                want = A._full_to_rows(ref, rows)
                 torch.testing.assert_close(out, want, rtol=2e-4, atol=2e-4)
                 w = torch.randn_like(want)
                 g_ref = torch.autograd.grad((want * w).sum(), [q, *ks, *vs])
@@ -205,7 +207,7 @@ def test_compiled_flex_on_cuda_matches_reference(docs):
                 for a, b in zip(g_out, g_ref, strict=True):
                     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
     finally:
-        M._flex_compiled = None
+        A._flex_compiled = None
 
 
 # ---- the whole unroll ---------------------------------------------------------------------
@@ -306,7 +308,7 @@ def test_later_layers_are_transformers_llama_layers():
     want = want[0] if isinstance(want, tuple) else want
     my_cos, my_sin = m.rope(pos, x.dtype)
     torch.testing.assert_close(my_cos, cos)
-    got = m.layers[1](x, None, my_cos, my_sin, M.cached_attention)
+    got = m.layers[1](x, None, my_cos, my_sin, A.cached_attention)
     torch.testing.assert_close(got, want)
     assert (got - x).abs().max() > 0.1  # the layer did something
     m.to(torch.bfloat16)  # casting the model must not round the RoPE frequencies
@@ -324,12 +326,12 @@ def test_first_layer_input_order_and_residual():
         seen = []
         layer.self_attn.q_proj.register_forward_hook(lambda mod, args, out, seen=seen: seen.append(args[0]))
         cos, sin = m.rope(torch.arange(5).expand(2, 5), h.dtype)
-        layer(h, emb, cos, sin, M.cached_attention)
+        layer(h, emb, cos, sin, A.cached_attention)
         torch.testing.assert_close(seen[0], torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], -1))
         with torch.no_grad():
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        out = layer(h, emb, cos, sin, M.cached_attention)
+        out = layer(h, emb, cos, sin, A.cached_attention)
         torch.testing.assert_close(out, layer.hidden_norm(h) if nbr else h)
 
 

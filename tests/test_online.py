@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
-from eaglet import pipeline, tiny
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.online import OnlineStates, open_states, split_source
-from eaglet.store import StoreReader
+from eaglet.stages.online import OnlineStates, open_states, split_source
+from eaglet.formats.store import StoreReader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +91,7 @@ def test_online_eval_uses_the_same_heldout_prompts(runs):
 
 
 def test_doctor_counts_the_target_in_trainings_memory_when_online(tmp_path):
-    from eaglet.doctor import run_doctor
+    from eaglet.checks.doctor import run_doctor
 
     target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(4, seed=3))

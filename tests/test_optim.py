@@ -1,4 +1,4 @@
-"""eaglet.optim: AdamW from the unroll's bf16 gradient accumulators, against torch's AdamW
+"""eaglet.draft.optim: AdamW from the unroll's bf16 gradient accumulators, against torch's AdamW
 given the same gradients as fp32 .grad; and the unroll's use of the persistent copies."""
 
 import os
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from conftest import tiny_pipeline_upto_vocab, train_on_copy
-from eaglet.model import cast_linears
-from eaglet.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies
+from eaglet.draft.casts import cast_linears
+from eaglet.draft.optim import UnrollAdamW, adamw_from_low_precision_grads, attach_unroll_copies
 
 
 def _pair(seed: int = 0):
@@ -73,11 +73,11 @@ def test_unroll_uses_the_persistent_copy_and_accumulator():
     w = cast_linears(m.named_modules(), torch.bfloat16)
     assert w["0"] is copies[m[0].weight].weight and w["0.grad"] is copies[m[0].weight].grad
     assert w["0.link"].requires_grad and w["0.link"].is_leaf
-    from eaglet.model import _linear
+    from eaglet.draft.casts import linear
 
     x = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = _linear(m[0], "0", x, w)
+        y = linear(m[0], "0", x, w)
     y.float().sum().backward()
     assert m[0].weight.grad is None
     want = torch.ones(5, 40, dtype=torch.bfloat16).t() @ x.detach()

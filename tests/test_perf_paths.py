@@ -6,7 +6,8 @@
   former formula (kept here as the reference) gives, bit for bit;
 - merge_diagonal_stacked (the compiled path's merge) matches _merge_diagonal and the dense
   reference attention;
-- compile_draft + the compiled soft CE: the same losses and gradients as eager, one graph
+- the fast unroll compiled (use_fast_unroll(compile=True)) + the compiled soft CE: the same
+  losses and gradients as eager, one graph
   per piece whatever the TTT step (torch.compile's "eager" backend: dynamo's capture and
   guards, fast; set EAGLET_PERF_FULL=1 to also run inductor's generated code, which
   takes about a minute to compile on a 2-core CPU the first time, seconds from its cache);
@@ -23,13 +24,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import eaglet.loss as loss_mod
+import eaglet.draft.loss as loss_mod
 from eaglet.config import TrainSection
-from eaglet.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
-from eaglet.model import (DraftConfig, Eagle3Draft, _linear, _merge_diagonal, cast_linears, compile_draft,
-                          merge_diagonal_stacked, ttt_attention)
-from eaglet.parallel import parallelize
-from eaglet.train import Batch, TargetHead, TeacherHead, micro_batch, optimizer_step
+from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
+from eaglet.draft.casts import cast_linears, linear
+from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.step import Batch, TeacherHead, micro_batch, optimizer_step
+from eaglet.draft.unroll import use_fast_unroll
+from eaglet.draft.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
+from eaglet.draft.parallelize import parallelize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -209,7 +212,8 @@ def _check_compiled(backend, monkeypatch, steps=4):
     ref = Eagle3Draft(CFG)
     comp = Eagle3Draft(CFG)
     comp.load_state_dict(ref.state_dict())
-    compile_draft(comp, **kw)
+    use_fast_unroll(ref)
+    use_fast_unroll(comp, compile=True, **kw)
     monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, **kw))
     want, want_g = _loss_and_grads(ref, False, steps)
     got, got_g = _loss_and_grads(comp, True, steps)
@@ -222,7 +226,7 @@ def _check_compiled(backend, monkeypatch, steps=4):
     return graphs, comp
 
 
-def test_compile_draft_matches_eager_one_graph_per_piece(monkeypatch):
+def test_compiled_unroll_matches_eager_one_graph_per_piece(monkeypatch):
     torch._dynamo.reset()
     graphs, comp = _check_compiled("count", monkeypatch, steps=4)
     # embed_projection (once per unroll), attn_inputs, attn_output, head: one graph each for
@@ -238,12 +242,8 @@ def _linear_weight_shapes(model):
     return {tuple(m.weight.shape) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)}
 
 
-def _per_product_casts(dtype, accumulate=True):
-    return None  # Eagle3Draft.cast_weights switched off: autocast casts inside each product, cached
-
-
 def test_unroll_casts_each_linear_weight_once(monkeypatch):
-    """Under autocast the TTT unroll casts each linear weight once (Eagle3Draft.cast_weights)
+    """Under autocast the TTT unroll casts each linear weight once (FastUnroll.cast_weights)
     and every step uses that copy. Eager, with autograd summing the steps' gradients
     (accumulate=False): exactly the loss and gradients of autocast's own cached casts. With
     the GEMMs accumulating them (the default): the same loss, the same gradients for all but
@@ -255,13 +255,11 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     weight, not of the column slice that the once-made products take.)"""
     torch.manual_seed(0)
     model = Eagle3Draft(CFG)
-    model.embeds_once = False
-    with monkeypatch.context() as m:
-        m.setattr(model, "cast_weights", _per_product_casts)
-        want, want_g = _loss_and_grads(model, bf16=True)
-    with monkeypatch.context() as m:
-        m.setattr(model, "cast_weights", partial(model.cast_weights, accumulate=False))
-        summed, summed_g = _loss_and_grads(model, bf16=True)
+    unroll = use_fast_unroll(model, embeds_once=False, casts="per_product")  # autocast casts inside each product
+    want, want_g = _loss_and_grads(model, bf16=True)
+    unroll.casts = "sum"
+    summed, summed_g = _loss_and_grads(model, bf16=True)
+    unroll.casts = "accumulate"
     assert torch.equal(summed.total, want.total)
     assert summed_g.keys() == want_g.keys() and all(torch.equal(summed_g[k], want_g[k]) for k in want_g)
     got, got_g = _loss_and_grads(model, bf16=True)
@@ -286,14 +284,12 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
 
         comp = Eagle3Draft(CFG)
         comp.load_state_dict(model.state_dict())
-        if not cast:
-            comp.cast_weights = _per_product_casts
-        compile_draft(comp, backend=backend)
+        use_fast_unroll(comp, compile=True, backend=backend, casts="accumulate" if cast else "per_product")
         out, grads = _loss_and_grads(comp, bf16=True)
         torch._dynamo.reset()
         return sum(x.dtype == torch.float32 and tuple(x.shape) in shapes for x in seen), out, grads
 
-    model.embeds_once = True  # as the compiled drafts below make them
+    unroll.embeds_once = True  # as the compiled drafts below make them
     got, got_g = _loss_and_grads(model, bf16=True)
     n, out, grads = fp32_weights_taken(cast=True)
     assert n == 0
@@ -332,7 +328,7 @@ def test_accumulating_linear_gives_autograds_gradients(bias):
     for _ in range(2):
         w = cast_linears([("proj", lin)], torch.float32)
         assert set(w) == {"proj", "proj.grad", "proj.link"} | ({"proj.bias"} if bias else set())
-        loss(lambda x: _linear(lin, "proj", x, w)).backward()
+        loss(lambda x: linear(lin, "proj", x, w)).backward()
     assert len(hooks) == 2
     fp32 = {"rtol": 1e-5, "atol": 1e-5}  # the products run in fp32
     torch.testing.assert_close(xs[0].grad, want_x, **fp32)
@@ -364,6 +360,7 @@ def test_unroll_backward_adds_no_weight_sized_gradients(monkeypatch):
     per weight the steps share."""
     torch.manual_seed(0)
     model = Eagle3Draft(CFG)
+    unroll = use_fast_unroll(model)
     shapes = _linear_weight_shapes(model)
     steps, shared = 4, sum(isinstance(m, torch.nn.Linear) for m in [*model.layers.modules(), model.lm_head])
 
@@ -379,14 +376,14 @@ def test_unroll_backward_adds_no_weight_sized_gradients(monkeypatch):
         return mode.n
 
     assert adds_in_backward() == 0
-    monkeypatch.setattr(model, "cast_weights", partial(model.cast_weights, accumulate=False))
+    unroll.casts = "sum"
     assert adds_in_backward() >= (steps - 1) * shared
 
 
 @pytest.mark.parametrize("T, steps", [(40, 4), (3, 5)])
 def test_unroll_projects_the_embeddings_once(T, steps):
     """Step j's tokens are step 0's shifted j rows on, so the unroll makes layer 0's q/k/v
-    products of the token embeddings once and shifts them (Eagle3Draft.embeds_once). In fp64:
+    products of the token embeddings once and shifts them (FastUnroll.embeds_once). In fp64:
     every row's logits (the rows past the end included, also with more steps than rows) and
     every gradient of the per-step reference, over two layers with q/k/v biases, two samples
     and packed documents; and the forward and backward run exactly 3 (k - 1) fewer
@@ -400,13 +397,14 @@ def test_unroll_projects_the_embeddings_once(T, steps):
     model = Eagle3Draft(cfg).double()
     for p in model.parameters():  # biases and norm weights away from their zero / one inits
         torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
+    unroll = use_fast_unroll(model)
     g = torch.Generator().manual_seed(2)
     aux = torch.randn(2, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
     ids = torch.randint(0, cfg.vocab_size, (2, T), generator=g)
     pos, doc = (torch.arange(T) % 20).expand(2, T), (torch.arange(T) // 20).expand(2, T)
 
     def run(once, bf16=False):
-        model.embeds_once = once
+        unroll.embeds_once = once
         model.zero_grad(set_to_none=True)
         with FlopCounterMode(display=False) as flops, torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             logits = model(aux.to(next(model.parameters()).dtype), ids, pos, doc, num_steps=steps,
@@ -447,7 +445,7 @@ class _RowsCase:
     B, T, steps = 2, 40, 4
 
     def __init__(self, cfg, how, monkeypatch, prompts):
-        from eaglet.train import device_head_rows
+        from eaglet.draft.step import device_head_rows
 
         self.how, self.rows_of = how, partial(device_head_rows, num_steps=self.steps, device=torch.device("cpu"))
         torch.manual_seed(0)
@@ -456,7 +454,8 @@ class _RowsCase:
             torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
         if how == "compiled":
             torch._dynamo.reset()
-            compile_draft(self.model, backend="aot_eager")
+        use_fast_unroll(self.model, compile=how == "compiled", backend="aot_eager")
+        if how == "compiled":
             monkeypatch.setattr(loss_mod, "_compiled_soft_ce", torch.compile(masked_soft_ce, backend="aot_eager"))
         B, T = self.B, self.T
         g = torch.Generator().manual_seed(4)
@@ -540,7 +539,7 @@ def test_steps_after_the_first_run_over_the_rows_a_later_step_counts(how, monkey
     once or per step; chunked and naive attention), and the forward and backward skip exactly
     the dropped rows' linear products in steps 1... Compiled (aot_eager): the same, other
     masks (other active row counts) adding no graph after the first dynamic one."""
-    from eaglet.loss import active_rows, step_mask
+    from eaglet.draft.loss import active_rows, step_mask
 
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True})
     case = _RowsCase(cfg, how, monkeypatch, [(0, 3, 13), (1, 12, 33), (0, 25, 29), (1, 25, 29)])
@@ -557,7 +556,7 @@ def test_steps_after_the_first_run_over_the_rows_a_later_step_counts(how, monkey
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for once in (True, False):
-        case.model.embeds_once = once
+        case.model.unroll.embeds_once = once
         want, got = case.run(rows), case.run(rows, active)
         case.assert_same(got, want)
         # per dropped row and step: layer 0's q/k/v over its hidden half (both halves when each
@@ -590,19 +589,19 @@ def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, st
     try:
         torch.manual_seed(0)
         plain = Eagle3Draft(CFG)
+        unroll = use_fast_unroll(plain)
         if strategy == "fsdp":  # FSDP2's layer 0 is sharded outside its forward: each step projects its embeddings
-            monkeypatch.setattr(plain, "cast_weights", lambda dtype: (
-                [None] * len(plain.layers), cast_linears([("lm_head", plain.lm_head)], dtype)))
-            plain.embeds_once = False
+            monkeypatch.setattr(unroll, "cast_weights", lambda model, dtype: (
+                [None] * len(model.layers), cast_linears([("lm_head", model.lm_head)], dtype)))
+            unroll.embeds_once = False
         want, want_g = _loss_and_grads(plain, bf16=True)
         draft = Eagle3Draft(CFG)
         draft.load_state_dict(plain.state_dict())
-        head = TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size), norm=None, norm_eps=1e-6,
-                          embed=None)
-        par = parallelize(draft, TeacherHead(head, 16), strategy, torch.device("cpu"))
+        teacher = TeacherHead(torch.zeros(CFG.vocab_size, CFG.target_hidden_size), chunk=16)
+        par = parallelize(draft, teacher, strategy, torch.device("cpu"))
         casts = []
-        cast = draft.cast_weights
-        monkeypatch.setattr(draft, "cast_weights", lambda dtype: casts.append(cast(dtype)) or casts[-1])
+        cast = draft.unroll.cast_weights
+        monkeypatch.setattr(draft.unroll, "cast_weights", lambda model, dtype: casts.append(cast(model, dtype)) or casts[-1])
         got, got_g = _loss_and_grads(par.module, bf16=True)
         ((layers, lm_head),) = casts
         assert set(lm_head) == {"lm_head", "lm_head.grad", "lm_head.link"}
@@ -620,7 +619,7 @@ def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, st
 
 
 @pytest.mark.skipif(not os.environ.get("EAGLET_PERF_FULL"), reason="set EAGLET_PERF_FULL=1 (about a minute)")
-def test_compile_draft_inductor_matches_eager(monkeypatch):
+def test_compiled_unroll_inductor_matches_eager(monkeypatch):
     torch._dynamo.reset()
     _check_compiled("inductor", monkeypatch, steps=3)
     torch._dynamo.reset()
@@ -639,7 +638,8 @@ def test_inductor_backward_accumulates_weight_grads_in_place():
     ref = Eagle3Draft(CFG)
     comp = Eagle3Draft(CFG)
     comp.load_state_dict(ref.state_dict())
-    compile_draft(comp)
+    use_fast_unroll(ref)
+    use_fast_unroll(comp, compile=True)
     want, want_g = _loss_and_grads(ref, bf16=True)
     (got, got_g), codes = run_and_get_code(_loss_and_grads, comp, bf16=True)
     torch._dynamo.reset()
@@ -678,8 +678,7 @@ def test_micro_batch_makes_no_host_sync(bf16):
     T = 64
     draft = Eagle3Draft(CFG)
     aux, ids, pos, doc, final, W = _tiny_inputs(T)
-    head = TargetHead(lm_head=W, norm=None, norm_eps=1e-6, embed=None)
-    par = parallelize(draft, TeacherHead(head, 16), "none", torch.device("cpu"))
+    par = parallelize(draft, TeacherHead(W, chunk=16), "none", torch.device("cpu"))
     b = Batch(aux=aux, final=final, input_ids=ids, loss_mask=torch.ones(1, T, dtype=torch.bool), position_ids=pos,
               doc_ids=doc, tokens=T)
     tc = TrainSection(max_tokens=T, ttt_steps=3, attn_impl="chunked", precision="fp32")
@@ -699,8 +698,7 @@ def test_clip_in_the_fused_step_is_clip_grad_norm(clip):
     tc = TrainSection(grad_clip=clip, lr=1e-2)
     models = [Eagle3Draft(CFG) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    pars = [parallelize(m, TeacherHead(TargetHead(lm_head=torch.zeros(CFG.vocab_size, CFG.target_hidden_size),
-                                                  norm=None, norm_eps=1e-6, embed=None), 16), "none",
+    pars = [parallelize(m, TeacherHead(torch.zeros(CFG.vocab_size, CFG.target_hidden_size), chunk=16), "none",
                         torch.device("cpu")) for m in models]
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=tc.lr, fused=True) for m in models]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opts]

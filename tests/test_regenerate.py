@@ -6,8 +6,9 @@ import pytest
 
 import torch
 
-from eaglet import cli, tiny
-from eaglet.chat import load_tokenizer
+from eaglet import cli
+from eaglet.testing import tiny
+from eaglet.targets.chat import load_tokenizer
 from eaglet.config import load_config
 
 
@@ -79,7 +80,7 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
     assert any(m["role"] == "assistant" for r in outs["continuous"] for m in r["messages"])
 
     # With a short max_length, a conversation ends at the last reply whose prompt fit.
-    from eaglet.regenerate import run_regenerate
+    from eaglet.stages.regenerate import run_regenerate
 
     cfg = load_config(None, [*sets, "prepare.max_length=40"])
     stats = run_regenerate(cfg, tmp_path / "short.jsonl", max_new_tokens=5, engine="continuous")
@@ -96,7 +97,7 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
 def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monkeypatch):
     """A kill mid-chunk keeps every conversation already finished: each is written in the
     round where its last reply was generated, and a rerun redoes only the others."""
-    from eaglet import regenerate as regen
+    from eaglet.stages import regenerate as regen
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
     records = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]
@@ -143,7 +144,7 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
 def test_static_kv_cache_gives_the_dynamic_caches_replies(tmp_path):
     """The static cache (preallocated in a few sizes, compiled on a GPU) changes how replies are
     computed, not what they are: the same greedy replies as the growing cache."""
-    from eaglet.regenerate import run_regenerate
+    from eaglet.stages.regenerate import run_regenerate
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(9, seed=5, max_turns=3))
@@ -163,7 +164,7 @@ def test_static_cache_len_is_one_of_a_few_doubling_sizes_up_to_the_limit():
     over every width (so few compiled decoding steps), never past the limit, which refuses more."""
     import math
 
-    from eaglet.regenerate import static_cache_len
+    from eaglet.stages.regenerate import static_cache_len
 
     for new_tokens, limit in ((256, 2048 + 256), (6, 160 + 6), (512, 4096)):
         sizes = set()
@@ -182,8 +183,8 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
     """Prompts of very different lengths, two per call: each call's static cache is sized to its
     own prompts (transformers alone would keep the first, longest call's size for all), and the
     replies are the growing cache's."""
-    from eaglet.regenerate import batched_generate, generation_prompt, static_cache_len
-    from eaglet.specdec import cache_kwarg
+    from eaglet.stages.regenerate import batched_generate, generation_prompt, static_cache_len
+    from eaglet.engines.specdec import cache_kwarg
 
     model, tok = tiny.build_model(), tiny.build_tokenizer()
     tok.padding_side = "left"
@@ -209,7 +210,7 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
 
 
 def test_static_cache_too_short_is_refused():
-    from eaglet.regenerate import padded_generate
+    from eaglet.stages.regenerate import padded_generate
 
     model = tiny.build_model()
     tok = tiny.build_tokenizer()
@@ -222,8 +223,8 @@ def test_kv_bytes_per_token_matches_the_cache_transformers_fills(family):
     """The batch sizing's estimate against the bytes a real forward leaves in its cache."""
     from transformers import DynamicCache
 
-    from eaglet.regenerate import auto_generate_batch, kv_bytes_per_token
-    from eaglet.specdec import cache_kwarg
+    from eaglet.stages.regenerate import auto_generate_batch, kv_bytes_per_token
+    from eaglet.engines.specdec import cache_kwarg
 
     model = tiny.build_model(family)
     n = 7  # under the tiny configs' sliding windows (8): every layer keeps every token
@@ -241,7 +242,7 @@ def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from eaglet.regenerate import batched_generate
+    from eaglet.stages.regenerate import batched_generate
 
     spec = importlib.util.spec_from_file_location("regen_bench", Path(__file__).parent.parent / "bench/regen_throughput.py")
     bench = importlib.util.module_from_spec(spec)
@@ -271,7 +272,7 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     """Two shards (as two GPUs would run them) write every record once between them, with the
     replies of one unsharded run; a rerun with another split, or none, redoes nothing, and a
     shard stopped early is finished by a rerun under a different split."""
-    from eaglet.regenerate import output_files, resolve_shard, run_regenerate, shard_path
+    from eaglet.stages.regenerate import output_files, resolve_shard, run_regenerate, shard_path
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(7, seed=3, max_turns=2))

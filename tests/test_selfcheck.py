@@ -1,6 +1,6 @@
 """The extraction self-check, proven by planting each bug it exists for into extract.
 
-Each plant wraps `eaglet.extract.capture` (the hooked, batched path); the self-check's
+Each plant wraps `eaglet.stages.extract.capture` (the hooked, batched path); the self-check's
 reference is the model's own unbatched forward, which the plant does not touch.
 """
 
@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-import eaglet.extract as extract_mod
-from eaglet import pipeline, tiny
+import eaglet.stages.extract as extract_mod
+from eaglet import pipeline
+from eaglet.testing import tiny
 from eaglet.config import Config, load_config
-from eaglet.extract import run_extract
-from eaglet.pipeline import StageContext
-from eaglet.prepared import PreparedWriter
-from eaglet.selfcheck import SelfCheckError, pick_samples
+from eaglet.stages.extract import run_extract
+from eaglet.stages.context import StageContext
+from eaglet.formats.prepared import PreparedWriter
+from eaglet.checks.selfcheck import SelfCheckError, pick_samples
 
 LENGTHS = [23, 9, 31, 17, 5, 28, 12, 20]
 
@@ -170,7 +171,7 @@ def test_tokens_below_tells_a_few_moved_tokens_from_a_wrong_state(tmp_path, targ
 
 
 def test_moe_hint_only_for_mixture_of_experts_targets():
-    from eaglet.selfcheck import moe_hint
+    from eaglet.checks.selfcheck import moe_hint
 
     assert moe_hint(tiny.tiny_config("llama")) == ""
     assert "routes tokens to experts" in moe_hint(tiny.tiny_config("deepseek_v3"))

@@ -1,4 +1,4 @@
-"""Speculative decoding (eaglet.specdec) against references on tiny fp32 targets.
+"""Speculative decoding (eaglet.engines.specdec) against references on tiny fp32 targets.
 
 - acceptance bookkeeping on hand-built sequences;
 - tree masks / positions against an explicit ancestor walk; the draft's tree scores against
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from eaglet.model import DraftConfig, Eagle3Draft
-from eaglet.specdec import (
+from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.engines.specdec import (
     DraftRunner,
     SpecSettings,
     TargetRunner,
@@ -44,7 +44,7 @@ from eaglet.specdec import (
     speculative_generate,
     verify_chain_sampling,
 )
-from eaglet.tiny import build_model
+from eaglet.testing.tiny import build_model
 
 AUX = [2, 4, 5]
 
@@ -486,10 +486,10 @@ def _eval_setup(tmp_path):
     from safetensors.torch import save_file
 
     from eaglet.config import Config
-    from eaglet.pipeline import StageContext
-    from eaglet.prepared import PreparedWriter
-    from eaglet.tiny import save_target
-    from eaglet.train import DRAFT_CONFIG, FINAL_DIR
+    from eaglet.stages.context import StageContext
+    from eaglet.formats.prepared import PreparedWriter
+    from eaglet.testing.tiny import save_target
+    from eaglet.formats.draft import DRAFT_CONFIG, FINAL_DIR
     from eaglet.utils import atomic_write_json
 
     target_dir = save_target(tmp_path / "target", num_hidden_layers=6)
@@ -522,9 +522,9 @@ def _eval_setup(tmp_path):
 
 
 def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monkeypatch):
-    from eaglet import evaluate
-    from eaglet.prepared import PreparedData
-    from eaglet.train import split_ids
+    from eaglet.stages import evaluate
+    from eaglet.formats.prepared import PreparedData
+    from eaglet.stages.train_data import split_ids
 
     cfg, ctx = _eval_setup(tmp_path)
     stats = evaluate.run_eval(cfg, ctx)

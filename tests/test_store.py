@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from eaglet.store import INDEX, CorruptShardError, StoreReader, StoreWriter, write_safetensors
+from eaglet.formats.store import INDEX, CorruptShardError, StoreReader, StoreWriter, write_safetensors
 
 H, N_AUX = 8, 3
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from eaglet.train import Trainer, epoch_plan, pack, split_ids
+from eaglet.stages.train import Trainer
+from eaglet.stages.train_data import epoch_plan, pack, split_ids
 
 
 def test_split_is_fixed_by_seed_disjoint_and_complete():
@@ -60,7 +61,7 @@ class _Samples:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (the pinned host path)"))])
 def test_load_batch_packs_documents_with_their_positions(device):
-    from eaglet.train import load_batch
+    from eaglet.stages.train_data import load_batch
 
     store = _Samples([5, 3, 9])
     b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device))  # sample 2 cut at 7
@@ -74,7 +75,7 @@ def test_load_batch_packs_documents_with_their_positions(device):
     assert b.position_ids.cpu().tolist() == [list(range(7)) + list(range(5)) + list(range(3))]
     assert b.doc_ids.cpu().tolist() == [[0] * 7 + [1] * 5 + [2] * 3]
     assert b.aux.device.type == device
-    from eaglet.loss import active_rows, head_rows
+    from eaglet.draft.loss import active_rows, head_rows
 
     b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device), ttt_steps=3)
     want = head_rows(b.loss_mask.cpu(), b.doc_ids.cpu(), 3)
@@ -89,7 +90,7 @@ def test_freeze_survivors_collects_the_garbage_and_freezes_the_rest():
     import gc
     import weakref
 
-    from eaglet.train import freeze_survivors
+    from eaglet.draft.step import freeze_survivors
 
     class Node:
         pass

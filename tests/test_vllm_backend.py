@@ -33,16 +33,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglet import vllm_backend as vb
+from eaglet.checks import selfcheck
+from eaglet.engines import vllm as ve
+from eaglet.stages import extract_vllm as vb
+from eaglet.targets import head as vh
 from eaglet.config import Config
-from eaglet.doctor import diagnose
-from eaglet.extract import run_extract
-from eaglet.pipeline import StageContext
-from eaglet.prepared import PreparedWriter
-from eaglet.selfcheck import SelfCheckError
-from eaglet.store import INDEX, StoreReader
-from eaglet.tiny import save_target
-from eaglet.train import TeacherHead, load_head
+from eaglet.checks.doctor import diagnose
+from eaglet.stages.extract import run_extract
+from eaglet.stages.context import StageContext
+from eaglet.formats.prepared import PreparedWriter
+from eaglet.checks.selfcheck import SelfCheckError
+from eaglet.formats.store import INDEX, StoreReader
+from eaglet.testing.tiny import save_target
+from eaglet.draft.step import TeacherHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = [9, 31, 4, 22, 17, 1, 12, 26]
@@ -88,7 +91,7 @@ class FakeVLLM:
         self.late_write = late_write  # as vLLM's connector: answer first, write under the held lock after
         self.corrupt, self.final_layer, self.calls, self.n = set(corrupt), final_layer, [], 0
         self.unwritten = set(unwritten)  # samples whose cache slots vLLM never wrote (zeros)
-        self.read, self.discard = vb.read_states, vb.remove_states
+        self.read, self.discard = ve.read_states, ve.remove_states
         self.version, self.lock = "fake", threading.Lock()
 
     @torch.inference_mode()
@@ -143,7 +146,7 @@ class FakeVLLM:
                          for r, (v, i) in enumerate(zip(top.values, top.indices))}
                     d.setdefault(ids[t], SimpleNamespace(logprob=float(logp[t - 1, ids[t]]), rank=99))
                     pl.append(d)
-            results.append(vb.Result(sid, path, pl))
+            results.append(ve.Result(sid, path, pl))
         return results
 
     def close(self):
@@ -206,12 +209,12 @@ def test_training_teacher_is_the_targets_logits_for_both_final_states(tmp_path, 
     every, no_offset = torch.ones(V, dtype=torch.bool), torch.zeros(V, dtype=torch.int64)
 
     def teacher(reader, sid):
-        t = TeacherHead(load_head(reader, torch.device("cpu")), chunk=64)
+        t = TeacherHead.from_head(reader.target_head(torch.device("cpu")), chunk=64)
         return t(reader.get(sid)["final"][None], every, no_offset)[0][0]
 
     pre, post = StoreReader(vllm_out), StoreReader(hf_out)
     assert (pre.meta["final_state"], post.meta["final_state"]) == ("pre_norm", "post_norm")
-    assert load_head(pre, torch.device("cpu")).norm is not None and load_head(post, torch.device("cpu")).norm is None
+    assert pre.target_head(torch.device("cpu")).norm is not None and post.target_head(torch.device("cpu")).norm is None
     for sid in (1, 3):
         with torch.inference_mode():
             want = model(input_ids=pre.get(sid)["input_ids"].long()[None]).logits[0].softmax(-1)
@@ -222,7 +225,7 @@ def test_training_teacher_is_the_targets_logits_for_both_final_states(tmp_path, 
     assert (wrong.argmax(-1) != want.argmax(-1)).float().mean() > 0.2
     pre.meta["final_state"] = "prenorm"
     with pytest.raises(ValueError, match="neither 'post_norm' nor 'pre_norm'"):
-        load_head(pre, torch.device("cpu"))
+        pre.target_head(torch.device("cpu"))
 
 
 def test_token_mismatch_is_never_stored(tmp_path, target, model, prep):
@@ -264,14 +267,14 @@ def test_to_sample_orders_layers_as_asked():
     T, H = 3, 2
     ids = [5, 2, 4, 8]  # extract.layers [5, 2, 4], then L
     hs = torch.stack([torch.full((T, H), float(i)) for i in sorted(ids)], 1)  # vLLM: increasing layer order
-    aux, final = vb.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]),
+    aux, final = ve.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]),
                               ids, H, torch.float32)
     assert aux[0].tolist() == [5, 5, 2, 2, 4, 4] and final[0].tolist() == [8, 8]
-    with pytest.raises(vb.TokenMismatch, match=r"first difference at position 1: vLLM \[9, 3\] vs prepare \[2, 3\]"):
-        vb.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 9, 3])}, np.array([1, 2, 3]), ids, H,
+    with pytest.raises(ve.TokenMismatch, match=r"first difference at position 1: vLLM \[9, 3\] vs prepare \[2, 3\]"):
+        ve.to_sample({"hidden_states": hs, "token_ids": torch.tensor([1, 9, 3])}, np.array([1, 2, 3]), ids, H,
                      torch.float32)
     with pytest.raises(ValueError, match="other eagle_aux_hidden_state_layer_ids"):
-        vb.to_sample({"hidden_states": hs[:, :3], "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]), ids, H,
+        ve.to_sample({"hidden_states": hs[:, :3], "token_ids": torch.tensor([1, 2, 3])}, np.array([1, 2, 3]), ids, H,
                      torch.float32)
 
 
@@ -286,8 +289,8 @@ def test_read_states_waits_for_the_writers_lock(tmp_path):
         fd.close()
 
     threading.Thread(target=write).start()
-    assert vb.read_states(path)["token_ids"].tolist() == [1, 2]
-    vb.remove_states(path)
+    assert ve.read_states(path)["token_ids"].tolist() == [1, 2]
+    ve.remove_states(path)
     assert not list(tmp_path.iterdir())
 
 
@@ -295,29 +298,29 @@ def test_logprob_agreement_counts_near_ties():
     g = torch.Generator().manual_seed(0)
     head = {"lm_head": torch.randn(6, 4, generator=g), "norm": torch.ones(4)}
     final = torch.randn(3, 4, generator=g)
-    ours = vb.teacher_argmax(final, head, pre_norm=False, eps=1e-6).tolist()
+    ours = selfcheck.teacher_argmax(final, head, pre_norm=False, eps=1e-6).tolist()
     other = [(i + 1) % 6 for i in ours]
     exact = [None] + [{ours[t]: SimpleNamespace(logprob=-0.1), other[t]: SimpleNamespace(logprob=-2.0)}
                       for t in range(2)]
     tie = [None] + [{str(other[t]): {"logprob": -0.10}, str(ours[t]): {"logprob": -0.12}} for t in range(2)]  # JSON
     far = [None] + [{other[t]: SimpleNamespace(logprob=-0.1), ours[t]: SimpleNamespace(logprob=-1.0)}
                     for t in range(2)]
-    assert vb.logprob_agreement(final, exact, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 2}
-    assert vb.logprob_agreement(final, tie, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 0}
-    assert vb.logprob_agreement(final, far, head, False, 1e-6) == {"tokens": 2, "agree": 0, "exact": 0}
+    assert selfcheck.logprob_agreement(final, exact, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 2}
+    assert selfcheck.logprob_agreement(final, tie, head, False, 1e-6) == {"tokens": 2, "agree": 2, "exact": 0}
+    assert selfcheck.logprob_agreement(final, far, head, False, 1e-6) == {"tokens": 2, "agree": 0, "exact": 0}
 
 
 def test_head_from_checkpoint(tmp_path, target, model):
     cfg = Config()
     cfg.target.path = str(target)
-    head = vb.read_target_head(cfg.target)
+    head = vh.read_checkpoint_head(cfg.target)
     assert torch.equal(head.tensors["lm_head"], model.lm_head.weight)
     assert torch.equal(head.tensors["embed_tokens"], model.model.embed_tokens.weight)
     assert torch.equal(head.tensors["norm"], model.model.norm.weight)
     assert (head.num_layers, head.hidden_size, head.architecture) == (L, 64, "LlamaForCausalLM")
     tied = save_target(tmp_path / "tied", family="qwen3", tie_word_embeddings=True)
     cfg.target.path = str(tied)
-    t = vb.read_target_head(cfg.target).tensors
+    t = vh.read_checkpoint_head(cfg.target).tensors
     assert torch.equal(t["lm_head"], t["embed_tokens"])
 
 
@@ -331,24 +334,24 @@ def test_norm_multiplier_follows_the_models_norm():
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
 
     w = torch.randn(8, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(vb._norm_multiplier(GemmaNorm(8), w, 1e-6), 1 + w)
+    torch.testing.assert_close(vh._norm_multiplier(GemmaNorm(8), w, 1e-6), 1 + w)
     with pytest.raises(ValueError, match="not m \\* x / rms\\(x\\)"):
-        vb._norm_multiplier(torch.nn.LayerNorm(8), w, 1e-6)
+        vh._norm_multiplier(torch.nn.LayerNorm(8), w, 1e-6)
 
 
 def test_engine_args_and_serve_command(target):
     cfg = _cfg(target, vllm_engine_args={"tensor_parallel_size": 8, "enable_expert_parallel": True})
-    args = vb.engine_args(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
+    args = ve.engine_args(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
     assert args["speculative_config"]["method"] == "extract_hidden_states"
     assert args["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == \
         [2, 4, 5, 8]
     assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"shared_storage_path": "/dev/shm/s"}
     assert args["tensor_parallel_size"] == 8 and args["max_model_len"] == 2049
-    cmd = vb.serve_command(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
+    cmd = ve.serve_command(cfg, [2, 4, 5, 8], "/dev/shm/s", 2048)
     assert cmd.startswith(f"vllm serve {target} ") and "--no-enable-prefix-caching" in cmd
     assert "--enable-expert-parallel" in cmd and '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in cmd
     with pytest.raises(ValueError, match=r"sets \['speculative_config'\]"):
-        vb.engine_args(_cfg(target, vllm_engine_args={"speculative_config": {}}), [2, 8], "/s", 16)
+        ve.engine_args(_cfg(target, vllm_engine_args={"speculative_config": {}}), [2, 8], "/s", 16)
 
 
 def test_server_mode(tmp_path, target, model, prep):
@@ -406,9 +409,9 @@ def test_states_the_server_cannot_share_are_named(tmp_path):
     error naming the sample, after the wait; a lock file alone is enough to go on."""
     path = str(tmp_path / "req-1.safetensors")
     with pytest.raises(FileNotFoundError, match="sample 3's states.*extract.vllm_storage"):
-        vb.await_states(path, 3, timeout=0.1)
+        ve.await_states(path, 3, timeout=0.1)
     threading.Timer(0.1, lambda: Path(path + ".lock").touch()).start()
-    vb.await_states(path, 3, timeout=5)  # returns once the lock appears
+    ve.await_states(path, 3, timeout=5)  # returns once the lock appears
 
 
 def _vllm_importable() -> bool:
@@ -427,7 +430,7 @@ def test_doctor_without_vllm_refuses_clearly(tmp_path, target, monkeypatch):
     # the HF backend's hook contracts are not checked for this backend; the shared ones are
     checked = "\n".join(f.found for f in diagnose(cfg, "extract").findings if f.check == "API contracts")
     assert checked.startswith("4 of 4 match")  # the shared transformers/safetensors rows, not the hook ones
-    monkeypatch.setattr(vb, "installed_vllm_version", lambda: "0.24.0")
+    monkeypatch.setattr(ve, "installed_vllm_version", lambda: "0.24.0")
     (f,) = [f for f in diagnose(cfg, "extract").findings if f.status == "FAIL"]
     assert f.check == "vLLM version" and "0.24.0" in f.found and "older than 0.25.0" in f.found
     assert "vllm>=0.25.0" in f.fix
@@ -465,7 +468,7 @@ def _matches_hf(tmp_path, prep, dtype, engine_args, min_top1, min_cos, **extract
     _, hf_out = _extract(tmp_path, hf, prep, name="hf")
     a, b = StoreReader(out), StoreReader(hf_out)
     assert (a.meta["final_state"], b.meta["final_state"]) == ("pre_norm", "post_norm")
-    ta, tb = (TeacherHead(load_head(r, torch.device("cpu")), 64) for r in (a, b))
+    ta, tb = (TeacherHead.from_head(r.target_head(torch.device("cpu")), 64) for r in (a, b))
     V = ta.lm_head.shape[0]
     every, no_offset = torch.ones(V, dtype=torch.bool), torch.zeros(V, dtype=torch.int64)
     agree = total = 0
@@ -504,10 +507,10 @@ def test_vllm_server_extract_matches_hf_on_gpu(tmp_path, prep):
     storage = tmp_path / "served-states"
     cfg = _cfg(_gpu_target(tmp_path), vllm_engine_args=engine_args, vllm_storage=str(storage))
     cfg.target.dtype = "bfloat16"
-    from eaglet.target import resolve_layers
+    from eaglet.targets.families import resolve_layers
 
-    ids = vb.vllm_layer_ids(resolve_layers(cfg.extract.layers, L), L)
-    words = shlex.split(vb.serve_command(cfg, ids, storage, max(LENGTHS)))
+    ids = ve.vllm_layer_ids(resolve_layers(cfg.extract.layers, L), L)
+    words = shlex.split(ve.serve_command(cfg, ids, storage, max(LENGTHS)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -521,14 +524,14 @@ def test_vllm_server_extract_matches_hf_on_gpu(tmp_path, prep):
         while True:
             assert proc.poll() is None, f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
             try:
-                if vb.server_version(url):
+                if ve.server_version(url):
                     break
             except OSError:
                 assert time.time() < deadline, f"vllm serve not up after 600 s:\n{log.read_text()[-4000:]}"
                 time.sleep(2)
         stats = _matches_hf(tmp_path, prep, "bfloat16", engine_args, min_top1=0.9, min_cos=0.99,
                             vllm_storage=str(storage), vllm_server=url)
-        assert stats["vllm_version"] == vb.server_version(url)
+        assert stats["vllm_version"] == ve.server_version(url)
     finally:
         proc.terminate()
         try:
@@ -550,19 +553,19 @@ def test_local_engine_starts_vllm_with_spawn(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
     monkeypatch.setitem(sys.modules, "vllm.config", SimpleNamespace(KVTransferConfig=dict))
-    monkeypatch.setattr(vb, "_connector_helpers", lambda: (None, None))
+    monkeypatch.setattr(ve, "_connector_helpers", lambda: (None, None))
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    vb.LocalEngine({"kv_transfer_config": {}})
+    ve.LocalEngine({"kv_transfer_config": {}})
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    vb.LocalEngine({"kv_transfer_config": {}})
+    ve.LocalEngine({"kv_transfer_config": {}})
     assert seen == ["spawn", "fork"]
 
 
 def test_vllm_device_line_needs_cuda(target):
     """The in-process engine's device: CUDA passes; vLLM's CPU build (and a CUDA build without a
     GPU, whose platform has no device) FAIL before any weight loads, naming the way out."""
-    from eaglet.doctor import Probe
-    from eaglet.vllm_doctor import vllm_platform
+    from eaglet.checks.findings import Probe
+    from eaglet.checks.vllm import vllm_platform
 
     class CpuPlatform:
         device_type = "cpu"
@@ -592,7 +595,8 @@ def test_vllm_cpu_build_is_refused_before_loading(target):
     """With vLLM's real CPU build, the extract preflight (which the pipeline runs before the stage
     loads anything) stops on the 'vLLM device' line, not the engine after the model has loaded,
     in the connector's CUDA copy (where vllm-cpu 0.32's engine failed when run here)."""
-    from eaglet.doctor import PreflightError, preflight
+    from eaglet.checks.doctor import preflight
+    from eaglet.checks.findings import PreflightError
 
     findings = diagnose(_cfg(target), "extract").findings
     (bad,) = [f for f in findings if f.status == "FAIL"]

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from eaglet.prepared import PreparedData, PreparedWriter
-from eaglet.vocab import build_maps, coverage, masked_token_counts
+from eaglet.formats.prepared import PreparedData, PreparedWriter
+from eaglet.stages.vocab import build_maps, coverage, masked_token_counts
 
 
 def test_counts_only_masked_tokens(tmp_path):

@@ -1,4 +1,4 @@
-"""The out-of-vocabulary mask's verdicts kept per sample (train.VocabMaskCache): after a
+"""The out-of-vocabulary mask's verdicts kept per sample (eaglet.stages.train_data.VocabMaskCache): after a
 sample's first teacher pass, the teacher runs over the draft columns only, and training is
 the same as when every pass computes the full-vocabulary argmax."""
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import eaglet.train as train_mod
+import eaglet.draft.step as step_mod
 from conftest import tiny_pipeline_upto_vocab, train_on_copy
-from eaglet.train import Batch, VocabMaskCache
+from eaglet.stages.train_data import VocabMaskCache
+from eaglet.draft.step import Batch
 
 
 def _batch(ids, lens):
@@ -50,7 +51,7 @@ def store_run(tmp_path_factory):
 
 def _train(tmp, base, name, monkeypatch, cached):
     calls = {"full": 0, "draft": 0, "masked": 0}
-    real = train_mod.teacher_targets
+    real = step_mod.teacher_targets
 
     def counting(*a, full_vocab=True, **k):
         calls["full" if full_vocab else "draft"] += 1
@@ -59,7 +60,7 @@ def _train(tmp, base, name, monkeypatch, cached):
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(train_mod, "teacher_targets", counting)
+        m.setattr(step_mod, "teacher_targets", counting)
         if not cached:
             m.setattr(VocabMaskCache, "lookup", lambda self, b: None)
         _, log = train_on_copy(tmp, base, name)

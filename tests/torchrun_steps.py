@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from eaglet import cli
-from eaglet.parallel import barrier, dist_env, init_distributed
+from eaglet.distributed import barrier, dist_env, init_distributed
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "scaling.py"
 

@@ -19,10 +19,11 @@ import time
 import typing
 from pathlib import Path
 
-from eaglet import tiny, vllm_backend
+from eaglet.testing import tiny
+from eaglet.engines import vllm as vllm_backend
 from eaglet.config import load_config
-from eaglet.contracts import _HS
-from eaglet.doctor import diagnose
+from eaglet.checks.contracts import _HS
+from eaglet.checks.doctor import diagnose
 
 
 MISSING = object()
@@ -126,7 +127,7 @@ def model_classes(archs: list[str]) -> dict:
     """arch -> the {vllm_model} contract lines that fail for vLLM's class of it."""
     from vllm.model_executor.models import ModelRegistry
 
-    from eaglet.contracts import check_contracts
+    from eaglet.checks.contracts import check_contracts
 
     out = {}
     for arch in archs:

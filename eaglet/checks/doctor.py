@@ -1,0 +1,610 @@
+"""`eaglet doctor`: find what would break a run before it loads a single weight.
+
+    eaglet doctor CONFIG            # seconds: config, tokenizer, adapter, sizes, disk, memory, APIs
+    eaglet doctor CONFIG --shadow   # plus the whole pipeline on a tiny model of the target's family
+
+The checks read the target's config and tokenizer and build the model's skeleton on the
+meta device (no weights, no memory): that is enough to resolve eaglet's adapter for the
+architecture, count parameters, check the captured layer ids and vocabulary sizes, and
+inspect the exact classes whose signatures eaglet's hooks rely on (eaglet/checks/contracts.py).
+Each finding is one line: status (ok, info, warn, FAIL), what was expected, what was found
+and, when it is not ok, how to fix it. Any FAIL makes the exit code 1.
+
+`extract` and `train` run their share of these checks (`preflight`) before loading weights
+and stop on a FAIL; `--skip-preflight` turns that off.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import Config
+from ..utils import log
+from .findings import Finding, PreflightError, Probe, Report
+from .vllm import check_vllm
+
+TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
+TRANSFORMERS_MIN = "5.17"
+DOCTOR_RECORDS = 8  # records per data file rendered by the mask check and the disk estimate
+GiB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+# ---- versions and API contracts ---------------------------------------------------------------
+
+def check_versions(p: Probe) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        tv, xv = version("torch"), version("transformers")
+    except PackageNotFoundError as e:
+        p.add("FAIL", "versions", "torch and transformers installed", f"missing: {e}", "pip install -e .")
+        return
+    t = Version(tv.split("+")[0])
+    ok_t = Version(TORCH_RANGE[0]) <= t < Version(TORCH_RANGE[1])
+    p.add("ok" if ok_t else "FAIL", "torch version", f">= {TORCH_RANGE[0]}, < {TORCH_RANGE[1]}", tv,
+          f"pip install 'torch>={TORCH_RANGE[0]},<{TORCH_RANGE[1]}' (keep your CUDA build's index URL)")
+    ok_x = Version(xv) >= Version(TRANSFORMERS_MIN)
+    p.add("ok" if ok_x else "FAIL", "transformers version", f">= {TRANSFORMERS_MIN}", xv,
+          f"pip install 'transformers>={TRANSFORMERS_MIN}'")
+
+
+def check_api_contracts(p: Probe) -> None:
+    import transformers
+
+    from .contracts import CONTRACTS, check_contracts, describe
+
+    roles: dict[str, list[type]] = {}
+    if p.parts is not None:
+        hooked = p.layers if p.layers is not None else range(p.parts.num_layers)
+        roles["decoder_layer"] = list(dict.fromkeys(type(p.parts.layers[i]) for i in hooked))
+        roles["base_model"] = [type(p.parts.decoder)]
+        roles["causal_lm"] = [type(p.model)]
+    roles["tokenizer"] = [type(p.tokenizer) if p.tokenizer is not None else transformers.PreTrainedTokenizerBase]
+    roles.update(p.vllm_roles)
+    stages = {s for c in CONTRACTS for s in c.stages} if p.stage is None else {p.stage}
+    if p.cfg.extract.backend == "vllm":  # vLLM runs the target: not the HF backend's hooks, but vLLM's own APIs
+        stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages else set())
+    else:
+        stages.discard("extract-vllm")
+    results = check_contracts(roles, stages, vllm=p.vllm_ready)
+    for r in results:
+        if r.ok:
+            continue
+        p.add("FAIL", f"API {r.target}", f"{describe(r.contract.params)} (for {r.contract.why})",
+              f"{r.problem}: {r.found}", r.contract.fix)
+    n_ok = sum(r.ok for r in results)
+    skipped = [k for k in ("decoder_layer", "base_model", "causal_lm") if k not in roles and "extract" in stages]
+    p.add("ok" if n_ok == len(results) else "info", "API contracts", f"{len(results)} signatures as eaglet calls them",
+          f"{n_ok} of {len(results)} match" + (f" (target classes not checked: {', '.join(skipped)})"
+                                               if skipped and p.stage != "train" else ""))
+
+
+# ---- the target -------------------------------------------------------------------------------------
+
+def _raw_config(path: str) -> dict[str, Any]:
+    f = Path(path) / "config.json"
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def check_target_config(p: Probe) -> None:
+    t = p.cfg.target
+    if not t.path:
+        p.add("FAIL", "target", "target.path set", "empty", "set target.path to the model folder (or cached hub id)")
+        return
+    raw = _raw_config(t.path)
+    auto_map = raw.get("auto_map") or {}
+    from transformers import AutoConfig
+
+    from ..targets.load import hub_kwargs
+
+    try:
+        p.hf_config = AutoConfig.from_pretrained(t.path, **hub_kwargs(t))
+    except Exception as e:  # noqa: BLE001 - the message is the finding
+        if auto_map and not t.trust_remote_code:
+            p.add("FAIL", "target config", "a config class transformers has built in",
+                  f"model_type {raw.get('model_type')!r} needs the repo's own code (auto_map: {auto_map})",
+                  "set target.trust_remote_code: true (runs the model repo's Python code: only for a repo you trust)")
+        else:
+            p.add("FAIL", "target config", f"a readable config at {t.path}", f"{type(e).__name__}: {str(e)[:300]}",
+                  "check target.path (a local model folder or a hub id already in the cache)")
+        return
+    p.text_config = p.hf_config.get_text_config()
+    tc = p.text_config
+    p.add("ok", "target config", "readable", f"{type(p.hf_config).__name__} model_type={tc.model_type} "
+          f"layers={getattr(tc, 'num_hidden_layers', '?')} hidden={getattr(tc, 'hidden_size', '?')} "
+          f"vocab={getattr(tc, 'vocab_size', '?')}")
+    if auto_map:
+        classes = ", ".join(sorted(set(auto_map.values()) if isinstance(auto_map, dict) else []))[:200]
+        if t.trust_remote_code:
+            p.add("info", "remote code", "target.trust_remote_code: the repo's own code runs",
+                  f"auto_map: {classes}")
+        else:
+            p.add("warn", "remote code", "the model repo's own code, which its config.json asks for (auto_map)",
+                  f"not run: target.trust_remote_code is off, transformers' built-in {tc.model_type} classes are used "
+                  f"instead of {classes}",
+                  "keep it off to use the built-in classes, or set target.trust_remote_code: true for a repo you trust")
+    quant = getattr(p.hf_config, "quantization_config", None) or raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        bits = _quant_bits(quant)
+        estimate = ("the memory estimate counts its decoder-layer weights at that width" if bits else
+                    "the memory estimate (parameters x target.dtype) is an upper bound")
+        p.add("info", "quantization", "weights loaded as target.dtype",
+              f"the checkpoint is quantized ({method}" + (f", {bits}-bit" if bits else "")
+              + f"); transformers loads it with its quantizer; {estimate}")
+
+
+def check_tokenizer(p: Probe) -> None:
+    from ..targets.chat import check_fast_tokenizer, load_tokenizer, mask_method, resolve_chat_template
+
+    t = p.cfg.target
+    try:
+        p.tokenizer = load_tokenizer(t)
+    except Exception as e:  # noqa: BLE001
+        p.add("FAIL", "tokenizer", f"a tokenizer at {t.tokenizer or t.path}", f"{type(e).__name__}: {str(e)[:300]}",
+              "set target.tokenizer to the target's tokenizer folder")
+        return
+    try:
+        check_fast_tokenizer(p.tokenizer)
+    except Exception as e:  # noqa: BLE001
+        p.add("FAIL", "tokenizer", "a fast (Rust) tokenizer: the loss mask needs character offsets",
+              type(p.tokenizer).__name__, str(e))
+        return
+    try:
+        p.template = resolve_chat_template(p.tokenizer, t)
+    except Exception as e:  # noqa: BLE001
+        p.add("FAIL", "chat template", "a chat template (the tokenizer's or target.chat_template)", str(e)[:300],
+              "set target.chat_template to a Jinja template file")
+        return
+    p.add("ok", "tokenizer", "fast, with a chat template",
+          f"{type(p.tokenizer).__name__}, {len(p.tokenizer)} tokens; template from "
+          f"{t.chat_template or 'the tokenizer'}; mask by {mask_method(p.template)}")
+
+
+def check_architecture(p: Probe) -> None:
+    from ..targets.families import ADD_FAMILY, UnsupportedFamily, supported
+    from ..targets.load import TargetParts, build_meta_model
+
+    if p.hf_config is None:
+        return
+    try:
+        p.model = build_meta_model(p.hf_config, p.cfg.target.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        p.add("FAIL", "architecture", f"a model class for {type(p.hf_config).__name__}",
+              f"{type(e).__name__}: {str(e)[:300]}",
+              "a config transformers cannot build a CausalLM (or image-text-to-text) model from is not supported")
+        return
+    try:
+        p.parts = TargetParts.of(p.model)
+    except UnsupportedFamily as e:
+        p.add("FAIL", "architecture", "a family eaglet has an adapter for: " + "; ".join(supported()),
+              e.reason,
+              f"adding a family takes one module, {ADD_FAMILY}: one Family entry (where the decoder layers, final "
+              "norm, LM head and embedding are; embedding scale and logit softcap) and its tiny test config")
+        p.model = None
+        return
+    pt = p.parts
+    kinds = sorted({type(m).__name__ for m in pt.layers[:pt.num_layers]})
+    extra = [f"{k} {v:g}" for k, v in (("embed_scale", pt.embed_scale), ("logit_scale", pt.logit_scale)) if v != 1.0]
+    extra += [f"logit_softcap {pt.logit_softcap:g}"] if pt.logit_softcap else []
+    p.add("ok", "architecture", "decoder layers, final norm, LM head and embedding found",
+          f"{pt.family.name} adapter: {type(p.model).__name__}: {type(pt.decoder).__name__} with {pt.num_layers} x "
+          f"{'/'.join(kinds)}, norm {type(pt.norm).__name__}, hidden {pt.hidden_size}"
+          + (f"; {', '.join(extra)} (reproduced by the draft's embedding and the teacher)" if extra else ""))
+
+
+def check_layers(p: Probe) -> None:
+    from ..targets.families import resolve_layers
+
+    if p.parts is None:
+        return
+    L = p.parts.num_layers
+    try:
+        p.layers = resolve_layers(p.cfg.extract.layers, L)
+    except ValueError as e:
+        p.add("FAIL", "captured layers", f"distinct ids in 0..{L - 1} (the state entering that decoder layer)",
+              str(e), f"set extract.layers to ids in 0..{L - 1}, or leave it unset for [2, L//2, L-3]")
+        return
+    p.add("ok", "captured layers", f"distinct ids in 0..{L - 1}", f"{p.layers} of L={L}"
+          + (" (EAGLE-3 default)" if p.cfg.extract.layers is None else ""))
+
+
+def check_vocab(p: Probe) -> None:
+    if p.text_config is None:
+        return
+    V = getattr(p.text_config, "vocab_size", None)
+    if p.parts is not None:
+        rows = int(p.parts.lm_head.weight.shape[0])
+        emb = int(p.parts.embed_tokens.weight.shape[0])
+        if rows != V or emb != V:
+            p.add("warn", "vocab sizes", f"LM head and embedding rows = config vocab_size {V}",
+                  f"LM head {rows}, embedding {emb}", "the draft's t2d map is sized by config vocab_size")
+            V = rows
+    if p.tokenizer is not None and V:
+        n = len(p.tokenizer)
+        if n > V:  # a FAIL once a rendered record holds such an id (check_records)
+            p.add("warn", "vocab sizes", f"tokenizer ids < model vocabulary {V}", f"tokenizer has {n} tokens",
+                  f"ids {V}..{n - 1} would index past the embedding: use the target's own tokenizer (target.tokenizer)")
+        else:
+            p.add("ok", "vocab sizes", f"tokenizer ids < model vocabulary {V}",
+                  f"tokenizer {n}" + (f" (model vocabulary padded by {V - n})" if n < V else ""))
+    size = p.cfg.vocab.size
+    if V and size > V:
+        p.add("warn", "draft vocab", f"vocab.size <= target vocabulary {V}", f"{size} (will be capped at {V})",
+              f"set vocab.size <= {V}")
+    elif size < 1:
+        p.add("FAIL", "draft vocab", "vocab.size >= 1", str(size), "set vocab.size (default 32000)")
+    elif V:
+        p.add("ok", "draft vocab", f"vocab.size <= target vocabulary {V}", str(size))
+
+
+# ---- data: masks and the token count -------------------------------------------------------------
+
+def check_records(p: Probe) -> None:
+    """The first records of each file through prepare's own per-record path."""
+    from collections import Counter
+
+    from ..formats.datasets import check_data_file, iter_records
+    from ..targets.chat import Settings, process_record
+
+    pc = p.cfg.prepare
+    if not pc.data:
+        p.add("FAIL", "data", "prepare.data lists input files", "none", "set prepare.data")
+        return
+    if p.tokenizer is None or p.template is None:
+        return
+    settings = Settings(pc.format, p.template, pc.max_length, pc.overflow, pc.min_loss_tokens)
+    for f in pc.data:
+        try:
+            path = check_data_file(f)
+        except Exception as e:  # noqa: BLE001
+            p.add("FAIL", f"data {f}", "a readable .jsonl/.json/.parquet file", str(e), "fix prepare.data")
+            continue
+        reasons: Counter = Counter()
+        read = ok = tokens = loss = nbytes = max_id = 0
+        try:
+            for row, item in iter_records(path, DOCTOR_RECORDS):
+                read += 1
+                if isinstance(item, dict):
+                    nbytes += len(json.dumps(item, ensure_ascii=False).encode()) + 1
+                out = process_record(row, item, p.tokenizer, settings)
+                if out.reason:
+                    reasons[out.reason] += 1
+                    continue
+                ok += 1
+                max_id = max(max_id, int(out.input_ids.max()))
+                tokens += len(out.input_ids)
+                loss += int(out.loss_mask.sum())
+        except Exception as e:  # noqa: BLE001 - a file or a tokenizer that fails outright
+            p.add("FAIL", f"data {path.name}", "records that read and render", f"{type(e).__name__}: {e}",
+                  "check the file; if it is fine, the tokenizer or template API (see the API lines)")
+            continue
+        p.sampled.append({"path": str(path), "read": read, "ok": ok, "tokens": tokens, "bytes": nbytes})
+        V = getattr(p.text_config, "vocab_size", None)
+        if V and max_id >= V:
+            p.add("FAIL", f"token ids {path.name}", f"ids < model vocabulary {V}",
+                  f"id {max_id} in the first {read} records",
+                  "the tokenizer does not match the model: use the target's own tokenizer (target.tokenizer)")
+        skipped = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items()))
+        if ok == 0:
+            template_reasons = {"no_assistant_tokens", "mask_mismatch", "template_error", "chat_error"}
+            fix = ("the chat template yields no assistant tokens for these records: check target.chat_template "
+                   "renders assistant turns, as prefixes of the whole conversation"
+                   if template_reasons & set(reasons) else
+                   "check prepare.format and the record layout (ShareGPT conversations or OpenAI messages)")
+            p.add("FAIL", f"loss mask {path.name}", f"assistant tokens in the first {read} records",
+                  f"none: every record skipped ({skipped or 'no records'})", fix)
+        elif reasons:
+            p.add("warn", f"loss mask {path.name}", f"assistant tokens in all of the first {read} records",
+                  f"{ok} with {loss} of {tokens} tokens masked; skipped {skipped}",
+                  "prepare counts and lists skipped records in skipped.jsonl; check the reasons if many")
+        else:
+            p.add("ok", f"loss mask {path.name}", f"assistant tokens in the first {read} records",
+                  f"{loss} of {tokens} tokens are assistant tokens")
+
+
+def _estimate_tokens(p: Probe) -> tuple[int | None, str]:
+    """Tokens extract will store: prepare's manifest when it exists, else an estimate
+    from the sampled records scaled by the file sizes."""
+    m = p.cfg.run_dir / "prepare" / "manifest.json"
+    if m.is_file():
+        try:
+            return int(json.loads(m.read_text())["stats"]["tokens"]), "counted by prepare"
+        except (KeyError, ValueError, TypeError):
+            pass
+    if not p.sampled:
+        return None, ""
+    total = 0.0
+    for s in p.sampled:
+        if s["read"] == 0:
+            continue
+        path = Path(s["path"])
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            records = pq.ParquetFile(path).metadata.num_rows
+        else:
+            records = path.stat().st_size / max(s["bytes"] / s["read"], 1)
+        if p.cfg.prepare.max_records is not None:
+            records = min(records, p.cfg.prepare.max_records)
+        total += records * s["tokens"] / s["read"]
+    return int(total), f"estimated from {sum(s['read'] for s in p.sampled)} sampled records and the file sizes"
+
+
+def _hidden_and_aux(p: Probe) -> tuple[int | None, int]:
+    H = p.parts.hidden_size if p.parts is not None else getattr(p.text_config, "hidden_size", None)
+    n_aux = len(p.layers) if p.layers else len(p.cfg.extract.layers or [0, 0, 0])
+    return H, n_aux
+
+
+def check_disk(p: Probe) -> None:
+    H, n_aux = _hidden_and_aux(p)
+    tokens, source = _estimate_tokens(p)
+    if H is None or tokens is None:
+        p.add("info", "disk", "a token count to size the store", "none (no prepare manifest and no sampled records)")
+        return
+    store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
+    per_token = (n_aux + 1) * H * store_bytes + 4 + 1  # states + int32 id + uint8 mask
+    need = tokens * per_token
+    if p.cfg.extract.mode == "online":
+        p.add("ok", "disk", "online mode stores no states (the target runs in training)",
+              f"an offline store would take ~{_gib(need)} ({tokens:,} tokens x {per_token:,} B; tokens {source})")
+        return
+    store = p.cfg.run_dir / "extract"
+    have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() else 0
+    need = max(need - have, 0)
+    where = p.cfg.run_dir.resolve()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    found = (f"~{_gib(need)} to write ({tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x "
+             f"{p.cfg.extract.store_dtype}; tokens {source})" + (f", {_gib(have)} already stored" if have else "")
+             + f"; {_gib(free)} free on {where}")
+    fix = ("free space or set run.dir on a larger disk; or extract.mode: online (no store, for a target that fits "
+           "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16)")
+    status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
+    p.add(status, "disk", "the hidden-state store fits on run.dir's disk", found, fix)
+
+
+# ---- GPU memory -------------------------------------------------------------------------------------
+
+def _devices(device: str, device_map: str | None) -> list[Any]:
+    import torch
+
+    from ..distributed import resolve_device
+
+    if not torch.cuda.is_available():
+        return []
+    if device_map is not None:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    d = resolve_device(device)
+    return [torch.device("cuda", d.index or 0)] if d.type == "cuda" else []
+
+
+def _free_on(devices: list[Any]) -> int:
+    import torch
+
+    return sum(torch.cuda.mem_get_info(d)[0] for d in devices)
+
+
+def _memory_finding(p: Probe, what: str, need: int, breakdown: str, devices: list[Any], fix: str) -> None:
+    if not devices:
+        p.add("info", f"memory ({what})", "a CUDA device", f"none: {what} runs on the CPU; it needs ~{_gib(need)} "
+              f"({breakdown})")
+        return
+    free = _free_on(devices)
+    names = ", ".join(str(d) for d in devices)
+    status = "FAIL" if need > free else "warn" if need > 0.9 * free else "ok"
+    p.add(status, f"GPU memory ({what})", f"~{_gib(need)} ({breakdown})", f"{_gib(free)} free on {names}", fix)
+
+
+def _target_dtype_bytes(p: Probe) -> int:
+    name = p.cfg.target.dtype
+    if name == "auto":
+        cd = getattr(p.hf_config, "dtype", None) or getattr(p.text_config, "dtype", None)
+        name = str(cd).removeprefix("torch.") if cd is not None else "bfloat16"
+    return _DTYPE_BYTES.get(name, 2)
+
+
+def _quant_bits(quant: Any) -> int | None:
+    """Bits per weight of a checkpoint's quantization_config, where the method says it."""
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method in ("fp8", "fbgemm_fp8"):
+        return 8
+    if method == "mxfp4":
+        return 4
+    if method == "bitsandbytes":
+        return 4 if quant.get("load_in_4bit") else 8 if quant.get("load_in_8bit") else None
+    if method == "compressed-tensors":
+        bits = [g.get("weights", {}).get("num_bits") for g in (quant.get("config_groups") or {}).values()
+                if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
+        return min((x for x in bits if isinstance(x, int)), default=None)
+    return quant.get("bits") if isinstance(quant.get("bits"), int) else None
+
+
+def _weight_bytes(p: Probe, b: int) -> int:
+    """Parameters x target.dtype bytes; a quantized checkpoint's decoder-layer matrices
+    (experts included) at its own bits per weight."""
+    quant = getattr(p.hf_config, "quantization_config", None) or getattr(p.text_config, "quantization_config", None)
+    bits = _quant_bits(quant) if quant else None
+    total = sum(t.numel() for t in p.model.parameters()) * b
+    if bits is None:
+        return total
+    in_layers = sum(t.numel() for layer in p.parts.layers for t in layer.parameters() if t.dim() >= 2)
+    return int(total - in_layers * b + in_layers * bits / 8)
+
+
+def check_extract_memory(p: Probe) -> None:
+    if p.cfg.extract.backend == "vllm":
+        p.add("info", "memory (extract)", "vLLM sizes its own memory", "extract.vllm_engine_args: "
+              "gpu_memory_utilization, tensor_parallel_size, ... (vLLM reports what does not fit when it starts)")
+        return
+    if p.model is None or p.parts is None:
+        return
+    from .selfcheck import REF_MAX_TOKENS
+
+    e, tc = p.cfg.extract, p.text_config
+    b = _target_dtype_bytes(p)
+    weights = _weight_bytes(p, b)
+    H, n_aux = _hidden_and_aux(p)
+    inter = max(getattr(tc, "intermediate_size", 0) or 0,
+                (getattr(tc, "moe_intermediate_size", 0) or 0) * (getattr(tc, "num_experts_per_tok", 0) or 0))
+    acts = e.batch_tokens * ((10 * H + 3 * inter) * b + (n_aux + 1) * H * _DTYPE_BYTES[e.store_dtype])
+    V = int(p.parts.lm_head.weight.shape[0])
+    check = REF_MAX_TOKENS * (V * 4 + (p.parts.num_layers + 1) * H * b) if e.selfcheck_samples > 0 else 0
+    need = weights + acts + check
+    _memory_finding(p, "extract", need,
+                    f"weights {_gib(weights)} + activations {_gib(acts)} for extract.batch_tokens={e.batch_tokens} "
+                    f"+ self-check {_gib(check)}; rough",
+                    _devices(p.cfg.target.device, p.cfg.target.device_map),
+                    "spread the target with target.device_map: auto, or lower extract.batch_tokens")
+
+
+def _text_config_for_train(p: Probe) -> Any:
+    if p.text_config is not None:
+        return p.text_config
+    f = p.cfg.run_dir / "extract" / "target_config.json"
+    if not f.is_file():
+        return None
+    from ..targets.families import text_config_from_dict
+
+    return text_config_from_dict(json.loads(f.read_text()))
+
+
+def check_train_memory(p: Probe) -> None:
+    import torch
+
+    from ..draft.model import DraftConfig, Eagle3Draft
+    from ..distributed import resolve_device
+
+    if p.stage is None and p.parts is None:
+        return  # the doctor could not resolve the architecture (already a FAIL)
+    tc = _text_config_for_train(p)
+    if tc is None:
+        p.add("info", "memory (train)", "the target's config", "none yet (run extract first)")
+        return
+    t = p.cfg.train
+    V = int(tc.vocab_size)
+    Vd = min(p.cfg.vocab.size, V)
+    _, n_aux = _hidden_and_aux(p)
+    dcfg = DraftConfig.from_target_config(tc, draft_vocab_size=Vd, num_layers=t.draft_layers, fc_norm=t.fc_norm,
+                                          norm_output=t.norm_output, num_aux=n_aux)
+    with torch.device("meta"):
+        draft = Eagle3Draft(dcfg)
+    trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
+    frozen = sum(q.numel() for q in draft.parameters() if not q.requires_grad)
+    H, I = dcfg.hidden_size, dcfg.intermediate_size
+    states = trainable * 16 + frozen * 4  # fp32 weights + grads + AdamW moments; frozen embedding
+    head = V * dcfg.target_hidden_size * 2  # the target's LM head (teacher), bf16
+    # Kept for backward per token and TTT step: ~16 H-wide and 4 I-wide activations (2H-wide
+    # q/k/v input, norms, attention, SwiGLU) in the autocast dtype, and the draft logits with
+    # their fp32 softmax for the loss.
+    act_bytes = 4 if t.precision == "fp32" or (t.precision == "auto" and not torch.cuda.is_available()) else 2
+    acts = t.max_tokens * (t.ttt_steps * ((16 * H + 4 * I) * act_bytes + 3 * Vd * 4)
+                           + n_aux * dcfg.target_hidden_size * 4)
+    teacher = t.teacher_chunk * (V if t.mask_out_of_vocab else Vd) * 4 * 2
+    online = 0
+    if p.cfg.extract.mode == "online" and p.model is not None:
+        # The target runs beside the draft: its weights and one micro-batch's forward.
+        b = _target_dtype_bytes(p)
+        online = _weight_bytes(p, b) + t.max_tokens * 10 * dcfg.target_hidden_size * b
+    need = states + head + acts + teacher + online
+    dev = resolve_device(t.device) if t.device != "auto" else None
+    devices = [] if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda") else \
+        [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
+    _memory_finding(p, "train", need,
+                    f"draft {trainable / 1e6:.1f}M trainable params with AdamW {_gib(states)} + target LM head "
+                    f"{_gib(head)} + activations {_gib(acts)} for train.max_tokens={t.max_tokens} x "
+                    f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}"
+                    + (f" + the target beside it (extract.mode online) {_gib(online)}" if online else "") + "; rough",
+                    devices, "lower train.max_tokens or train.ttt_steps")
+
+
+# ---- running the checks -------------------------------------------------------------------------------
+
+# (check, stages whose preflight runs it); the doctor runs every check, in this order.
+CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
+    (check_versions, ("extract", "train")),
+    (check_target_config, ("extract",)),
+    (check_tokenizer, ("extract",)),
+    (check_architecture, ("extract",)),
+    (check_layers, ("extract",)),
+    (check_vocab, ("extract",)),
+    (check_records, ()),
+    (check_vllm, ("extract",)),
+    (check_api_contracts, ("extract", "train")),
+    (check_disk, ("extract",)),
+    (check_extract_memory, ("extract",)),
+    (check_train_memory, ("train",)),
+]
+
+
+def diagnose(cfg: Config, stage: str | None = None) -> Probe:
+    """Run the checks of `stage` (None: all of them); a check that crashes is itself a FAIL."""
+    p = Probe(cfg, stage)
+    for check, stages in CHECKS:
+        if stage is not None and stage not in stages:
+            continue
+        try:
+            check(p)
+        except Exception as e:  # noqa: BLE001 - the doctor reports, it does not crash
+            p.add("FAIL", check.__name__.removeprefix("check_"), "the check to run",
+                  f"it raised {type(e).__name__}: {str(e)[:300]}", "report this as an eaglet bug")
+    return p
+
+
+def preflight(cfg: Config, stage: str) -> list[Finding]:
+    """The cheap checks before `stage` loads weights; raises PreflightError on any FAIL."""
+    t0 = time.time()
+    findings = diagnose(cfg, stage).findings
+    bad = [f for f in findings if f.status in ("warn", "FAIL")]
+    for f in bad:
+        log(f"[{stage}] preflight {f.line()}")
+    fails = [f for f in findings if f.status == "FAIL"]
+    log(f"[{stage}] preflight: {len(findings)} checks in {time.time() - t0:.1f}s, {len(fails)} failed")
+    if fails:
+        raise PreflightError(
+            f"preflight of `{stage}` failed ({len(fails)} of {len(findings)} checks):\n"
+            + "\n".join(f.line() for f in fails)
+            + "\n(run `eaglet doctor CONFIG` for every check; --skip-preflight runs the stage anyway)"
+        )
+    return findings
+
+
+def run_doctor(cfg: Config, out: Callable[[str], None] = print,
+               more: Callable[[Probe, Report], None] | None = None) -> int:
+    """`eaglet doctor`: print one line per finding; 1 when any FAILed, else 0. `more`: further
+    checks run after these, on what they learnt, reporting through the same lines (the shadow
+    run: eaglet/shadow.py `shadow_findings`)."""
+    t0 = time.time()
+    p = diagnose(cfg)
+    for f in p.findings:
+        out(f.line())
+    out(f"doctor: {len(p.findings)} checks in {time.time() - t0:.1f}s")
+    if more is not None:
+        def report(status: str, check: str, expected: str, found: str, fix: str) -> None:
+            p.add(status, check, expected, found, fix)
+            out(p.findings[-1].line())
+
+        more(p, report)
+    counts = {s: sum(f.status == s for f in p.findings) for s in ("ok", "info", "warn", "FAIL")}
+    out(f"doctor: {', '.join(f'{v} {k}' for k, v in counts.items())} in {time.time() - t0:.1f}s")
+    return 1 if counts["FAIL"] else 0

@@ -1,0 +1,56 @@
+"""What the checks find: one line each, and the facts they pass on.
+
+The doctor (eaglet/checks/doctor.py) and its vLLM checks (eaglet/checks/vllm.py) add a
+`Finding` per check to a `Probe`; a stage's preflight raises `PreflightError` with the FAIL
+lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..config import Config
+
+
+# (status, check, expected, found, fix): one finding of a further check, printed as it comes
+Report = Callable[[str, str, str, str, str], None]
+
+
+class PreflightError(RuntimeError):
+    """A preflight check failed; the message holds the FAIL lines."""
+
+
+@dataclass
+class Finding:
+    status: str  # "ok" | "info" | "warn" | "FAIL"
+    check: str
+    expected: str
+    found: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.status:<4}  {self.check}: expected {self.expected}; found {self.found}"
+        return text + (f"; fix: {self.fix}" if self.fix and self.status in ("warn", "FAIL") else "")
+
+
+@dataclass
+class Probe:
+    """What the checks learn about the target, passed from one check to the next."""
+
+    cfg: Config
+    stage: str | None  # None: the doctor (every check)
+    findings: list[Finding] = field(default_factory=list)
+    hf_config: Any = None
+    text_config: Any = None
+    tokenizer: Any = None
+    template: str | None = None
+    model: Any = None  # meta-device skeleton
+    parts: Any = None  # TargetParts of the skeleton
+    layers: list[int] | None = None
+    sampled: list[dict[str, Any]] = field(default_factory=list)  # per data file: records read, tokens, bytes
+    vllm_ready: bool = False  # backend vllm: a vLLM new enough is importable here (its contracts are checked)
+    vllm_roles: dict[str, list[type]] = field(default_factory=dict)  # {vllm_model}: the target's vLLM class
+
+    def add(self, status: str, check: str, expected: str, found: str, fix: str = "") -> None:
+        self.findings.append(Finding(status, check, expected, found, fix))

@@ -1,0 +1,309 @@
+"""Teacher distributions and the TTT loss of EAGLE-3 training. Pure tensor functions.
+
+Alignment (row t of the draft's step j; see eaglet/draft/model.py):
+
+    input token          x[t+1+j]
+    predicts             x[t+2+j]
+    teacher              the target's distribution at position t+1+j (it predicts x[t+2+j])
+    counted when         loss_mask[t+2+j]        the predicted token is a trained token
+                     and in_vocab[t+1+j]         the target's argmax is in the draft vocab
+                     and doc_ids[t+2+j] == doc_ids[t]   (packed sequences)
+
+The loss mask moves with the target, one more position per step. Official EAGLE-3 once
+shifted the target but not the mask (EAGLE issue 317); `step_mask` is the one place that
+decides which (row, step) pairs count, and the tests pin it down.
+
+Per step: soft cross-entropy against the teacher, averaged over the counted rows, and the
+top-1 agreement of draft and teacher. total = sum_j gamma^j * loss_j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _acc(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+@torch.no_grad()
+def teacher_targets(
+    final_BTH: Tensor,
+    lm_head_weight_VH: Tensor,
+    t2d_V: Tensor,
+    d2t_N: Tensor,
+    chunk: int = 512,
+    norm_weight_H: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    full_vocab: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """(teacher probs over the draft vocab [B,T,N] fp32, in_vocab bool [B,T]).
+
+    final_BTH: the target's last hidden state. Pass `norm_weight_H` (the target's final
+    RMSNorm weight) when it was stored before that norm; leave it None when it already has
+    the norm applied (HF's last output_hidden_states entry usually does). Gemma-style
+    (1 + w) norms: pass 1 + w.
+    Full-vocabulary logits exist for `chunk` positions at a time only. They are computed in
+    the lm_head weight's dtype, as the target computes its own, then softmaxed in fp32 over
+    the draft columns (target id = draft id + d2t). in_vocab: the full-vocab argmax is a
+    draft token (t2d). `logit_scale` and `logit_softcap` (tanh softcap, Gemma) turn the LM
+    head's output into the target's own logits, as its CausalLM does.
+    full_vocab=False: only the draft columns are computed (the LM head rows of the draft
+    vocabulary, gathered once per call), and in_vocab is all True: the same probabilities
+    without the full-vocabulary argmax, for training without the out-of-vocabulary mask.
+    """
+    B, T, H = final_BTH.shape
+    x_NH = final_BTH.reshape(B * T, H)
+    draft_cols = torch.arange(d2t_N.numel(), device=d2t_N.device) + d2t_N
+    out_dtype = torch.float64 if final_BTH.dtype == torch.float64 else torch.float32
+    probs = torch.empty(B * T, d2t_N.numel(), dtype=out_dtype, device=final_BTH.device)
+    in_vocab = torch.empty(B * T, dtype=torch.bool, device=final_BTH.device)
+
+    def target_logits(raw: Tensor) -> Tensor:  # the target's own logits, fp32 (fp64 stays)
+        logits = _acc(raw)
+        if logit_scale != 1.0:
+            logits = logits * logit_scale
+        if logit_softcap:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
+        return logits
+
+    if not full_vocab:
+        draft_head_NH = lm_head_weight_VH[draft_cols]
+        in_vocab.fill_(True)
+    for a in range(0, B * T, chunk):
+        x = x_NH[a : a + chunk]
+        if norm_weight_H is not None:
+            x32 = _acc(x)
+            x = norm_weight_H * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+        if not full_vocab:
+            probs[a : a + chunk] = target_logits(x.to(draft_head_NH.dtype) @ draft_head_NH.T).softmax(-1)
+            continue
+        raw = x.to(lm_head_weight_VH.dtype) @ lm_head_weight_VH.T  # [chunk, V] in the head's dtype
+        # The full-vocabulary logits serve only the argmax. Without a scale or softcap the
+        # argmax of the raw (bf16) logits is the same index: the cast to fp32 is exact and
+        # keeps the order and the ties. So no fp32 copy of the full vocabulary is made; the
+        # softmax takes the draft columns first and casts only those (elementwise ops
+        # commute with the column gather: the same values as casting everything first).
+        top = raw.argmax(-1) if logit_scale == 1.0 and not logit_softcap else target_logits(raw).argmax(-1)
+        in_vocab[a : a + chunk] = t2d_V[top]
+        probs[a : a + chunk] = target_logits(raw[:, draft_cols]).softmax(-1)
+    return probs.view(B, T, -1), in_vocab.view(B, T)
+
+
+def step_mask(loss_mask_BT: Tensor, in_vocab_BT: Tensor, doc_ids_BT: Tensor | None, step: int) -> Tensor:
+    """Which rows of step `step` count: bool [B, L], L = T - 2 - step (row t < L)."""
+    T = loss_mask_BT.shape[1]
+    L = max(T - 2 - step, 0)
+    m = loss_mask_BT[:, 2 + step : 2 + step + L].bool() & in_vocab_BT[:, 1 + step : 1 + step + L].bool()
+    if doc_ids_BT is not None:
+        m = m & (doc_ids_BT[:, :L] == doc_ids_BT[:, 2 + step : 2 + step + L])
+    return m
+
+
+def head_rows(loss_mask_BT: Tensor, doc_ids_BT: Tensor | None, num_steps: int) -> list[Tensor]:
+    """Per step, the flat row indices b*T + t (int64, ascending) that `step_mask` can count
+    whatever the out-of-vocabulary verdict: the rows whose logits the loss needs. Made on the
+    host from the batch's host tensors (nonzero would make a device wait)."""
+    T = loss_mask_BT.shape[1]
+    ones = torch.ones_like(loss_mask_BT, dtype=torch.bool)
+    out = []
+    for j in range(num_steps):
+        b, t = step_mask(loss_mask_BT, ones, doc_ids_BT, j).nonzero(as_tuple=True)
+        out.append(b * T + t)
+    return out
+
+
+def active_rows(rows: Sequence[Tensor]) -> Tensor:
+    """The rows TTT steps 1.. must run over, given each step's `head_rows`: every row that some
+    step from 1 on counts (ascending). From step 1 on, a row's states reach only that row's
+    later steps, so the others' work there is wasted (`Eagle3Draft.ttt_steps`' active_rows)."""
+    return torch.cat(list(rows[1:])).unique() if len(rows) > 1 else rows[0].new_zeros(0)
+
+
+@dataclass
+class TTTLoss:
+    """Per-step sums and counts (tensors, so no host sync until someone asks)."""
+
+    total: Tensor  # sum_j gamma^j * loss_j, differentiable
+    losses: list[Tensor]  # mean soft CE over the counted rows of each step, differentiable
+    correct: list[Tensor]  # rows where draft argmax == teacher argmax, per step
+    counts: list[Tensor]  # counted rows per step
+    in_vocab: Tensor | None = None  # the out-of-vocabulary mask's verdict the loss used [B, T]
+
+    def accs(self) -> list[Tensor]:
+        return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
+
+
+def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, src: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean soft CE over the rows where m, correct, count): the reference formula.
+
+    logits_BTN: the step's logits, T >= L rows, of which the first L are the step's rows (the
+    rest get a zero gradient). Slicing here rather than in the caller lets torch.compile write
+    the whole gradient in its backward kernel, where autograd's slice backward would fill a
+    full-size zero tensor and copy the rows into it, once per step.
+    top_BL: the teacher's argmax per row (draft ids). Eager mode runs `chunked_soft_ce`
+    instead (the same numbers in less memory); torch.compile fuses this one (`compiled_soft_ce`).
+    src: the logits are of some rows only (`head_rows`); their teacher rows are these rows of
+    p_BLN [B, T, N] flattened (gathered here, so that a compiled loss reads them in place).
+    """
+    if src is not None:
+        p_BLN = p_BLN.flatten(0, 1).index_select(0, src).unsqueeze(0)
+    logits = _acc(logits_BTN[:, : m_BL.shape[1]])
+    # Soft CE without materialising log-softmax: lse(z) - sum_v p_v z_v (sum_v p_v = 1).
+    ce = torch.logsumexp(logits, dim=-1) - (p_BLN * logits).sum(-1)
+    count = m_BL.sum()
+    loss = (ce * m_BL).sum() / count.clamp(min=1)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == top_BL) & m_BL).sum()
+    return loss, correct, count
+
+
+class _SoftCE(torch.autograd.Function):
+    """Per-row soft CE lse(z) - p.z over the first L rows of logits [B, T, N] (L = p's rows),
+    `chunk` rows at a time, with the draft's argmax per row. Saves the logits in their own
+    dtype (bf16 under autocast) and the row lse, where autograd on the reference formula
+    saves an fp32 copy of the logits; temporaries are chunk-sized. The gradient is computed
+    as autograd computes the reference's, g * exp(z - lse) - g * p, so the values are the
+    same bit for bit; rows past L get zeros (no full-size zero tensor and copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits_BTN: Tensor, p_BLN: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+        B, L, _ = p_BLN.shape
+        acc_dtype = torch.float64 if logits_BTN.dtype == torch.float64 else torch.float32
+        ce = torch.empty(B, L, dtype=acc_dtype, device=logits_BTN.device)
+        lse = torch.empty(B, L, dtype=acc_dtype, device=logits_BTN.device)
+        top = torch.empty(B, L, dtype=torch.int64, device=logits_BTN.device)
+        for b in range(B):
+            for a in range(0, L, chunk):
+                e = min(a + chunk, L)
+                z = _acc(logits_BTN[b, a:e])
+                lse[b, a:e] = torch.logsumexp(z, dim=-1)
+                ce[b, a:e] = lse[b, a:e] - (p_BLN[b, a:e] * z).sum(-1)
+                top[b, a:e] = z.argmax(-1)
+        ctx.save_for_backward(logits_BTN, p_BLN, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx: Any, grad_ce: Tensor, _grad_top: Tensor | None) -> tuple[Tensor | None, None, None]:
+        logits_BTN, p_BLN, lse = ctx.saved_tensors
+        B, L, _ = p_BLN.shape
+        grad = torch.empty_like(logits_BTN)
+        grad[:, L:].zero_()
+        for b in range(B):
+            for a in range(0, L, ctx.chunk):
+                e = min(a + ctx.chunk, L)
+                z = _acc(logits_BTN[b, a:e])
+                g = grad_ce[b, a:e, None]
+                grad[b, a:e] = g * (z - lse[b, a:e, None]).exp() + (-g) * p_BLN[b, a:e]
+        return grad, None, None
+
+
+def chunked_soft_ce(
+    logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tensor, src: Tensor | None = None, chunk: int = 1024
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`masked_soft_ce` through `_SoftCE`: the same values, no fp32 copy of the logits kept."""
+    if src is not None:
+        p_BLN = p_BLN.flatten(0, 1).index_select(0, src).unsqueeze(0)
+    ce, draft_top = _SoftCE.apply(logits_BTN, p_BLN, chunk)
+    count = m_BL.sum()
+    loss = (ce * m_BL).sum() / count.clamp(min=1)
+    correct = ((draft_top == top_BL) & m_BL).sum()
+    return loss, correct, count
+
+
+_compiled_soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+
+
+def compile_soft_ce(**compile_kwargs: Any) -> None:
+    """Make `compiled_soft_ce` torch.compile(masked_soft_ce, **compile_kwargs) from now on
+    (e.g. another backend)."""
+    global _compiled_soft_ce
+    _compiled_soft_ce = torch.compile(masked_soft_ce, **compile_kwargs)
+
+
+def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """torch.compile(masked_soft_ce), made once per process: on a GPU one fused kernel
+    reads each row of logits and teacher for the forward, one more for the backward."""
+    if _compiled_soft_ce is None:
+        compile_soft_ce()
+    assert _compiled_soft_ce is not None
+    return _compiled_soft_ce
+
+
+def step_loss(
+    logits_BTN: Tensor,
+    step: int,
+    teacher_BTN: Tensor,
+    in_vocab_BT: Tensor,
+    loss_mask_BT: Tensor,
+    doc_ids_BT: Tensor | None = None,
+    teacher_top_BT: Tensor | None = None,
+    soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] = chunked_soft_ce,
+    rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean soft CE, correct, count) of one step, aligned as the module header says.
+
+    teacher_top_BT: the teacher's argmax per position (computed here when not given);
+    soft_ce: `chunked_soft_ce`, `masked_soft_ce` or `compiled_soft_ce()`;
+    rows: the logits [1, len(rows), N] are of these rows only (flat b*T + t, `head_rows`)."""
+    m = step_mask(loss_mask_BT, in_vocab_BT, doc_ids_BT, step)
+    L = m.shape[1]
+    if teacher_top_BT is None:
+        teacher_top_BT = teacher_BTN.argmax(-1)
+    if rows is not None:  # row t of step j reads the teacher at t + 1 + j: flat index r + 1 + j
+        T = loss_mask_BT.shape[1]
+        src = rows + (1 + step)
+        m_rows = m[rows // T, rows % T].unsqueeze(0)
+        return soft_ce(logits_BTN, teacher_BTN, m_rows, teacher_top_BT.flatten().index_select(0, src).unsqueeze(0),
+                       src)
+    p = teacher_BTN[:, 1 + step : 1 + step + L]
+    top = teacher_top_BT[:, 1 + step : 1 + step + L]
+    return soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
+
+
+def ttt_loss(
+    logits_steps: Iterable[Tensor],
+    teacher_BTN: Tensor,
+    in_vocab_BT: Tensor,
+    loss_mask_BT: Tensor,
+    doc_ids_BT: Tensor | None = None,
+    gamma: float = 0.8,
+    compiled: bool = False,
+    head_rows: Sequence[Tensor] | None = None,
+) -> TTTLoss:
+    """The TTT loss over all steps; `logits_steps` may be the draft's `ttt_steps` generator.
+    compiled: the soft CE through torch.compile (`compiled_soft_ce`); else `chunked_soft_ce`.
+    head_rows: the rows each step's logits are of, when the draft was given them."""
+    losses, correct, counts = [], [], []
+    total: Tensor | float = 0.0
+    teacher_top = teacher_BTN.argmax(-1)  # once, not once per step: the steps see shifted rows of it
+    soft_ce = compiled_soft_ce() if compiled else chunked_soft_ce
+    for j, logits in enumerate(logits_steps):
+        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top, soft_ce,
+                               None if head_rows is None else head_rows[j])
+        total = total + gamma**j * loss
+        losses.append(loss)
+        correct.append(c)
+        counts.append(n)
+    assert isinstance(total, Tensor), "no steps"
+    return TTTLoss(total, losses, correct, counts, in_vocab_BT)
+
+
+def simulated_acceptance_length(accs: Sequence[float]) -> float:
+    """1 + sum_k prod_{i<=k} acc_i: the expected tokens per verification of a chain whose
+    step-k draft is accepted with probability acc_k given all earlier ones were."""
+    tau, run = 1.0, 1.0
+    for a in accs:
+        run *= float(a)
+        tau += run
+    return tau

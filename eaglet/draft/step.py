@@ -1,0 +1,239 @@
+"""One training step of the draft: the teacher, the TTT forward and loss, the backward, the
+optimizer step.
+
+    micro_batch(par, batch, tc, autocast, sync)     # forward + backward of one micro-batch
+    optimizer_step(par, opt, sched, tc)              # clip, step, schedule, zero
+
+The trainer (eaglet/stages/train.py) runs these over the epoch plan; the benchmarks
+(bench/train_throughput.py, bench/scaling.py) run them over synthetic batches. A `Batch` is one
+packed micro-batch on the device; `TeacherHead` is the target's LM head as a frozen module
+(so that parallelize can shard it); `Sums` gathers a logging interval's metrics without a
+host sync until they are printed.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..config import TrainSection
+from ..distributed import all_reduce_sum, dist_env
+from ..utils import to_device
+from .loss import TTTLoss, active_rows, head_rows, simulated_acceptance_length, teacher_targets, ttt_loss
+from .model import Eagle3Draft
+from .optim import UnrollAdamW, attach_unroll_copies
+from .parallelize import Parallel
+from .unroll import unroll_linears
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [1, N, A]
+    final: torch.Tensor  # [1, N, H]
+    input_ids: torch.Tensor  # [1, N] int64
+    loss_mask: torch.Tensor  # [1, N] bool
+    position_ids: torch.Tensor  # [1, N]
+    doc_ids: torch.Tensor  # [1, N]
+    tokens: int
+    sample_ids: tuple[int, ...] = ()  # the packed samples, in order
+    lens: tuple[int, ...] = ()  # their lengths (after the max_tokens cut)
+    in_vocab: torch.Tensor | None = None  # [1, N] bool: the out-of-vocabulary mask's verdict, when known
+    head_rows: tuple[torch.Tensor, ...] | None = None  # per TTT step, the rows the loss can count (loss.head_rows)
+    active_rows: torch.Tensor | None = None  # the rows TTT steps 1.. run over (loss.active_rows)
+
+
+def device_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int, device: torch.device
+                     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(`loss.head_rows`, `loss.active_rows`) of host tensors, made on the host and sent in one
+    copy (pinned on a GPU)."""
+    rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
+    rows.append(active_rows(rows))
+    *sent, active = to_device(torch.cat(rows), device).split([len(r) for r in rows])
+    return tuple(sent), active
+
+
+class TeacherHead(nn.Module):
+    """The target's LM head (and final norm, for a pre-norm store) as a frozen module whose
+    forward is `teacher_targets`: a module, so that parallelize can shard it like any other."""
+
+    def __init__(self, lm_head: Tensor, norm: Tensor | None = None, norm_eps: float = 1e-6, logit_scale: float = 1.0,
+                 logit_softcap: float | None = None, chunk: int = 1024, mask_out_of_vocab: bool = True):
+        """lm_head [V, H]; norm [H]: the final norm, for a teacher state stored before it (None:
+        after it); logit_scale, logit_softcap: the target's own logits from its LM head's;
+        chunk: positions per full-vocabulary chunk (train.teacher_chunk); mask_out_of_vocab:
+        train.mask_out_of_vocab."""
+        super().__init__()
+        self.full_vocab = mask_out_of_vocab  # the mask needs the full-vocabulary argmax
+        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        self.norm = nn.Parameter(norm, requires_grad=False) if norm is not None else None
+        self.norm_eps, self.chunk = norm_eps, chunk
+        self.logit_scale, self.logit_softcap = logit_scale, logit_softcap
+
+    @classmethod
+    def from_head(cls, head: Any, chunk: int = 1024, mask_out_of_vocab: bool = True) -> TeacherHead:
+        """The teacher of the target's head as the store gives it (eaglet.formats.store.TargetHead:
+        lm_head, norm, norm_eps, logit_scale, logit_softcap)."""
+        return cls(head.lm_head, head.norm, head.norm_eps, head.logit_scale, head.logit_softcap, chunk,
+                   mask_out_of_vocab)
+
+    def forward(self, final_BTH: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor,
+                in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher probs over the draft vocabulary [B,T,N], in_vocab [B,T]). in_vocab: the
+        mask's verdict when it is known already (`VocabMaskCache`): the draft columns only."""
+        probs, found = teacher_targets(final_BTH, self.lm_head, t2d, d2t, self.chunk, self.norm, self.norm_eps,
+                                       self.logit_scale, self.logit_softcap,
+                                       full_vocab=self.full_vocab and in_vocab is None)
+        return probs, found if in_vocab is None else in_vocab
+
+
+def resolve_compile(setting: str, device: torch.device) -> bool:
+    """`train.compile` -> whether to compile ('auto': on CUDA, where it pays; on a CPU the
+    compilation takes longer than a small run)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"train.compile {setting!r}: expected auto, on or off")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
+    """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
+    wrapper, or the bare draft for evaluation) and its loss."""
+    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
+    with autocast:
+        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl,
+                       head_rows=b.head_rows, active_rows=b.active_rows)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled,
+                        head_rows=b.head_rows)
+
+
+def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
+    """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
+    across ranks only when `sync` (the step's last micro-batch)."""
+    with par.grad_sync(sync):
+        out = forward_loss(par, par.module, b, tc, autocast)
+        (out.total / tc.grad_accum).backward()
+    par.reshard_frozen()
+    return out
+
+
+def freeze_survivors() -> None:
+    """Collect the garbage, then move every object that survives out of the collector's reach
+    (gc.freeze). The first steps leave hundreds of thousands of long-lived objects (compiled
+    graphs, guards, kernels); each full collection walks all of them, on the host, in the
+    middle of a step: one took 392 ms at the 8B bench shape on the H200 (a 63 ms step),
+    the GPU idle meanwhile, and under torchrun every rank waits for the one that collects.
+    Later collections then walk only what was made since. The trainer calls this after the
+    1st, 2nd, 4th, 8th, ... step it runs and after each evaluation (where new graphs appear),
+    at the same points on every rank."""
+    gc.collect()
+    gc.freeze()
+
+
+def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: float,
+                 more: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """What dividing every gradient by clips them to total norm `max_norm`: clip_grad_norm_'s
+    coefficient max_norm / (norm + 1e-6), capped at 1, inverted. A device tensor (no sync).
+    more: gradients held outside .grad (UnrollAdamW's bf16 accumulators), their norms taken in fp32."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).float()
+    if more:
+        norm = torch.linalg.vector_norm(torch.stack([norm, *torch._foreach_norm(more, 2, dtype=torch.float32)]))
+    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device: torch.device, bf16: bool,
+                    compiled: bool) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (on the device, before any forward). One
+    process, one micro-batch a step, bf16 and `train.unroll_optimizer`: UnrollAdamW, which reads
+    the unroll's bf16 gradient accumulators and writes its bf16 weight copies (eaglet/draft/optim.py);
+    otherwise torch's, fused on the GPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    adamw: dict[str, Any] = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    if tc.unroll_optimizer and strategy == "none" and bf16 and tc.grad_accum == 1:
+        return UnrollAdamW(params, attach_unroll_copies(unroll_linears(model)), compile=compiled, **adamw)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **adamw)
+
+
+def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                   tc: TrainSection, clip_in_step: bool = True) -> float:
+    """Clip, step, advance the schedule, zero the gradients; returns the learning rate used.
+
+    With a fused optimizer (the GPU's AdamW) the clipping rides in the step: the fused kernel
+    divides each gradient by its `grad_scale` (the hook GradScaler unscales through) as it
+    reads it, so clipping costs the norm's one read of the gradients instead of another read
+    and write of all of them. Not under FSDP2 (DTensor gradients, whose norm clip_grad_norm_
+    reduces across ranks). clip_in_step False: clip_grad_norm_ first, always."""
+    lr = sched.get_last_lr()[0]
+    more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None  # gradients outside .grad
+    if more is not None and tc.grad_clip > 0 and not clip_in_step:
+        raise ValueError("UnrollAdamW clips in its step (its gradients are not .grad, which clip_grad_norm_ reads)")
+    if tc.grad_clip > 0 and clip_in_step and opt.defaults.get("fused") and par.strategy != "fsdp":
+        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, more)
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale
+    else:
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
+        opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return lr
+
+
+def lr_lambda(tc: TrainSection, total_steps: int):
+    def f(step: int) -> float:
+        if step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        span = max(total_steps - tc.warmup_steps, 1)
+        progress = min((step - tc.warmup_steps) / span, 1.0)
+        return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+class Sums:
+    """Per-step metric sums over micro-batches, kept as tensors (no host sync until `metrics`)."""
+
+    def __init__(self) -> None:
+        self.loss = self.total = self.correct = self.count = None
+        self.n = 0
+        self.tokens = 0
+
+    def add(self, out, tokens: int = 0) -> None:
+        vals = {"loss": torch.stack(out.losses).detach().float(), "total": out.total.detach().float(),
+                "correct": torch.stack(out.correct), "count": torch.stack(out.counts)}
+        for k, v in vals.items():
+            old = getattr(self, k)
+            setattr(self, k, v if old is None else old + v)
+        self.n += 1
+        self.tokens += tokens
+
+    def all_reduce(self, num_steps: int, device: torch.device) -> None:
+        """Sum over ranks (two collectives; a no-op alone). A rank without micro-batches adds zeros."""
+        if not dist_env().active:
+            return
+        if self.loss is None:
+            self.loss, self.total = torch.zeros(num_steps, device=device), torch.zeros((), device=device)
+            self.correct = self.count = torch.zeros(num_steps, dtype=torch.int64, device=device)
+        floats = all_reduce_sum(torch.cat([self.loss, self.total.reshape(1)]))
+        ints = all_reduce_sum(torch.cat([self.correct, self.count,
+                                         torch.tensor([self.n, self.tokens], device=self.correct.device)]))
+        self.loss, self.total = floats[:num_steps], floats[num_steps]
+        self.correct, self.count = ints[:num_steps], ints[num_steps:2 * num_steps]
+        self.n, self.tokens = int(ints[-2]), int(ints[-1])
+
+    def metrics(self) -> dict[str, float]:
+        """Mean per-step losses over micro-batches, pooled accuracies, simulated tau (one sync)."""
+        n = max(self.n, 1)
+        losses = (self.loss / n).tolist()
+        accs = (self.correct.double() / self.count.double().clamp(min=1)).tolist()
+        out = {"loss": float(self.total) / n}
+        out.update({f"loss_{j}": v for j, v in enumerate(losses)})
+        out.update({f"acc_{j}": v for j, v in enumerate(accs)})
+        out["sim_tau"] = simulated_acceptance_length(accs)
+        out["counted"] = int(self.count[0])
+        return out

@@ -1,0 +1,259 @@
+"""Reading chat datasets: file readers and record normalisation, used by `prepare`.
+
+Three file kinds, chosen by extension:
+
+    .jsonl     one JSON record per line; rows are line numbers (1-based)
+    .json      one JSON array of records, read *streaming* so a file of many GB is never
+               held in memory; rows are element indices (0-based)
+    .parquet   read in row batches with pyarrow; rows are row indices (0-based)
+
+Every reader yields `(row, record_or_error)`: a record that cannot be read (a malformed
+line, a broken array) comes out as a `RecordError` in its place instead of stopping the
+run, so `prepare` can count it, report it by file and row, and go on. Records are then
+normalised by `normalize_record` from the ShareGPT (`conversations` of {from, value}) or
+OpenAI (`messages` of {role, content}) shape into plain `[{"role", "content"}]` lists.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..config import ConfigError
+
+EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+# Bad-record reasons, as counted in prepare's stats and written to skipped.jsonl.
+MALFORMED_JSON = "malformed_json"
+NOT_A_CONVERSATION = "not_a_conversation"
+UNKNOWN_ROLE = "unknown_role"
+EMPTY_CONTENT = "empty_content"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+    "system": "system",
+}
+OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+
+Message = dict[str, str]
+Row = tuple[int, "dict[str, Any] | RecordError"]
+
+
+class RecordError(Exception):
+    """A record that cannot become a sample; `reason` is one of the fixed reason strings."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason, detail)  # both in args, so it survives pickling to and from workers
+        self.reason = reason
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+
+# ---- readers ----------------------------------------------------------------------------------
+
+def check_data_file(path: str | Path) -> Path:
+    """The file exists and has an extension we can read; raise otherwise, naming it."""
+    p = Path(path)
+    if p.suffix.lower() not in EXTENSIONS:
+        raise ConfigError(
+            f"prepare.data: {p}: unknown file type '{p.suffix}' "
+            f"(expected {', '.join(EXTENSIONS)}; a .json file must hold one JSON array, use .jsonl for one record per line)"
+        )
+    if not p.is_file():
+        raise FileNotFoundError(f"prepare.data: input file not found: {p}")
+    return p
+
+
+def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[Row]:
+    """(row, record or RecordError) for every record of `path`, at most `max_records`."""
+    p = check_data_file(path)
+    suffix = p.suffix.lower()
+    rows = read_jsonl(p) if suffix == ".jsonl" else read_json_array(p) if suffix == ".json" else read_parquet(p)
+    return rows if max_records is None else islice(rows, max_records)
+
+
+def read_jsonl(path: str | Path) -> Iterator[Row]:
+    """One record per line; blank lines are not records (a trailing newline is common)."""
+    with open(path, "rb") as f:  # bytes, so a line of invalid UTF-8 is one bad record, not a crash
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                yield lineno, RecordError(MALFORMED_JSON, str(e))
+
+
+def read_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[Row]:
+    """Rows as dicts, one row batch in memory at a time (nested lists/structs become lists/dicts)."""
+    import pyarrow.parquet as pq
+
+    row = 0
+    with pq.ParquetFile(path) as pf:
+        for batch in pf.iter_batches(batch_size=batch_size):
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+
+
+def read_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[Row]:
+    """The elements of a file holding one JSON array, decoded one at a time.
+
+    The file is read in chunks of `chunk_chars` characters; each element is decoded with
+    `JSONDecoder.raw_decode` from the buffer, which grows when an element runs past its end.
+    If the array is broken (bad JSON, missing comma, file cut short) the rest of the file
+    cannot be read reliably: one RecordError at the element where it broke stands for the
+    rest, and reading stops.
+    """
+    return _JsonArrayStream(Path(path), chunk_chars).rows()
+
+
+class _JsonArrayStream:
+    """State of one streaming read: the text buffer, the read position and the file."""
+
+    def __init__(self, path: Path, chunk_chars: int):
+        self.path = path
+        self.chunk_chars = chunk_chars
+        self.buf = ""
+        self.pos = 0  # next unread character of buf
+        self.consumed = 0  # characters dropped from the front of buf, for absolute offsets
+        self.eof = False
+        self.decoder = json.JSONDecoder()
+
+    def _read_more(self, want: int) -> bool:
+        """Append at least `want` more characters (fewer at the end of the file); False at EOF."""
+        if self.eof:
+            return False
+        # Drop what has been consumed, so the buffer holds only the element being decoded.
+        self.consumed += self.pos
+        self.buf = self.buf[self.pos:]
+        self.pos = 0
+        text = self.f.read(max(want, self.chunk_chars))
+        if not text:
+            self.eof = True
+            return False
+        self.buf += text
+        return True
+
+    def _skip_ws(self) -> str:
+        """Skip whitespace; return the next character ('' at the end of the file)."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._read_more(self.chunk_chars):
+                return ""
+
+    def _decode(self) -> Any:
+        """Decode the element at `pos`, reading more text while the element may be incomplete."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                # An error near the end of the buffer, or inside a string that runs to the end,
+                # may only mean the element continues in the next chunk; any other error is
+                # real, because JSON needs no more than a few characters of lookahead.
+                maybe_cut = e.pos >= len(self.buf) - 16 or e.msg.startswith("Unterminated string")
+                if maybe_cut and self._read_more(len(self.buf)):  # double the buffer: linear total work
+                    continue
+                raise
+            if end == len(self.buf) and self._read_more(self.chunk_chars):
+                continue  # a number at the buffer's end may have more digits in the next chunk
+            self.pos = end
+            return value
+
+    def _broken(self, index: int, what: str, at: int | None = None) -> Row:
+        """The one bad record that stands for element `index` and everything after it."""
+        offset = self.consumed + (self.pos if at is None else at)
+        return index, RecordError(
+            MALFORMED_JSON, f"JSON array broken at element {index} (character {offset}): {what}; rest of file not read"
+        )
+
+    def rows(self) -> Iterator[Row]:
+        with open(self.path, encoding="utf-8-sig") as self.f:
+            index = 0
+            try:
+                first = self._skip_ws()
+                if first != "[":
+                    found = repr(first) if first else "an empty file"
+                    raise ConfigError(
+                        f"prepare.data: {self.path}: a .json file must hold one JSON array (found {found}); "
+                        f"use the .jsonl extension for one record per line"
+                    )
+                self.pos += 1
+                if self._skip_ws() == "]":
+                    self.pos += 1
+                else:
+                    while True:
+                        try:
+                            value = self._decode()
+                        except json.JSONDecodeError as e:  # its line/column count from the buffer, not the file
+                            yield self._broken(index, e.msg, at=e.pos)
+                            return
+                        yield index, value
+                        index += 1
+                        sep = self._skip_ws()
+                        self.pos += 1
+                        if sep == "]":
+                            break
+                        if sep != ",":
+                            self.pos -= 1
+                            found = "end of file" if sep == "" else repr(sep)
+                            yield self._broken(index, f"expected ',' or ']' after element {index - 1}, found {found}")
+                            return
+                        if self._skip_ws() == "]":  # a trailing comma before ']' is not JSON
+                            yield self._broken(index, "trailing comma before ']'")
+                            return
+                if self._skip_ws() != "":
+                    yield self._broken(index, "unexpected data after the closing ']'")
+            except UnicodeDecodeError as e:
+                yield self._broken(index, f"not valid UTF-8: {e}")
+
+
+# ---- records ----------------------------------------------------------------------------------
+
+def normalize_record(record: Any, fmt: str = "auto") -> list[Message]:
+    """A ShareGPT or OpenAI record -> [{"role": user|assistant|system, "content": str}].
+
+    Raises RecordError(not_a_conversation | unknown_role | empty_content | no_assistant_turn).
+    `fmt` is 'auto' (decided by which key the record has), 'sharegpt' or 'openai'.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(NOT_A_CONVERSATION, f"record is a {type(record).__name__}, not an object")
+    if fmt == "auto":
+        fmt = "sharegpt" if "conversations" in record else "openai" if "messages" in record else ""
+        if not fmt:
+            raise RecordError(NOT_A_CONVERSATION, f"no 'conversations' or 'messages' key (keys: {sorted(record)[:10]})")
+    list_key, role_key, content_key, roles = (
+        ("conversations", "from", "value", SHAREGPT_ROLES) if fmt == "sharegpt" else ("messages", "role", "content", OPENAI_ROLES)
+    )
+    turns = record.get(list_key)
+    if not isinstance(turns, list) or not turns:
+        raise RecordError(NOT_A_CONVERSATION, f"'{list_key}' is missing, empty or not a list ({fmt} format)")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordError(NOT_A_CONVERSATION, f"turn {i} is a {type(turn).__name__}, not an object")
+        role = roles.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
+        if role is None:
+            raise RecordError(UNKNOWN_ROLE, f"turn {i}: {role_key}={turn.get(role_key)!r} (known: {sorted(roles)})")
+        content = turn.get(content_key)
+        # Whitespace-only content counts as empty: templates often trim it to nothing.
+        if not isinstance(content, str) or not content.strip():
+            raise RecordError(EMPTY_CONTENT, f"turn {i} ({role}): {content_key}={_short(content)}")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError(NO_ASSISTANT_TURN, f"{len(messages)} turns, none from the assistant")
+    return messages
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,136 @@
+"""The prepared-data format: tokenized samples with their loss masks.
+
+`prepare` writes, `extract`, `vocab` and training read. A folder holds shards
+`data-00000.safetensors`, ... each with flat tensors
+
+    input_ids    int32  [N]     all samples' tokens, concatenated
+    loss_mask    uint8  [N]     1 on tokens the draft is trained to predict (assistant turns)
+    offsets      int64  [S+1]   sample s is tokens offsets[s]:offsets[s+1]
+    sample_id    int64  [S]     global id, dense from 0 in prepare's order
+    source_file  int32  [S]     index into index.json's "files"
+    source_row   int64  [S]     line (JSONL, 1-based), element (JSON array, 0-based) or row (Parquet, 0-based)
+
+and `index.json` lists the shards with their sample counts and the source files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save
+
+from ..utils import atomic_write_bytes, atomic_write_json
+
+INDEX = "index.json"
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    source_file: int = -1
+    source_row: int = -1
+
+
+class PreparedWriter:
+    """Accumulates samples and writes a shard every `shard_samples`."""
+
+    def __init__(self, folder: str | Path, files: list[str], shard_samples: int = 50000):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for old in self.folder.glob("data-*.safetensors"):
+            old.unlink()
+        self.files = files
+        self.shard_samples = shard_samples
+        self.buf: list[Sample] = []
+        self.shards: list[dict] = []
+        self.num_samples = 0
+
+    def add(self, input_ids: np.ndarray | list[int], loss_mask: np.ndarray | list[int], source_file: int, source_row: int) -> int:
+        sid = self.num_samples
+        self.buf.append(Sample(sid, np.asarray(input_ids, dtype=np.int32), np.asarray(loss_mask, dtype=np.uint8), source_file, source_row))
+        self.num_samples += 1
+        if len(self.buf) >= self.shard_samples:
+            self._flush()
+        return sid
+
+    def _flush(self) -> None:
+        if not self.buf:
+            return
+        lengths = np.array([len(s.input_ids) for s in self.buf], dtype=np.int64)
+        tensors = {
+            "input_ids": np.concatenate([s.input_ids for s in self.buf]),
+            "loss_mask": np.concatenate([s.loss_mask for s in self.buf]),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "sample_id": np.array([s.sample_id for s in self.buf], dtype=np.int64),
+            "source_file": np.array([s.source_file for s in self.buf], dtype=np.int32),
+            "source_row": np.array([s.source_row for s in self.buf], dtype=np.int64),
+        }
+        name = f"data-{len(self.shards):05d}.safetensors"
+        atomic_write_bytes(self.folder / name, save(tensors))
+        self.shards.append({"file": name, "samples": len(self.buf), "tokens": int(lengths.sum())})
+        self.buf = []
+
+    def close(self) -> dict:
+        self._flush()
+        index = {"format": "eaglet-prepared-v1", "files": self.files, "shards": self.shards, "num_samples": self.num_samples}
+        atomic_write_json(self.folder / INDEX, index)
+        return index
+
+
+class PreparedData:
+    """Random access to prepared samples (loads shards on demand; samples are small)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index_path = self.folder / INDEX
+        if not index_path.is_file():
+            raise FileNotFoundError(f"no prepared data in {self.folder} (missing {INDEX}); run `eaglet prepare` first")
+        self.index = json.loads(index_path.read_text())
+        self.files: list[str] = self.index["files"]
+        self._shards: dict[int, dict[str, np.ndarray]] = {}
+        starts, lengths, ids = [], [], []
+        total = 0
+        for k, sh in enumerate(self.index["shards"]):
+            data = self._shard(k)
+            off = data["offsets"]
+            lengths.append(np.diff(off))
+            ids.append(data["sample_id"])
+            starts.append(total)
+            total += sh["samples"]
+        self._shard_start = np.array(starts, dtype=np.int64)
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self.sample_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+    def _shard(self, k: int) -> dict[str, np.ndarray]:
+        if k not in self._shards:
+            self._shards[k] = load_file(str(self.folder / self.index["shards"][k]["file"]))
+        return self._shards[k]
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, i: int) -> Sample:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = int(np.searchsorted(self._shard_start, i, side="right") - 1)
+        data = self._shard(k)
+        j = i - int(self._shard_start[k])
+        a, b = int(data["offsets"][j]), int(data["offsets"][j + 1])
+        return Sample(int(data["sample_id"][j]), data["input_ids"][a:b], data["loss_mask"][a:b],
+                      int(data["source_file"][j]), int(data["source_row"][j]))
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids int64 [T], loss_mask bool [T]) of sample i."""
+        s = self[i]
+        return torch.from_numpy(s.input_ids.astype(np.int64)), torch.from_numpy(s.loss_mask.astype(bool))

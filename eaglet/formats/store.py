@@ -1,0 +1,604 @@
+"""The hidden-state store: what `extract` writes and training reads (the one module of its format).
+
+A store folder holds
+
+    store.json                      format, input hash, hidden size, layer ids, dtype: what
+                                    the shards mean (`store_meta`; a store made for other
+                                    inputs is cleared)
+    shard-r{rank}-{k:06d}.safetensors
+        aux        [N, n_aux*H]  store dtype  states entering the `layers`, concatenated low..high
+        final      [N, H]        store dtype  the teacher state: after the final norm (what the LM head
+                                    sees; store.json final_state "post_norm", the HF backend)
+                                    or before it ("pre_norm", the vLLM backend: training applies it)
+        input_ids  [N]           int32
+        loss_mask  [N]           uint8
+        offsets    [S+1]         int64        sample s is rows offsets[s]:offsets[s+1]
+        sample_id  [S]           int64        prepared-data sample ids
+    shard-r{rank}-{k:06d}.json      sidecar: file, sha256, samples, tokens, sample_ids, lengths, bytes
+    index.json                      written last, when extraction completed: all shards, totals
+                                    and the samples set aside (with reasons)
+    head.safetensors                the target's embed_tokens [V, H] (as its first decoder layer
+                                    receives it: times the family's embed_scale), lm_head [V, H]
+                                    and final norm [H] (as a plain RMSNorm scale): the draft's
+                                    frozen embedding and the teacher (`write_target_head`)
+    target_config.json              the target's text config (the draft's sizes)
+
+Both extraction backends write through `StoreWriter` and `write_target_head`; training and
+online states read through `StoreReader` and `read_target_head`.
+
+Crash safety: a shard is written to a temporary file, fsynced and renamed; only then is its
+sidecar written (atomically). A shard counts as done only when its sidecar exists, so a
+process killed at any instant leaves done shards plus debris (tmp files, a shard without a
+sidecar) that the next `StoreWriter` deletes; their samples are extracted again.
+
+Writing overlaps the forward: `StoreWriter.add` buffers samples and hands each full shard to
+background writer threads through a bounded queue (the forward loop waits when it is full).
+A shard is streamed from the samples' own tensors into the file and its checksum, in the
+layout safetensors.torch.save writes, without first being concatenated in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import re
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
+
+FORMAT = "eaglet-store-v1"
+STORE_META = "store.json"
+INDEX = "index.json"
+_SHARD_RE = re.compile(r"^shard-r(\d+)-(\d{6})\.safetensors$")
+_STATE_KEYS = ("aux", "final")
+HEAD_FILE = "head.safetensors"
+TARGET_CONFIG = "target_config.json"
+POST_NORM, PRE_NORM = "post_norm", "pre_norm"  # store.json final_state: the teacher state after / before the final norm
+
+
+class CorruptShardError(RuntimeError):
+    """A shard does not match its sidecar (checksum, size or contents). The message names the file."""
+
+
+def shard_stem(rank: int, k: int) -> str:
+    return f"shard-r{rank}-{k:06d}"
+
+
+def _is_store_file(name: str) -> bool:
+    """Files the store owns (and may delete); anything else in the folder is left alone."""
+    if name in (STORE_META, INDEX) or name.startswith("shard-r"):
+        return True
+    # atomic_write_bytes temporaries: ".<name>.<random>.tmp"
+    return name.endswith(".tmp") and (name.startswith(".shard-r") or name.startswith(f".{INDEX}.")
+                                      or name.startswith(f".{STORE_META}."))
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tensor], list[int]]],
+                      metadata: dict[str, str], fsync: bool = True) -> tuple[str, int]:
+    """Write a safetensors file atomically from tensors given in row pieces; returns (sha256, bytes).
+
+    `tensors[name] = (pieces, shape)`: the pieces (CPU, one dtype) concatenated along dim 0
+    make a tensor of `shape`. They are streamed to the file and the hash without being
+    concatenated in memory first (a shard is extract.shard_mb, 256 MiB by default). The layout is the one
+    safetensors.torch.save writes: 8-byte header length, JSON header padded with spaces to
+    a multiple of 8, then the data ordered by dtype size (largest first) and name.
+    """
+    path = Path(path)
+    order = sorted(tensors, key=lambda n: (-tensors[n][0][0].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        pieces, shape = tensors[name]
+        dtype = pieces[0].dtype
+        if any(p.dtype != dtype for p in pieces) or sum(p.numel() for p in pieces) != int(np.prod(shape)):
+            raise ValueError(f"{path.name}: pieces of tensor {name!r} do not make one {dtype} tensor of shape {shape}")
+        nbytes = sum(p.numel() for p in pieces) * pieces[0].element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with atomic_writer(path, fsync) as f:
+        for block in (struct.pack("<Q", len(head)), head):
+            digest.update(block)
+            f.write(block)
+        for name in order:
+            for piece in tensors[name][0]:
+                block = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
+                digest.update(block)  # hashlib and file writes release the GIL for large blocks
+                f.write(block)
+        size = f.tell()
+    return digest.hexdigest(), size
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# ---- what the states are: store.json, head.safetensors, target_config.json ---------------------------
+
+def store_meta(input_hash: str, hidden_size: int, layers: list[int], dtype: str, final_state: str,
+               num_target_layers: int, target_class: str, norm_eps: float, mode: str, **more: Any) -> dict[str, Any]:
+    """store.json's description of the states (the writer adds "format"): the extract stage's
+    input hash, the target's hidden size, the captured layer ids (n_aux of them), the store
+    dtype's config name, final_state (POST_NORM or PRE_NORM), the target's decoder layers and
+    class, its final norm's epsilon and extract.mode. `more`: a backend's own keys (the HF
+    backend: family, embed_scale, logit_scale, logit_softcap, how the teacher's logits come
+    from the final state; the vLLM backend: backend, vllm_layer_ids)."""
+    if final_state not in (POST_NORM, PRE_NORM):
+        raise ValueError(f"store final_state {final_state!r}: expected {POST_NORM!r} or {PRE_NORM!r}")
+    return {"input_hash": input_hash, "hidden_size": int(hidden_size), "n_aux": len(layers), "layers": list(layers),
+            "dtype": dtype, "final_state": final_state, "num_target_layers": int(num_target_layers),
+            "target_class": target_class, "norm_eps": float(norm_eps), "mode": mode, **more}
+
+
+def write_target_head(folder: str | Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor,
+                      text_config: dict[str, Any]) -> None:
+    """head.safetensors and target_config.json. embed_tokens [V, H]: the embedding as the target's
+    first decoder layer receives it (embed_scale applied); lm_head [V, H]; norm [H]: the final
+    norm as a plain RMSNorm scale (Gemma's 1 + w). Tensors may share storage (a tied target)."""
+    folder = Path(folder)
+    # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
+    tensors = {"embed_tokens": embed_tokens, "lm_head": lm_head, "norm": norm}
+    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}))
+    atomic_write_json(folder / TARGET_CONFIG, text_config)
+
+
+def read_target_config(folder: str | Path) -> dict[str, Any]:
+    """The target's text config as extract saved it (target_config.json)."""
+    return json.loads((Path(folder) / TARGET_CONFIG).read_text())
+
+
+@dataclass
+class TargetHead:
+    """The target's tensors that training uses (`read_target_head`). The trainer hands them on
+    and drops them: `embed` is copied into the draft, `lm_head` and `norm` go to the teacher."""
+
+    lm_head: torch.Tensor | None  # [V, H]
+    norm: torch.Tensor | None  # final norm weight when the stored final state is pre-norm
+    norm_eps: float
+    embed: torch.Tensor | None  # [V, H], as the target's first layer receives it (embed_scale applied)
+    logit_scale: float = 1.0  # the target's logits: softcap(lm_head(final) * logit_scale)
+    logit_softcap: float | None = None
+
+
+def read_target_head(folder: str | Path, meta: dict[str, Any], device: torch.device) -> TargetHead:
+    """The target's head from a store `folder` described by `meta` (store.json); with the final
+    norm when the stored final state is before it (PRE_NORM, the vLLM backend), so that the
+    teacher's logits are the target's own either way. lm_head and norm go to `device`."""
+    t = load_file(str(Path(folder) / HEAD_FILE))
+    final_state = meta.get("final_state", POST_NORM)
+    if final_state not in (POST_NORM, PRE_NORM):
+        raise ValueError(f"{folder}: store final_state {final_state!r} is neither {POST_NORM!r} nor {PRE_NORM!r}")
+    return TargetHead(
+        lm_head=t["lm_head"].to(device),
+        norm=t["norm"].to(device) if final_state == PRE_NORM else None,
+        norm_eps=float(meta.get("norm_eps", 1e-6)),
+        embed=t["embed_tokens"],
+        logit_scale=float(meta.get("logit_scale") or 1.0),
+        logit_softcap=meta.get("logit_softcap"),
+    )
+
+
+# ---- writer ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Piece:
+    sample_id: int
+    aux: torch.Tensor  # [T, n_aux*H]
+    final: torch.Tensor  # [T, H]
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+
+
+def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> int:
+    """Make `folder` ready for writers of `meta`; returns the number of unfinished files removed.
+
+    A store made for other inputs (store.json differs) is deleted; the index is removed (it
+    is valid again only when this extraction completes); debris of any rank (temporary
+    files, a shard without its sidecar, a sidecar without its shard) is removed. Under
+    torchrun rank 0 runs this alone, before any rank opens a writer.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, **meta}
+    old = _read_json(folder / STORE_META)
+    files = [p for p in folder.iterdir() if _is_store_file(p.name)]
+    if old != meta and files:
+        if isinstance(old, dict) and old.get("input_hash") != meta.get("input_hash"):
+            why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
+        elif isinstance(old, dict):
+            why = "changed " + ", ".join(k for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
+        else:
+            why = f"no readable {STORE_META}"
+        log(f"[extract] store in {folder} was made for other inputs ({why}); clearing {len(files)} files")
+        for p in files:
+            p.unlink(missing_ok=True)
+    if old != meta:
+        atomic_write_json(folder / STORE_META, meta, fsync=fsync)
+    (folder / INDEX).unlink(missing_ok=True)
+
+    removed = 0
+    for p in sorted(folder.iterdir()):
+        if p.name.endswith(".tmp") and _is_store_file(p.name):
+            p.unlink(missing_ok=True)
+            removed += 1
+    for p in sorted(folder.glob("shard-r*.safetensors")):
+        if _SHARD_RE.match(p.name) and _valid_sidecar(p) is None:
+            p.unlink()
+            p.with_suffix(".json").unlink(missing_ok=True)
+            removed += 1
+    for side in sorted(folder.glob("shard-r*.json")):
+        if not side.with_suffix(".safetensors").is_file():
+            side.unlink()
+            removed += 1
+    return removed
+
+
+def _valid_sidecar(shard: Path) -> dict[str, Any] | None:
+    """The sidecar of a finished shard, or None when the shard is unfinished."""
+    side = _read_json(shard.with_suffix(".json"))
+    if not isinstance(side, dict) or side.get("file") != shard.name or side.get("bytes") != shard.stat().st_size:
+        return None
+    return side
+
+
+def finished_shards(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """file name -> sidecar of every finished shard in `folder`, of all ranks, sorted by name.
+    Raises CorruptShardError when a sample id is in two shards."""
+    records: dict[str, dict[str, Any]] = {}
+    seen: set[int] = set()
+    for p in sorted(Path(folder).glob("shard-r*.safetensors")):
+        side = _valid_sidecar(p) if _SHARD_RE.match(p.name) else None
+        if side is None:
+            continue
+        ids = [int(i) for i in side["sample_ids"]]
+        dup = seen.intersection(ids)
+        if dup:
+            raise CorruptShardError(f"{p.name}: sample ids {sorted(dup)[:5]} are also in another shard of {folder}")
+        seen.update(ids)
+        records[p.name] = side
+    return records
+
+
+def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dict[str, Any]],
+                set_aside: list[dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
+    """Write index.json over the shards in `records` (file -> sidecar) and the samples set
+    aside; returns the index. The last file of an extraction: its presence means complete."""
+    shards = [{k: records[f][k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for f in sorted(records)]
+    index = {
+        "format": FORMAT,
+        "meta": {"format": FORMAT, **meta},
+        "shards": shards,
+        "num_shards": len(shards),
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "set_aside_counts": dict(Counter(s["reason"] for s in set_aside)),
+        "set_aside": sorted(set_aside, key=lambda s: s["sample_id"]),
+    }
+    atomic_write_json(Path(folder) / INDEX, index, fsync=fsync)
+    return index
+
+
+class StoreWriter:
+    """Appends samples to a store folder; resumes a store left by an interrupted run.
+
+    `meta` describes the states (input_hash, hidden_size, n_aux, layers, dtype, final_state);
+    if the folder's store.json differs, the old store is deleted first.
+
+    Data-parallel extraction: one writer per rank, each writing shards named with its
+    `rank`. Rank 0 calls `prepare_folder` alone, then every rank opens a writer with
+    `prepare=False`, which only reads the finished shards (of all ranks: a sample stored by
+    any rank in an earlier run, of any world size, counts as done). Each rank then calls
+    `close(index=False)` and rank 0 writes the one index with `write_index`.
+    """
+
+    def __init__(self, folder: str | Path, meta: dict[str, Any], shard_bytes: int,
+                 queue_size: int = 2, fsync: bool = True, rank: int = 0, threads: int = 4, prepare: bool = True):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.meta = {"format": FORMAT, **meta}
+        self.dtype = DTYPES[self.meta["dtype"]]
+        self.hidden = int(self.meta["hidden_size"])
+        self.aux_width = int(self.meta["n_aux"]) * self.hidden
+        self.shard_bytes = max(1, int(shard_bytes))
+        self.fsync = fsync
+        self.rank = rank
+        removed = 0
+        if prepare:
+            removed = prepare_folder(self.folder, meta, fsync)
+        elif _read_json(self.folder / STORE_META) != self.meta:
+            raise RuntimeError(f"{self.folder / STORE_META} does not describe rank {rank}'s states: ranks disagree "
+                               "on the inputs, or prepare_folder did not run first")
+        self._records: dict[str, dict[str, Any]] = finished_shards(self.folder)  # file -> sidecar of done shards
+        self._done: set[int] = {int(i) for side in self._records.values() for i in side["sample_ids"]}
+        if self._records or removed:
+            log(f"[extract] resuming store {self.folder}: {len(self._records)} shards / {len(self._done)} samples done, "
+                f"{removed} unfinished files removed")
+        self.resumed_shards = len(self._records)
+        self._next_k = 1 + max((int(_SHARD_RE.match(f).group(2)) for f in self._records
+                                if int(_SHARD_RE.match(f).group(1)) == rank), default=-1)
+        self._buf: list[_Piece] = []
+        self._buf_bytes = 0
+        self.set_aside_samples: list[dict[str, Any]] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        # Writer threads (hashing and file writes release the GIL, so several overlap). Daemons:
+        # a process that dies mid-write leaves only debris that the next open removes.
+        self._threads = [threading.Thread(target=self._work, name=f"eaglet-store-writer-{t}", daemon=True)
+                         for t in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    def done_ids(self) -> set[int]:
+        """Sample ids already stored in finished shards (skip them on resume)."""
+        return set(self._done)
+
+    # ---- adding ------------------------------------------------------------------------------
+    def add(self, sample_id: int, aux: torch.Tensor, final: torch.Tensor,
+            input_ids: torch.Tensor | np.ndarray, loss_mask: torch.Tensor | np.ndarray) -> None:
+        """Buffer one sample (CPU tensors: aux [T, n_aux*H], final [T, H] in the store dtype)."""
+        self._raise_if_failed()
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
+        sample_id = int(sample_id)
+        if sample_id in self._done:
+            raise ValueError(f"sample {sample_id} is already in the store")
+        ids = torch.as_tensor(input_ids).to(torch.int32).reshape(-1)
+        mask = torch.as_tensor(loss_mask).to(torch.uint8).reshape(-1)
+        n = ids.shape[0]
+        if tuple(aux.shape) != (n, self.aux_width) or tuple(final.shape) != (n, self.hidden) or mask.shape[0] != n:
+            raise ValueError(
+                f"sample {sample_id}: shapes aux {tuple(aux.shape)}, final {tuple(final.shape)}, ids {n}, "
+                f"mask {mask.shape[0]} do not match T={n}, n_aux*H={self.aux_width}, H={self.hidden}"
+            )
+        if aux.dtype != self.dtype or final.dtype != self.dtype:
+            raise ValueError(f"sample {sample_id}: states are {aux.dtype}/{final.dtype}, the store holds {self.dtype}")
+        if aux.device.type != "cpu" or final.device.type != "cpu":
+            raise ValueError(f"sample {sample_id}: states must be on the CPU")
+        self._done.add(sample_id)
+        self._buf.append(_Piece(sample_id, aux, final, ids, mask))
+        self._buf_bytes += aux.nbytes + final.nbytes + 5 * n
+        if self._buf_bytes >= self.shard_bytes:
+            self._flush()
+
+    def set_aside(self, sample_id: int, reason: str) -> None:
+        """Record a sample that is not stored (listed in index.json; retried by a resumed run)."""
+        self.set_aside_samples.append({"sample_id": int(sample_id), "reason": reason})
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        item = (self._next_k, self._buf)
+        self._next_k += 1
+        self._buf, self._buf_bytes = [], 0
+        while True:  # wait for room, but notice a writer thread that has failed
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"store writer thread failed: {self._error!r}") from self._error
+
+    # ---- background thread ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks on a dead consumer
+            try:
+                record = self._write_shard(*item)
+                with self._lock:
+                    self._records[record["file"]] = record
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                self._error = e
+
+    def _write_shard(self, k: int, pieces: list[_Piece]) -> dict[str, Any]:
+        lengths = [p.input_ids.shape[0] for p in pieces]
+        tokens = int(sum(lengths))
+        parts = {  # name -> (pieces, shape); written straight from the pieces, never concatenated
+            "aux": ([p.aux for p in pieces], [tokens, self.aux_width]),
+            "final": ([p.final for p in pieces], [tokens, self.hidden]),
+            "input_ids": ([p.input_ids for p in pieces], [tokens]),
+            "loss_mask": ([p.loss_mask for p in pieces], [tokens]),
+            "offsets": ([torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)], [len(pieces) + 1]),
+            "sample_id": ([torch.tensor([p.sample_id for p in pieces], dtype=torch.int64)], [len(pieces)]),
+        }
+        stem = shard_stem(self.rank, k)
+        name = f"{stem}.safetensors"
+        digest, size = write_safetensors(self.folder / name, parts, {"format": FORMAT}, fsync=self.fsync)
+        record = {
+            "file": name,
+            "sha256": digest,
+            "samples": len(pieces),
+            "tokens": tokens,
+            "bytes": size,
+            "sample_ids": [p.sample_id for p in pieces],
+            "lengths": [int(n) for n in lengths],
+        }
+        atomic_write_json(self.folder / f"{stem}.json", record, fsync=self.fsync)
+        return record
+
+    # ---- finishing --------------------------------------------------------------------------------
+    def close(self, index: bool = True) -> dict[str, Any]:
+        """Write the last shard and wait for the writers; then write index.json (`index`) over
+        this writer's shards. Returns the index, or (index=False) this writer's shard records."""
+        self._raise_if_failed()
+        self._flush()
+        self._stop()
+        self._raise_if_failed()
+        with self._lock:
+            records = dict(self._records)
+        if not index:
+            return records
+        return write_index(self.folder, self.meta, records, self.set_aside_samples, self.fsync)
+
+    def abort(self) -> None:
+        """Stop after the shards already queued (they are complete and count on resume);
+        the partly filled buffer is dropped and no index is written."""
+        self._buf, self._buf_bytes = [], 0
+        self._stop()
+        if self._error is not None:
+            log(f"[extract] store writer had failed: {self._error!r}")
+
+    def _stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:  # one stop signal per thread, each after the shards queued before it
+            while any(t.is_alive() for t in self._threads):
+                try:
+                    self._queue.put(None, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+        for t in self._threads:
+            t.join()
+
+
+# ---- reader ---------------------------------------------------------------------------------------
+
+class StoreReader:
+    """Random access to a finished store by sample id; shards are memory-mapped.
+
+    Each shard's size and sha256 are checked against its sidecar the first time it is opened
+    (`verify=False` skips the checksum, e.g. in data-loader workers after one `verify_all`).
+    """
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        self.folder = Path(folder)
+        index = _read_json(self.folder / INDEX)
+        if not isinstance(index, dict):
+            raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
+        self.index = index
+        self.meta: dict[str, Any] = index["meta"]
+        self.layers: list[int] = list(self.meta["layers"])
+        self.hidden_size = int(self.meta["hidden_size"])
+        self.dtype = DTYPES[self.meta["dtype"]]
+        self.verify = verify
+        self.shards: list[dict[str, Any]] = []
+        ids, shard_of, row, lengths = [], [], [], []
+        for k, sh in enumerate(index["shards"]):
+            side = _read_json(self.folder / sh["file"].replace(".safetensors", ".json"))
+            if not isinstance(side, dict) or side.get("sha256") != sh["sha256"]:
+                raise CorruptShardError(f"{sh['file']}: sidecar missing or not matching {INDEX} in {self.folder}")
+            self.shards.append(side)
+            n = len(side["sample_ids"])
+            ids.append(np.asarray(side["sample_ids"], dtype=np.int64))
+            lengths.append(np.asarray(side["lengths"], dtype=np.int64))
+            shard_of.append(np.full(n, k, dtype=np.int32))
+            row.append(np.arange(n, dtype=np.int64))
+        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
+        all_ids, all_len = cat(ids, np.int64), cat(lengths, np.int64)
+        order = np.argsort(all_ids, kind="stable")
+        self.sample_ids = all_ids[order]  # ascending
+        self.lengths = all_len[order]  # aligned with sample_ids
+        self._shard_of = cat(shard_of, np.int32)[order]
+        self._row = cat(row, np.int64)[order]
+        if len(self.sample_ids) > 1 and (np.diff(self.sample_ids) == 0).any():
+            dup = self.sample_ids[1:][np.diff(self.sample_ids) == 0]
+            raise CorruptShardError(f"store {self.folder}: sample ids stored twice: {dup[:5].tolist()}")
+        self._offsets = [np.concatenate([[0], np.cumsum(np.asarray(s["lengths"], dtype=np.int64))]) for s in self.shards]
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layers)
+
+    def target_head(self, device: torch.device) -> TargetHead:
+        """The target's head this store's states were taken with (`read_target_head`)."""
+        return read_target_head(self.folder, self.meta, device)
+
+    def __contains__(self, sample_id: int) -> bool:
+        i = int(np.searchsorted(self.sample_ids, sample_id))
+        return i < len(self) and int(self.sample_ids[i]) == int(sample_id)
+
+    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
+        """aux [T, n_aux*H], final [T, H] (store dtype), input_ids int32 [T], loss_mask uint8 [T]."""
+        i = int(np.searchsorted(self.sample_ids, sample_id))
+        if i >= len(self) or int(self.sample_ids[i]) != int(sample_id):
+            raise KeyError(f"sample {sample_id} is not in the store {self.folder}")
+        k, j = int(self._shard_of[i]), int(self._row[i])
+        handle = self._open(k)
+        a, b = int(self._offsets[k][j]), int(self._offsets[k][j + 1])
+        return {name: handle.get_slice(name)[a:b] for name in ("aux", "final", "input_ids", "loss_mask")}
+
+    def _open(self, k: int) -> Any:
+        if k not in self._handles:
+            self._check(k, checksum=self.verify)
+            self._handles[k] = safe_open(str(self.folder / self.shards[k]["file"]), framework="pt")
+        return self._handles[k]
+
+    def _check(self, k: int, checksum: bool = True) -> None:
+        """Raise CorruptShardError unless shard k matches its sidecar."""
+        side = self.shards[k]
+        name = side["file"]
+        path = self.folder / name
+        if not path.is_file():
+            raise CorruptShardError(f"{name}: shard file missing from {self.folder}")
+        size = path.stat().st_size
+        if size != side["bytes"]:
+            raise CorruptShardError(f"{name}: {size} bytes, sidecar says {side['bytes']} (truncated or overwritten)")
+        if checksum:
+            digest = sha256_file(path)
+            if digest != side["sha256"]:
+                raise CorruptShardError(f"{name}: sha256 {digest[:16]}... does not match sidecar {side['sha256'][:16]}...")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                sid = f.get_tensor("sample_id")
+                off = f.get_tensor("offsets")
+                aux_shape, final_shape = f.get_slice("aux").get_shape(), f.get_slice("final").get_shape()
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+            raise CorruptShardError(f"{name}: not a readable safetensors file ({e})") from e
+        tokens = side["tokens"]
+        if (sid.tolist() != side["sample_ids"] or off.tolist() != self._offsets[k].tolist()
+                or aux_shape != [tokens, self.n_aux * self.hidden_size] or final_shape != [tokens, self.hidden_size]):
+            raise CorruptShardError(f"{name}: contents do not match its sidecar")
+
+    def verify_all(self, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}.
+        `part` (i, n): only shards i, i+n, ... (n ranks share the work)."""
+        bad = []
+        ks = range(part[0], len(self.shards), part[1])
+        for k in ks:
+            try:
+                self._check(k, checksum=True)
+            except CorruptShardError as e:
+                bad.append({"file": self.shards[k]["file"], "error": str(e)})
+        return {
+            "shards": len(ks),
+            "ok": len(ks) - len(bad),
+            "bad": bad,
+            "samples": len(self),
+            "tokens": int(self.lengths.sum()),
+        }

@@ -1,0 +1,297 @@
+"""Stage `extract`: run the target over the prepared samples and store its hidden states.
+
+For every sample the store gets, per token, the states *entering* the decoder layers in
+`extract.layers` (default 2, L//2, L-3; the HF `output_hidden_states[i]` convention) and the
+final normed state that the LM head reads (the teacher; logits = lm_head(final)).
+
+How, and why this way (the tiny test targets stand in for 8B..1T targets on many GPUs):
+- Forward pre-hooks on the chosen decoder layers copy each incoming state into one
+  [B, T, n_aux*H] buffer in the store dtype; `output_hidden_states` would keep every
+  layer's state alive at once.
+- The base decoder model runs, not the CausalLM: no full-vocabulary logits are built. The
+  final state is the base model's `last_hidden_state`, which is exactly the tensor the
+  CausalLM feeds its LM head (it already has the final norm applied).
+- Samples are sorted longest first and packed into right-padded batches under a token
+  budget; outputs map back to sample ids by their row in the batch.
+- Device-to-host copies go to pinned memory without blocking; a batch's rows are handed to
+  the store one step later, while the next forward runs. The store writes shards on a
+  background thread, so disk writes overlap the forward too.
+- Killing the process at any instant is safe: the store resumes from its finished shards.
+
+With `extract.backend: vllm` the target runs in vLLM instead (eaglet/stages/extract_vllm.py) and
+the same store is written, with the final state before the final norm (`final_state: pre_norm`).
+
+Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli extract CONFIG`) the ranks split
+the batches (data parallel), or with `target.tp_plan: auto` split the target itself
+(tensor parallel, `extract.tp_plan: auto`); see `run_extract`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from ..checks.selfcheck import pick_samples, run_selfcheck
+from ..config import Config
+from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed, run_on_main
+from ..engines.hf import capture, nonfinite_rows, pad_batch, to_host
+from ..formats.prepared import PreparedData
+from ..formats.store import (POST_NORM, StoreReader, StoreWriter, finished_shards, prepare_folder, store_meta,
+                             write_index, write_target_head)
+from ..targets.families import resolve_layers
+from ..targets.load import TargetParts, load_target, norm_eps
+from ..utils import DTYPES, log
+from .context import StageContext
+from .extract_vllm import run_extract_vllm
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Positions into `lengths`, grouped into batches: longest first, each batch's
+    size x longest length <= batch_tokens and size <= max_batch_size (a sample longer than
+    the budget goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    batches, i = [], 0
+    while i < len(order):
+        longest = max(1, int(lengths[order[i]]))
+        size = max(1, min(max_batch_size, batch_tokens // longest))
+        batches.append(order[i:i + size])
+        i += size
+    return batches
+
+
+@dataclass
+class _InFlight:
+    """A batch whose outputs are on their way to the host."""
+
+    rows: list[int]  # prepared-data positions, one per batch row
+    lengths: list[int]
+    aux: torch.Tensor  # host [B, T, n_aux*H]
+    final: torch.Tensor  # host [B, T, H]
+    bad: torch.Tensor  # host bool [B]
+    events: list = field(default_factory=list)
+    keep: tuple = ()  # device tensors that must live until the copies finish
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) weight gathered whole; a collective, so every rank calls it."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path, write: bool = True) -> None:
+    """What training needs of the target besides the store: its token embedding (copied into
+    the draft, frozen), LM head and final norm (the teacher), and its text config (the
+    draft's sizes). A few GB for the largest targets, against the model's hundreds.
+    Under tensor parallelism every rank calls this (the weights are gathered) and the rank
+    with `write` writes.
+
+    The embedding is stored as the first decoder layer receives it (times the family's
+    embed_scale: Gemma's sqrt(H)) and the norm as a plain weight (Gemma's 1 + w), so the
+    draft and the teacher need no family knowledge; the head's logit scale and softcap go
+    into the store's meta (`head_meta`)."""
+    weights = {"embed_tokens": parts.embed_tokens.weight, "lm_head": parts.lm_head.weight, "norm": parts.norm.weight}
+    if not write and not any(isinstance(w, DTensor) for w in weights.values()):
+        return
+    tensors = {k: _whole(v.detach()) for k, v in weights.items()}
+    if not write:
+        return
+    write_target_head(folder, parts.scaled_embedding(tensors["embed_tokens"]), tensors["lm_head"],
+                      parts.plain_norm_weight(tensors["norm"]), model.config.get_text_config().to_dict())
+
+
+class _Discard:
+    """The writer of a tensor-parallel rank other than 0: it computes every batch with the
+    others, and rank 0 stores the (identical) states."""
+
+    set_aside_samples: list = []
+
+    def add(self, *args: Any) -> None:
+        pass
+
+    def set_aside(self, *args: Any) -> None:
+        pass
+
+
+def head_meta(parts: TargetParts) -> dict[str, Any]:
+    """The store meta that says how the teacher's logits come from the stored final state."""
+    return {
+        "family": parts.family.key if parts.family is not None else None,
+        "embed_scale": parts.embed_scale,
+        "logit_scale": parts.logit_scale,
+        "logit_softcap": parts.logit_softcap,
+    }
+
+
+def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
+    """Stage entry point: extract states for every prepared sample not yet in the store.
+
+    Under torchrun, data parallel (the default): every rank loads the whole target, the
+    batch plan over the samples still to do is made identically on every rank, and rank r
+    runs batches r, r+W, r+2W, ...: each sample goes through the same batch as in a
+    one-rank run, so the stored states are the same. Each rank writes its own shards
+    (shard-r{rank}-*); after all finish, rank 0 writes one index over all of them. A rerun
+    resumes from every finished shard, whatever world size wrote it. With `extract.tp_plan`
+    the ranks form one tensor-parallel group instead: all run every batch, rank 0 writes.
+    """
+    ecfg = cfg.extract
+    if ecfg.backend == "vllm":
+        return run_extract_vllm(cfg, ctx)
+    if ecfg.backend != "hf":
+        raise ValueError(f"extract.backend {ecfg.backend!r}: 'hf' or 'vllm'")
+    env = init_distributed(cfg.run.dist_timeout_minutes)
+    tensor_parallel = ecfg.tp_plan is not None and env.active
+    data_rank, data_world = (0, 1) if tensor_parallel else (env.rank, env.world_size)
+    writes = env.is_main or not tensor_parallel
+    t0 = time.time()
+    data = PreparedData(ctx.upstream["prepare"])
+    model, info = load_target(cfg.target, tp_plan=ecfg.tp_plan) if tensor_parallel else load_target(cfg.target)
+    parts = TargetParts.of(model)
+    layers = resolve_layers(ecfg.layers, parts.num_layers)
+    dtype = DTYPES[ecfg.store_dtype]
+    how = (f"tensor parallel over {env.world_size} ranks" if tensor_parallel
+           else f"data parallel over {env.world_size} ranks" if env.active else "")
+    log(f"[extract] target {info['class']} L={parts.num_layers} H={parts.hidden_size} on {info['device']}; "
+        f"layers {layers}; store {ecfg.store_dtype}" + (f"; {how}" if how else ""))
+    meta = store_meta(ctx.input_hash, parts.hidden_size, layers, ecfg.store_dtype, POST_NORM, parts.num_layers,
+                      info["class"], norm_eps(parts.norm), ecfg.mode, **head_meta(parts))
+    removed = run_on_main(prepare_folder, ctx.out_dir, meta, ecfg.fsync)
+    # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
+    writer: StoreWriter | _Discard = _Discard()
+    if writes:
+        writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
+                             queue_size=ecfg.writer_queue, fsync=ecfg.fsync, rank=data_rank,
+                             threads=ecfg.writer_threads, prepare=False)
+    done = broadcast_object(writer.done_ids() if env.is_main else None)
+    barrier()  # every rank has read the finished shards before any rank writes a new one
+    if env.is_main and removed:
+        log(f"[extract] removed {removed} unfinished files of an interrupted run")
+    save_target_head(parts, model, ctx.out_dir, write=env.is_main)
+    try:
+        todo = [i for i in range(len(data)) if int(data.sample_ids[i]) not in done]
+        if ecfg.mode == "online":  # only what the self-check compares; training computes the rest
+            picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
+            todo = [i for i in todo if int(data.sample_ids[i]) in picked]
+        waits: dict[str, float] = {}
+        new_tokens = extract_samples(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size,
+                                   data_rank, data_world, show=env.is_main, waits=waits)
+        t_close = time.perf_counter()
+        records = writer.close(index=False) if isinstance(writer, StoreWriter) else {}
+        waits["close_s"] = time.perf_counter() - t_close
+        waits = {k: round(v, 3) for k, v in waits.items()}
+        if env.is_main and waits["loop_s"] > 0:
+            log(f"[extract] host waits over {waits['loop_s']:.1f} s of forwards: store writer (disk) "
+                f"{waits['writer_wait_s']:.1f} s, device-to-host copies {waits['copy_wait_s']:.1f} s, pinned buffers "
+                f"{waits['pin_alloc_s']:.1f} s; the last shards took {waits['close_s']:.1f} s after the last forward")
+    except BaseException:
+        if isinstance(writer, StoreWriter):
+            writer.abort()
+        raise
+    set_aside = [s for part in all_gather_object(writer.set_aside_samples) for s in part]
+    new_tokens = int(all_reduce_sum(torch.tensor([new_tokens], dtype=torch.int64))[0])
+    barrier()  # every rank's shards are on disk
+    index = broadcast_object(write_index(ctx.out_dir, meta, finished_shards(ctx.out_dir) if env.active else records,
+                                         set_aside, ecfg.fsync) if env.is_main else None)
+    # Before the manifest: a store that disagrees with the model's own forward never reaches
+    # train. Every rank checks (under tensor parallelism the reference forward is collective).
+    check = run_selfcheck(model, parts, StoreReader(ctx.out_dir, verify=False), layers, ecfg.selfcheck_samples,
+                          ecfg.selfcheck_min_cosine, ecfg.selfcheck_min_top1, seed=cfg.run.seed)
+    if check["samples"]:
+        log(f"[extract] self-check ok on {len(check['samples'])} samples: top-1 {check['top1_agreement']:.2%}, "
+            f"least cosine {min(s['cosine'] for s in check['states'].values()):.6f}")
+    seconds = time.time() - t0
+    return {
+        "samples": index["num_samples"],
+        "tokens": index["num_tokens"],
+        "resumed_samples": len(done),
+        "new_tokens": new_tokens,
+        "set_aside": index["set_aside_counts"],
+        "shards": index["num_shards"],
+        "bytes": index["bytes"],
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+        "layers": layers,
+        "hidden_size": parts.hidden_size,
+        "world_size": env.world_size,
+        "parallel": "tensor" if tensor_parallel else "data" if env.active else "none",
+        "host_waits": waits,  # this rank's (rank 0's in the manifest)
+        "selfcheck": check,
+    }
+
+
+def extract_samples(data: PreparedData, todo: list[int], parts: TargetParts, layers: list[int], dtype: torch.dtype,
+                  writer: StoreWriter | _Discard, batch_tokens: int, max_batch_size: int, rank: int = 0,
+                  world_size: int = 1, show: bool = True, waits: dict[str, float] | None = None) -> int:
+    """Forward this rank's share of `todo` (prepared-data positions): batches rank, rank +
+    world_size, ... of the plan over all of `todo`. Returns the tokens this rank processed.
+
+    `waits` (filled when given) says where the host thread that launches the forwards stood
+    still, in seconds: 'pin_alloc_s' allocating pinned buffers, 'copy_wait_s' waiting for a
+    batch's device-to-host copies (that is, for the GPU), 'writer_wait_s' handing rows to the
+    store (blocked while its queue is full: the disk is behind), and 'loop_s' in all. Time the
+    host stands still while a forward is queued costs nothing; past that, the GPU idles."""
+    waits = {} if waits is None else waits
+    for k in ("pin_alloc_s", "copy_wait_s", "writer_wait_s"):
+        waits.setdefault(k, 0.0)
+    t_loop = time.perf_counter()
+    lengths = [int(data.lengths[i]) for i in todo]
+    for i, n in zip(todo, lengths):
+        if n == 0 and rank == 0:
+            writer.set_aside(int(data.sample_ids[i]), "empty")
+    todo = [i for i, n in zip(todo, lengths) if n > 0]
+    lengths = [n for n in lengths if n > 0]
+    batches = plan_batches(lengths, batch_tokens, max_batch_size)[rank::world_size]
+    todo_count = sum(len(b) for b in batches)
+    device = parts.input_device
+    bar = tqdm(total=sum(lengths[p] for b in batches for p in b), unit="tok", unit_scale=True, desc="extract",
+               dynamic_ncols=True, disable=not show)
+    stored = {"samples": 0, "set_aside": 0}
+    pending: _InFlight | None = None
+
+    def finish(f: _InFlight) -> None:
+        t0 = time.perf_counter()
+        for ev in f.events:
+            ev.synchronize()
+        t1 = time.perf_counter()
+        waits["copy_wait_s"] += t1 - t0
+        for b, (i, n) in enumerate(zip(f.rows, f.lengths)):
+            s = data[i]
+            if bool(f.bad[b]):
+                writer.set_aside(s.sample_id, "nonfinite")
+                stored["set_aside"] += 1
+                continue
+            writer.add(s.sample_id, f.aux[b, :n], f.final[b, :n], s.input_ids, s.loss_mask)
+            stored["samples"] += 1
+        waits["writer_wait_s"] += time.perf_counter() - t1
+        bar.update(sum(f.lengths))
+        bar.set_postfix(samples=f"{stored['samples']}/{todo_count}", set_aside=stored["set_aside"], refresh=False)
+
+    parts.decoder.eval()
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                rows = [todo[p] for p in batch]
+                ids, mask = pad_batch([data[i].input_ids for i in rows])
+                ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+                aux, final = capture(parts, layers, ids, mask, dtype)
+                if isinstance(writer, _Discard):
+                    bar.update(sum(lengths[p] for p in batch))
+                    continue  # a tensor-parallel rank other than 0: rank 0 stores these states
+                bad = nonfinite_rows(aux, final, mask)
+                events: list = []
+                flight = _InFlight(rows, [lengths[p] for p in batch], to_host(aux, events, waits),
+                                   to_host(final, events, waits), to_host(bad, events, waits), events,
+                                   keep=(aux, final, bad))
+                if pending is not None:
+                    finish(pending)  # the previous batch's rows, while this batch's copies run
+                pending = flight
+            if pending is not None:
+                finish(pending)
+    finally:
+        bar.close()
+        waits["loop_s"] = time.perf_counter() - t_loop
+    return sum(lengths[p] for b in batches for p in b)

@@ -1,0 +1,223 @@
+"""`extract.backend: vllm`: the target runs in vLLM, the engine that serves the largest targets.
+
+    eaglet extract CONFIG          # with extract.backend: vllm, run from the venv that has vLLM
+                                   # (bash scripts/vllm_venv.sh), or with extract.vllm_server set
+
+vLLM's own path for this, not a patch of its internals: the speculative method
+`extract_hidden_states` makes the target model return the states of the layer ids in the
+draft config's `eagle_aux_hidden_state_layer_ids`, and the KV connector
+`ExampleHiddenStatesConnector` writes each request's states [T, n, H] and token ids [T] to a
+safetensors file under `shared_storage_path`, named in the request's
+`kv_transfer_params["hidden_states_path"]` (read with its `load_hidden_states` helper).
+
+eaglet asks for its captured layer ids plus L (= num_hidden_layers). vLLM's id i is the state
+entering decoder layer i (hidden_states + residual: the HF output_hidden_states[i]
+convention eaglet's HF backend stores), so the aux states are the same tensors. Id L is the
+state after the last layer *before* the final norm: the store records
+`final_state: pre_norm` and training applies the final norm before the LM head
+(train.load_head, loss.teacher_targets). vLLM returns the states in increasing layer order.
+
+Each prompt runs once with max_tokens=1. The token ids vLLM stored must equal the ids prepare
+produced; a sample whose ids differ is set aside ("token_mismatch"), never stored. So is one
+with a token whose states are all zeros ("zero_states"): vLLM skips the extraction step for a
+whole batch whose longest sequence + 1 exceeds max_model_len, leaving those cache slots
+unwritten; eaglet sizes max_model_len to the longest sample + 1 and sets aside samples that do
+not fit a max_model_len the user gives. States go into eaglet's own store (shards, index,
+checksums, resume) exactly as the HF backend writes it.
+
+Self-check at scale: the `extract.selfcheck_samples` samples run first, with vLLM's prompt
+logprobs. The target's LM head applied to their stored final state (through training's own
+teacher, final norm included) must pick vLLM's top token on at least
+`extract.selfcheck_min_top1` of their tokens (a near tie within TIE_NATS counts as agreeing),
+or the run stops before the rest is extracted.
+
+The target's head (embedding, LM head, final norm) is read from its checkpoint files by
+name, without loading the model: a 1T-parameter target needs only these few GB here.
+The doctor checks every vLLM API this module uses (eaglet/checks/contracts.py, stage "extract-vllm").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..checks.selfcheck import TIE_NATS, SelfCheckError, logprob_agreement, pick_samples
+from ..config import Config
+from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
+                            to_sample, vllm_layer_ids)
+from ..formats.prepared import PreparedData
+from ..formats.store import PRE_NORM, StoreWriter, prepare_folder, store_meta, write_index, write_target_head
+from ..targets.families import resolve_layers
+from ..targets.head import CheckpointHead, read_checkpoint_head
+from ..utils import DTYPES, log
+from .context import StageContext
+
+PROMPT_LOGPROBS = 5  # top tokens vLLM returns per prompt position in the self-check
+
+
+# ---- the stage ------------------------------------------------------------------------------
+
+def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict[str, Any]:
+    """Stage `extract` with backend vllm. `engine` (tests): anything with run/read/discard/close."""
+    ecfg = cfg.extract
+    if ecfg.mode != "offline":
+        raise ValueError("extract.mode online runs the target in training with transformers: use extract.backend hf")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("extract.backend vllm runs in one process: vLLM spreads the target over GPUs itself "
+                         "(extract.vllm_engine_args: tensor_parallel_size, enable_expert_parallel, ...); no torchrun")
+    t0 = time.time()
+    data = PreparedData(ctx.upstream["prepare"])
+    head = read_checkpoint_head(cfg.target)
+    L, H = head.num_layers, head.hidden_size
+    layers = resolve_layers(ecfg.layers, L)
+    ids = vllm_layer_ids(layers, L)
+    dtype = DTYPES[ecfg.store_dtype]
+    meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
+                      ecfg.mode, backend="vllm", vllm_layer_ids=ids)
+    removed = prepare_folder(ctx.out_dir, meta, ecfg.fsync)
+    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
+                         queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
+    if removed:
+        log(f"[extract] removed {removed} unfinished files of an interrupted run")
+    write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
+                      head.text_config)
+    storage = Path(ecfg.vllm_storage or ctx.out_dir / "vllm-states")
+    storage.mkdir(parents=True, exist_ok=True)
+    if not ecfg.vllm_storage:  # eaglet's own folder: files a killed run left are not needed
+        for f in [*storage.glob("*.safetensors"), *storage.glob("*.safetensors.lock")]:
+            f.unlink()
+    done = writer.done_ids()
+    lengths = data.lengths
+    limit = int(ecfg.vllm_engine_args.get("max_model_len") or 2**62)  # vLLM refuses longer prompts (and their batch)
+    usable = [i for i in range(len(data)) if 0 < lengths[i] < limit]
+    for i in range(len(data)):
+        if not 0 < lengths[i] < limit and int(data.sample_ids[i]) not in done:
+            writer.set_aside(int(data.sample_ids[i]), "empty" if lengths[i] == 0 else "longer_than_max_model_len")
+    max_len = int(max((lengths[i] for i in usable), default=1))
+    picked = set(pick_samples(data.sample_ids[usable], ecfg.selfcheck_samples, cfg.run.seed))
+    first = [i for i in usable if int(data.sample_ids[i]) in picked]
+    rest = [i for i in usable if int(data.sample_ids[i]) not in picked and int(data.sample_ids[i]) not in done]
+    if not rest and all(int(data.sample_ids[i]) in done for i in first):
+        first = []  # everything is stored: vLLM is not started (the check ran when these were extracted)
+    log(f"[extract] vLLM backend: target {head.architecture} L={L} H={H}; vLLM layer ids {ids} (the last: the state "
+        f"before the final norm); {len(rest) + len(first)} samples to run, {len(done)} already stored")
+    stats = {"samples": 0, "tokens": 0, "set_aside": 0}
+    check: dict[str, Any] = {"samples": []}
+    try:
+        if engine is None and (first or rest):
+            args = engine_args(cfg, ids, storage, max_len)
+            engine = ServerEngine(ecfg.vllm_server, ecfg.vllm_requests) if ecfg.vllm_server else LocalEngine(args)
+        bar = tqdm(total=int(sum(lengths[i] for i in rest + first)), unit="tok", unit_scale=True, desc="extract",
+                   dynamic_ncols=True)
+        if first:
+            check = _selfcheck_round(engine, data, first, done, head, ids, dtype, writer, ecfg, stats, bar)
+        for a in range(0, len(rest), max(1, ecfg.vllm_requests)):
+            _round(engine, data, rest[a:a + ecfg.vllm_requests], ids, H, dtype, writer, stats, bar)
+        bar.close()
+        records = writer.close(index=False)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if engine is not None:
+            engine.close()
+    index = write_index(ctx.out_dir, meta, records, writer.set_aside_samples, ecfg.fsync)
+    seconds = time.time() - t0
+    return {
+        "samples": index["num_samples"], "tokens": index["num_tokens"], "resumed_samples": len(done),
+        "new_tokens": stats["tokens"], "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
+        "bytes": index["bytes"], "seconds": round(seconds, 3),
+        "tokens_per_s": round(stats["tokens"] / seconds, 1) if seconds > 0 else None, "layers": layers,
+        "hidden_size": H, "world_size": 1, "parallel": "vllm", "backend": "vllm", "vllm_layer_ids": ids,
+        "vllm_version": getattr(engine, "version", None) or installed_vllm_version(), "selfcheck": check,
+    }
+
+
+def _convert(engine: Any, data: PreparedData, i: int, res: Result, ids: list[int], H: int, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A sample's (aux, final), or the reason it is set aside. The connector file is removed."""
+    s = data[i]
+    try:
+        aux, final = to_sample(engine.read(res.path), s.input_ids, ids, H, dtype)
+    except TokenMismatch as e:
+        log(f"[extract] sample {s.sample_id} set aside: {e}")
+        return "token_mismatch"
+    finally:
+        engine.discard(res.path)
+    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        return "nonfinite"
+    if bool(((aux == 0).all(-1) & (final == 0).all(-1)).any()):
+        # vLLM skips the extract "drafter" for a whole batch whose longest sequence does not fit
+        # max_model_len: those tokens' cache slots are never written (zeros in a fresh cache).
+        return "zero_states"
+    return aux, final
+
+
+def _round(engine: Any, data: PreparedData, rows: list[int], ids: list[int], H: int, dtype: torch.dtype,
+           writer: StoreWriter, stats: dict[str, int], bar: Any) -> None:
+    results = engine.run([(int(data.sample_ids[i]), data[i].input_ids) for i in rows], None)
+    mismatched = 0
+    for i, res in zip(rows, results):
+        got = _convert(engine, data, i, res, ids, H, dtype)
+        if isinstance(got, str):
+            writer.set_aside(res.sample_id, got)
+            stats["set_aside"] += 1
+            mismatched += got == "token_mismatch"
+        else:
+            s = data[i]
+            writer.add(s.sample_id, got[0], got[1], s.input_ids, s.loss_mask)
+            stats["samples"] += 1
+            stats["tokens"] += len(s.input_ids)
+        bar.update(int(data.lengths[i]))
+    if mismatched > max(2, len(rows) // 2):
+        raise RuntimeError(f"{mismatched} of {len(rows)} samples came back from vLLM with other token ids than prepare "
+                           "produced: vLLM serves another model or tokenizer than target.path, or adds tokens to the "
+                           "prompts; nothing of theirs was stored")
+
+
+def _selfcheck_round(engine: Any, data: PreparedData, rows: list[int], done: set[int], head: CheckpointHead,
+                     ids: list[int], dtype: torch.dtype, writer: StoreWriter, ecfg: Any, stats: dict[str, int],
+                     bar: Any) -> dict[str, Any]:
+    """Run the self-check samples with prompt logprobs; stop the run on a disagreement, else
+    store those not stored yet."""
+    results = engine.run([(int(data.sample_ids[i]), data[i].input_ids) for i in rows], PROMPT_LOGPROBS)
+    totals = {"tokens": 0, "agree": 0, "exact": 0}
+    keep = []
+    for i, res in zip(rows, results):
+        got = _convert(engine, data, i, res, ids, head.hidden_size, dtype)
+        if isinstance(got, str):
+            if res.sample_id not in done:
+                writer.set_aside(res.sample_id, got)
+                stats["set_aside"] += 1
+            continue
+        m = logprob_agreement(got[1], res.prompt_logprobs, head.tensors, True, head.norm_eps)
+        for k in totals:
+            totals[k] += m[k]
+        if res.sample_id not in done:
+            keep.append((i, got))
+    top1 = totals["agree"] / max(totals["tokens"], 1)
+    result = {"samples": sorted(int(data.sample_ids[i]) for i in rows), "tokens": totals["tokens"],
+              "top1_agreement": top1, "exact_top1": totals["exact"] / max(totals["tokens"], 1),
+              "min_top1": ecfg.selfcheck_min_top1, "tie_nats": TIE_NATS, "reference": "vLLM prompt logprobs"}
+    if totals["tokens"] and top1 < ecfg.selfcheck_min_top1:
+        raise SelfCheckError(
+            f"extract self-check failed: the target's LM head applied to the stored final state (final norm applied: "
+            f"the state vLLM returns for layer id {ids[-1]} is pre-norm) picks vLLM's own top token (prompt logprobs) "
+            f"on {top1:.2%} of {totals['tokens']} tokens of samples {result['samples']} < extract.selfcheck_min_top1 "
+            f"{ecfg.selfcheck_min_top1:.2%}. Nothing more is extracted. Likely causes: a server started with other "
+            f"layer ids than {ids}, a vLLM model class that does not return the state after its last layer for id "
+            f"{ids[-1]}, a checkpoint whose LM head or final norm differs from what vLLM serves.")
+    log(f"[extract] self-check ok on {len(rows)} samples: LM head(stored final) matches vLLM's top token on "
+        f"{top1:.2%} of {totals['tokens']} tokens ({result['exact_top1']:.2%} exactly)")
+    for i, (aux, final) in keep:
+        s = data[i]
+        writer.add(s.sample_id, aux, final, s.input_ids, s.loss_mask)
+        stats["samples"] += 1
+        stats["tokens"] += len(s.input_ids)
+    bar.update(int(sum(data.lengths[i] for i in rows)))
+    return result

@@ -1,0 +1,144 @@
+"""The `prepare` stage: chat datasets -> tokenized samples with assistant loss masks.
+
+    eaglet prepare --config run.yaml        # or as the first stage of `eaglet run`
+
+Reads every file of `prepare.data` (see eaglet.formats.datasets), renders each conversation with the
+target's chat template and derives its loss mask (see eaglet.targets.chat), applies the
+`max_length` overflow rule and writes the samples with `PreparedWriter` into the stage
+folder. No record is silently lost: each one becomes a sample or a line of `skipped.jsonl`
+({"file", "row", "reason", "detail"}), so records == samples + sum(skipped) in the stats.
+A file that yields no sample at all is an error (most often the wrong template or format).
+
+With `prepare.num_workers` > 0 rendering runs in a spawn-started process pool, each
+worker loading the tokenizer once; results come back in input order, so sample ids and
+the output do not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from collections import Counter
+from contextlib import contextmanager
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..targets.chat import Outcome, Settings, check_fast_tokenizer, load_tokenizer, mask_method, process_record, resolve_chat_template
+from ..config import Config, ConfigError, TargetSection
+from ..formats.datasets import Row, check_data_file, iter_records
+from .context import StageContext
+from ..formats.prepared import PreparedWriter
+from ..utils import log
+
+SKIPPED = "skipped.jsonl"
+# Records a worker receives per task, and tasks in flight per worker: the input is fed to
+# the pool in windows so a huge file is never queued whole.
+CHUNK = 32
+WINDOW_CHUNKS_PER_WORKER = 8
+
+
+# ---- in process or in a pool --------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}  # a pool worker's tokenizer and settings, set once by _init_worker
+
+
+def _init_worker(target: TargetSection, settings: Settings) -> None:
+    _WORKER["tokenizer"] = load_tokenizer(target)
+    _WORKER["settings"] = settings
+
+
+def _process_in_worker(item: Row) -> Outcome:
+    return process_record(item[0], item[1], _WORKER["tokenizer"], _WORKER["settings"])
+
+
+Mapper = Callable[[Iterator[Row]], Iterator[Outcome]]
+
+
+@contextmanager
+def _mapper(tokenizer: Any, target: TargetSection, settings: Settings, num_workers: int) -> Iterator[Mapper]:
+    """A function from rows to outcomes, in input order; with workers, backed by a pool."""
+    if num_workers <= 0:
+        yield lambda rows: (process_record(r, item, tokenizer, settings) for r, item in rows)
+        return
+    # spawn, not fork: the parent's tokenizer holds Rust thread pools that do not survive a fork.
+    with multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, (target, settings)) as pool:
+        window = num_workers * CHUNK * WINDOW_CHUNKS_PER_WORKER
+
+        def run(rows: Iterator[Row]) -> Iterator[Outcome]:
+            while batch := list(islice(rows, window)):
+                yield from pool.imap(_process_in_worker, batch, chunksize=CHUNK)
+
+        yield run
+
+
+# ---- the stage ------------------------------------------------------------------------------------
+
+def _row_label(path: Path, row: int) -> str:
+    kind = {".jsonl": "line", ".json": "element"}.get(path.suffix.lower(), "row")
+    return f"{path}:{kind} {row}"
+
+
+def _counts(c: Counter) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(c.items())) or "none"
+
+
+def run_prepare(cfg: Config, ctx: StageContext) -> dict[str, Any]:
+    p = cfg.prepare
+    if not p.data:
+        raise ConfigError("prepare.data: no input files given")
+    if p.max_length < 1:
+        raise ConfigError(f"prepare.max_length must be at least 1, got {p.max_length}")
+    paths = [check_data_file(f) for f in p.data]  # every file checked before any is read
+
+    tokenizer = load_tokenizer(cfg.target)
+    check_fast_tokenizer(tokenizer)
+    template = resolve_chat_template(tokenizer, cfg.target)
+    method = mask_method(template)
+    log(f"[prepare] loss mask from the chat template by: {method}")
+    settings = Settings(p.format, template, p.max_length, p.overflow, p.min_loss_tokens)
+
+    writer = PreparedWriter(ctx.out_dir, [str(f) for f in p.data], p.shard_samples)
+    skipped: Counter = Counter()
+    files, tokens, loss_tokens, truncated, reported = [], 0, 0, 0, 0
+    with open(ctx.out_dir / SKIPPED, "w") as skipped_out, _mapper(tokenizer, cfg.target, settings, p.num_workers) as mapper:
+        for k, path in enumerate(paths):
+            records, samples, file_skipped = 0, 0, Counter()
+            for out in mapper(iter_records(path, p.max_records)):
+                records += 1
+                if out.reason:
+                    file_skipped[out.reason] += 1
+                    skipped_out.write(json.dumps({"file": str(path), "row": out.row, "reason": out.reason, "detail": out.detail}) + "\n")
+                    if reported < p.report_examples:
+                        log(f"[prepare] skipped {_row_label(path, out.row)}: {out.reason}: {out.detail}")
+                        reported += 1
+                    continue
+                writer.add(out.input_ids, out.loss_mask, k, out.row)
+                samples += 1
+                tokens += len(out.input_ids)
+                loss_tokens += int(out.loss_mask.sum())
+                truncated += out.truncated
+            log(f"[prepare] {path}: {records} records -> {samples} samples; skipped: {_counts(file_skipped)}")
+            if samples == 0:
+                raise ValueError(
+                    f"{path}: no usable record ({records} read; skipped: {_counts(file_skipped)}); "
+                    f"the reasons per row are in {ctx.out_dir / SKIPPED}"
+                )
+            skipped += file_skipped
+            files.append({"path": str(path), "records": records, "samples": samples, "skipped": dict(file_skipped)})
+    index = writer.close()
+
+    n_skipped = sum(skipped.values())
+    if n_skipped > reported:
+        log(f"[prepare] {n_skipped - reported} more skipped records are listed in {ctx.out_dir / SKIPPED}")
+    return {
+        "files": files,
+        "records": sum(f["records"] for f in files),
+        "samples": index["num_samples"],
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "truncated": truncated,
+        "skipped": dict(skipped),
+        "mask_method": method,
+        "shards": len(index["shards"]),
+    }

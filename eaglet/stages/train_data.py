@@ -1,0 +1,157 @@
+"""What training reads, in which order: the held-out split, packing, the epoch plan, and the
+loading of one micro-batch from the store (or from online states).
+
+Every rank computes the same plan from the seed; the trainer (eaglet/stages/train.py) hands
+its micro-batches to the ranks. `VocabMaskCache` keeps the out-of-vocabulary mask's verdict
+of every sample after its first teacher pass, so later epochs skip the full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..distributed import all_gather_object, dist_env
+from ..draft.step import Batch, device_head_rows
+from ..formats.store import StoreReader
+from ..utils import to_device
+from .online import OnlineStates
+
+
+def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, eval ids): a fixed share held out, chosen by the seed, sorted."""
+    perm = np.random.default_rng([seed, 7]).permutation(np.asarray(sample_ids, dtype=np.int64))
+    n_eval = int(round(len(perm) * eval_fraction)) if eval_fraction > 0 else 0
+    if eval_fraction > 0 and len(perm) > 1:
+        n_eval = min(max(n_eval, 1), len(perm) - 1)
+    return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
+
+
+def pack(ids: np.ndarray, lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing in the given order: consecutive samples share a micro-batch while they fit."""
+    batches, cur, used = [], [], 0
+    for i in ids.tolist():
+        n = min(lengths[i], max_tokens)
+        if cur and used + n > max_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def epoch_plan(train_ids: np.ndarray, lengths: dict[int, int], max_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    order = np.random.default_rng([seed, epoch]).permutation(train_ids)
+    return pack(order, lengths, max_tokens)
+
+
+class VocabMaskCache:
+    """The out-of-vocabulary mask's verdict per sample (per token: is the target's
+    full-vocabulary argmax a draft token), kept from the sample's first teacher pass on.
+
+    The target's states, its head and the draft vocabulary do not change during a run, so
+    neither does the verdict: a micro-batch whose samples are all known runs the teacher over
+    the draft columns only (a quarter of the full-vocabulary product at the 8B dims, a fifth at
+    Kimi-K2.5's; about 4% of the step). Verdicts come back from the device without the host
+    waiting for it (a copy into pinned memory, taken once its event has passed); several
+    ranks share theirs at the logging steps (`share`, a collective), so a sample that another
+    rank saw is known here too. Held as bits: 125 MB of host memory per billion tokens. Not
+    kept in checkpoints (a resumed run finds the verdicts again)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.sharing = enabled, dist_env().active
+        self.known: dict[int, tuple[int, np.ndarray]] = {}  # sample id -> (tokens, bits)
+        self.fresh: dict[int, tuple[int, np.ndarray]] = {}  # found here since the last share (several ranks)
+        self.pending: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.cuda.Event | None]] = []
+
+    def lookup(self, b: Batch) -> torch.Tensor | None:
+        """b's verdict [1, N] on b's device, if every sample of it is known."""
+        self.poll()
+        if not self.enabled or not b.sample_ids or any(i not in self.known for i in b.sample_ids):
+            return None
+        parts = []
+        for i, n in zip(b.sample_ids, b.lens, strict=True):
+            count, bits = self.known[i]
+            if count != n:  # cut differently (another max_tokens): find it again
+                return None
+            parts.append(np.unpackbits(bits, count=n))
+        return to_device(torch.from_numpy(np.concatenate(parts).astype(np.bool_)).unsqueeze(0), b.input_ids.device)
+
+    def record(self, b: Batch, in_vocab: torch.Tensor | None) -> None:
+        """Keep the verdict the teacher found for b (a device tensor [1, N]), once it is on the host."""
+        if not self.enabled or in_vocab is None or b.in_vocab is not None or not b.sample_ids:
+            return
+        cuda = in_vocab.device.type == "cuda"
+        host = torch.empty(in_vocab.shape[1], dtype=torch.bool, pin_memory=cuda)
+        host.copy_(in_vocab[0], non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((b.sample_ids, b.lens, host, event))
+
+    def poll(self) -> None:
+        """Take in the verdicts whose copies have finished (never waits)."""
+        waiting = []
+        for ids, lens, host, event in self.pending:
+            if event is not None and not event.query():
+                waiting.append((ids, lens, host, event))
+                continue
+            flags, at = host.numpy(), 0
+            for i, n in zip(ids, lens, strict=True):
+                self.known[i] = (n, np.packbits(flags[at:at + n]))
+                if self.sharing:
+                    self.fresh[i] = self.known[i]
+                at += n
+        self.pending = waiting
+
+    def share(self) -> None:
+        """Every rank's new verdicts to every rank (all ranks call it together)."""
+        if not self.enabled or not self.sharing:
+            return
+        self.poll()
+        for got in all_gather_object(self.fresh):
+            self.known.update(got)
+        self.fresh = {}
+
+
+def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device,
+               ttt_steps: int = 0) -> Batch:
+    """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
+    ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
+    if isinstance(store, OnlineStates):
+        parts = store.get_many(ids, max_tokens)  # one forward of the target for the whole micro-batch
+    else:
+        parts = [store.get(i) for i in ids]
+    cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
+    lens = [int(p["input_ids"].shape[0]) for p in cut]
+
+    def cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+        """[1, N]: host pieces concatenated straight into pinned memory when bound for a GPU
+        (one host copy, then `to_device`); device pieces (online states) on their device."""
+        if pieces[0].device.type != "cpu":
+            return torch.cat(pieces).unsqueeze(0)
+        shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
+        return torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=device.type == "cuda"))[None]
+
+    def send(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # Over the bus in the stored dtype (bf16 states: half the bytes of fp32), converted
+        # on the device (the same values).
+        t = to_device(t, device)
+        return t.to(dtype) if dtype is not None else t
+
+    def stored(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return send(cat([p[key] for p in cut]), dtype)
+
+    docs = cat([torch.full((n,), d) for d, n in enumerate(lens)])
+    mask = cat([p["loss_mask"] for p in cut])
+    rows, active = None, None
+    if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
+        host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in cut])
+        rows, active = device_head_rows(host_mask.bool(), docs, ttt_steps, device)
+    return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64), send(mask, torch.bool),
+                 send(cat([torch.arange(n) for n in lens])), send(docs), sum(lens),
+                 sample_ids=tuple(int(i) for i in ids), lens=tuple(lens), head_rows=rows,
+                 active_rows=active)

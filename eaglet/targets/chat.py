@@ -1,0 +1,269 @@
+"""Rendering a conversation with the target's chat template, and its assistant loss mask.
+
+The draft is trained only on what the target itself would generate: the tokens of each
+assistant turn, including the token that ends the turn (`<|eot_id|>`, `<|im_end|>`, `</s>`),
+and nothing of the system prompt, the user turns or the role headers. That mask must come
+out right for *any* template, so it is derived from the template's own output, never from a
+per-template pattern:
+
+- a template with `{% generation %}` markers says where assistant text is; transformers
+  turns that into a token mask (`return_assistant_tokens_mask=True`);
+- any other template is rendered on growing prefixes of the conversation. For assistant
+  turn i, P_i = render(messages[:i], add_generation_prompt=True) ends where the assistant
+  starts writing and Q_i = render(messages[:i+1]) ends where its turn ends, so the
+  characters [len(P_i), len(Q_i)) are that turn (less trailing whitespace, which the
+  template adds between turns). Tokens of the full text overlapping those spans are masked.
+  This needs both renders to be prefixes of the full text; a template that rewrites earlier
+  turns (e.g. drops old reasoning) fails that check and is reported, not guessed at.
+
+`render_with_mask` is pure (tokenizer and messages in, ids and mask out); `process_record`
+turns one dataset record into a sample or the reason it is skipped, so that `prepare` and
+the doctor share exactly one path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, TargetSection
+from ..formats.datasets import RecordError, normalize_record
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Message = dict[str, str]
+
+# Skip reasons of process_record besides the records' and the templates' own.
+TOO_LONG = "too_long"
+NO_ASSISTANT_TOKENS = "no_assistant_tokens"
+
+
+class ChatError(Exception):
+    """A conversation that cannot be rendered with a mask; `reason` names the bad-record kind."""
+
+    reason = "chat_error"
+
+
+class TemplateError(ChatError):
+    """The chat template raised (e.g. 'roles must alternate')."""
+
+    reason = "template_error"
+
+
+class MaskMismatch(ChatError):
+    """A prefix render does not line up with the full render, so turn spans are unknown."""
+
+    reason = "mask_mismatch"
+
+
+def load_tokenizer(target: TargetSection) -> Any:
+    """The target's tokenizer (from `target.tokenizer`, else `target.path`)."""
+    from transformers import AutoTokenizer
+
+    from .load import hub_kwargs
+
+    return AutoTokenizer.from_pretrained(target.tokenizer or target.path, **hub_kwargs(target))
+
+
+def resolve_chat_template(tokenizer: Any, target: TargetSection) -> str:
+    """The template text in use: the file `target.chat_template`, else the tokenizer's own."""
+    if target.chat_template:
+        path = Path(target.chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"target.chat_template: file not found: {path}")
+        return path.read_text()
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError as e:  # no template, or several with no default
+        name = target.tokenizer or target.path
+        raise ConfigError(
+            f"the tokenizer of {name} has no usable chat template ({e}); set target.chat_template to a Jinja template file"
+        ) from None
+
+
+def mask_method(chat_template: str) -> str:
+    """'generation_markers' when the template marks assistant text itself, else 'prefix'."""
+    return "generation_markers" if GENERATION_MARKER.search(chat_template) else "prefix"
+
+
+def check_fast_tokenizer(tokenizer: Any) -> None:
+    """Both mask methods map characters to tokens, which only fast tokenizers can do."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"{type(tokenizer).__name__} is not a fast (Rust) tokenizer; the loss mask needs character offsets "
+            "(return_offsets_mapping). Provide a tokenizer.json for the target (target.tokenizer)."
+        )
+
+
+def render_with_mask(tokenizer: Any, messages: list[Message], chat_template: str | None = None) -> tuple[list[int], list[int]]:
+    """Render `messages` with the chat template and mark the assistant tokens.
+
+    Returns (input_ids, loss_mask) of equal length; loss_mask[t] is 1 for tokens of an
+    assistant turn including its end-of-turn token. `chat_template` replaces the
+    tokenizer's own. Raises TemplateError or MaskMismatch.
+    """
+    template = chat_template or _template_of(tokenizer)
+    if mask_method(template) == "generation_markers":
+        return mask_by_generation_markers(tokenizer, template, messages)
+    return mask_by_prefixes(tokenizer, template, messages)
+
+
+def mask_by_generation_markers(tokenizer: Any, template: str, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) from the template's own `{% generation %}` spans."""
+    out = _apply(tokenizer, template, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+
+
+def mask_by_prefixes(tokenizer: Any, template: str, messages: list[Message]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) from growing-prefix renders; works for any template."""
+    full = _apply(tokenizer, template, messages, tokenize=False)
+    spans = assistant_spans(tokenizer, template, messages, full)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), spans_to_mask(enc["offset_mapping"], spans)
+
+
+def assistant_spans(tokenizer: Any, template: str, messages: list[Message], full: str) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant turns in `full`, by growing prefixes."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        through = _apply(tokenizer, template, messages[: i + 1], tokenize=False)
+        start = _turn_start(tokenizer, template, messages, i, through)
+        if not full.startswith(through):
+            raise MaskMismatch(f"assistant turn {i}: the conversation up to this turn does not render as a prefix of the whole")
+        end = len(through.rstrip())
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+SENTINEL = "\u2063eaglet-assistant-turn\u2063"  # invisible separators: text no real turn contains
+
+
+def _turn_start(tokenizer: Any, template: str, messages: list[Message], i: int, through: str) -> int:
+    """Where assistant turn i's own text starts in `through` (the render of messages[:i+1]).
+
+    Normally the end of the prompt rendered with add_generation_prompt. Some renders are not
+    prefixes of each other, e.g. a template that injects a default system prompt only into a
+    non-empty conversation, when the assistant speaks first (ShareGPT's split conversations
+    often do). Then the turn is rendered with a sentinel as its content, and the text before
+    the sentinel, which must be a prefix of `through`, locates the turn.
+    """
+    before = _apply(tokenizer, template, messages[:i], tokenize=False, add_generation_prompt=True)
+    if through.startswith(before):
+        return len(before)
+    probe = _apply(tokenizer, template, messages[:i] + [{**messages[i], "content": SENTINEL}], tokenize=False)
+    k = probe.find(SENTINEL)
+    if k < 0 or not through.startswith(probe[:k]):
+        raise MaskMismatch(
+            f"assistant turn {i}: neither the prompt rendered with add_generation_prompt nor a sentinel render "
+            "lines up with the turn's render"
+        )
+    return k
+
+
+def spans_to_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose character range overlaps a span (both lists in order).
+
+    Overlap rather than containment: a token that merges a separator with the first
+    characters of the answer (" Hello" after "Assistant:") still produces answer text.
+    """
+    mask = [0] * len(offsets)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if end > spans[k][0] and end > start:
+            mask[t] = 1
+    return mask
+
+
+# ---- one record -> one sample -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that turns one record into a sample, besides the tokenizer (sent to workers)."""
+
+    fmt: str
+    chat_template: str
+    max_length: int
+    overflow: str
+    min_loss_tokens: int
+
+
+@dataclass
+class Outcome:
+    """One record's result: a sample (input_ids, loss_mask) or a skip (reason, detail)."""
+
+    row: int
+    input_ids: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    truncated: bool = False
+    reason: str = ""
+    detail: str = ""
+
+
+def process_record(row: int, item: dict[str, Any] | RecordError, tokenizer: Any, s: Settings) -> Outcome:
+    """Normalise, render, mask and size-check one record."""
+    if isinstance(item, RecordError):
+        return Outcome(row, reason=item.reason, detail=item.detail)
+    try:
+        messages = normalize_record(item, s.fmt)
+        ids, mask = render_with_mask(tokenizer, messages, s.chat_template)
+    except RecordError as e:
+        return Outcome(row, reason=e.reason, detail=e.detail)
+    except ChatError as e:
+        return Outcome(row, reason=e.reason, detail=str(e))
+    truncated = len(ids) > s.max_length
+    if truncated:
+        if s.overflow == "drop":
+            return Outcome(row, reason=TOO_LONG, detail=f"{len(ids)} tokens > prepare.max_length={s.max_length}")
+        ids, mask = ids[: s.max_length], mask[: s.max_length]
+    if sum(mask) < s.min_loss_tokens:
+        where = " after truncation" if truncated else ""
+        return Outcome(row, reason=NO_ASSISTANT_TOKENS,
+                       detail=f"{sum(mask)} assistant tokens{where} < prepare.min_loss_tokens={s.min_loss_tokens}")
+    return Outcome(row, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8), truncated)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _template_of(tokenizer: Any) -> str:
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError as e:
+        raise ConfigError(f"the tokenizer has no usable chat template: {e}") from None
+
+
+def _apply(tokenizer: Any, template: str, messages: list[Message], **kwargs: Any) -> Any:
+    """apply_chat_template, with anything the template raises turned into TemplateError."""
+    try:
+        if not messages:
+            return _render_empty(tokenizer, template, **kwargs)
+        return tokenizer.apply_chat_template(messages, chat_template=template, **kwargs)
+    except Exception as e:  # a user's Jinja template can raise anything
+        raise TemplateError(f"{type(e).__name__}: {e}") from e
+
+
+def _render_empty(tokenizer: Any, template: str, add_generation_prompt: bool = False, **_: Any) -> str:
+    """The generation prompt of an empty conversation (for a conversation the assistant opens).
+
+    apply_chat_template refuses an empty list, so this calls the renderer it uses itself,
+    with the same variables (the special tokens).
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _indices = render_jinja_template(
+        conversations=[[]], chat_template=template, add_generation_prompt=add_generation_prompt,
+        **tokenizer.special_tokens_map,
+    )
+    return rendered[0]

@@ -1,0 +1,83 @@
+"""Synthetic training batches shaped as real data, for the benchmarks and the tests.
+
+`synthetic_batch` makes one packed micro-batch of the real shapes (`PRESETS`: the drafts of
+Llama-3.1-8B and Kimi-K2.5, and a tiny one) with random captured states and tokens, a loss
+mask with the share of trained tokens real chat data has (`LOSS_SHARE`), and, given the
+teacher's LM head, final states whose teacher argmax is a draft token as often as on real data
+(`IN_VOCAB`). bench/train_throughput.py and bench/scaling.py time the training step on them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..draft.model import DraftConfig
+from ..draft.step import Batch, device_head_rows
+
+
+# The share of rows whose teacher argmax is a draft token in the synthetic batches (`synthetic_batch`): a
+# 32k draft vocabulary's coverage of real chat data is of this order (the vocab stage prints it).
+IN_VOCAB = 0.95
+# The share of tokens trained on (the assistant tokens, loss mask 1) in the synthetic batches:
+# 0.784 measured on the embedded default data, the first 3000 ShareGPT records rendered with
+# SmolLM2-135M-Instruct's chat template at prepare.max_length 2048 (2868 samples, 4.2M tokens;
+# `eaglet prepare` and the sum of the prepared loss masks). Laid out as turns of TURN_TOKENS
+# whose first (1 - share) tokens are the prompt.
+LOSS_SHARE = 0.78
+TURN_TOKENS = 512
+
+# Draft shapes of real targets (DraftConfig.from_target_config of their configs) and a tiny one.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=512, draft_vocab_size=128),
+    "llama3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000),
+    "kimi-k2": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000),
+}
+
+
+def synthetic_loss_mask(tokens: int, doc_tokens: int, share: float = LOSS_SHARE) -> torch.Tensor:
+    """[1, tokens] bool: each document in turns of TURN_TOKENS (or the document), the first
+    1 - share of each turn a prompt (0), the rest the answer (1)."""
+    turn = min(TURN_TOKENS, doc_tokens)
+    return ((torch.arange(tokens) % doc_tokens) % turn >= round((1 - share) * turn)).unsqueeze(0)
+
+
+def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device, frozen: torch.dtype,
+           seed: int, head: torch.Tensor | None = None, in_vocab: float = IN_VOCAB, loss_share: float = LOSS_SHARE,
+           ttt_steps: int = 0) -> Batch:
+    """One packed micro-batch of random inputs, as load_batch returns them (with the rows each
+    TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a
+    share `loss_share` of its tokens (`synthetic_loss_mask`).
+
+    With `head` (the target's LM head [V, H] the teacher uses), each row's final state is that
+    head's row for a token picked per row, plus noise, so that the teacher's argmax is that
+    token: a draft token (id < draft_vocab_size, the identity maps of a new draft) for a
+    fraction `in_vocab` of the rows. The out-of-vocabulary mask then drops what it drops on real
+    data (the vocab stage's coverage), not the ~80% of rows that random states would give: a
+    backward whose gradients are mostly zero rows runs faster than on real data (the GEMMs draw
+    less power), which flatters the step."""
+    g = torch.Generator().manual_seed(seed)
+    docs = torch.arange(tokens) // doc_tokens
+    if head is None:
+        final = torch.randn(1, tokens, cfg.target_hidden_size, generator=g)
+    else:
+        n, V = cfg.draft_vocab_size, cfg.vocab_size
+        tok = torch.where(torch.rand(tokens, generator=g) < in_vocab, torch.randint(0, n, (tokens,), generator=g),
+                          torch.randint(n, V, (tokens,), generator=g))
+        rows = head[tok].float()
+        final = (rows + 0.5 * rows.std() * torch.randn(rows.shape, generator=g)).unsqueeze(0)
+    mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
+    rows, active = device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else (None, None)
+    return Batch(
+        aux=torch.randn(1, tokens, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device),
+        final=final.to(device, frozen),
+        input_ids=torch.randint(0, cfg.vocab_size, (1, tokens), generator=g).to(device),
+        loss_mask=mask.to(device),
+        position_ids=(torch.arange(tokens) % doc_tokens).unsqueeze(0).to(device),
+        doc_ids=docs.unsqueeze(0).to(device),
+        tokens=tokens,
+        head_rows=rows,
+        active_rows=active,
+    )
