@@ -75,7 +75,7 @@ class PrepareSection:
 class ExtractSection:
     backend: Literal["hf", "vllm"] = _f(
         "hf", "Engine that runs the target: 'hf' (transformers, hooks) or 'vllm' (vLLM's extract_hidden_states method "
-        "and hidden-states connector; for targets served with tensor/expert parallelism, see eaglet/stages/extract_vllm.py)."
+        "and hidden-states connector; for targets served with tensor/expert parallelism, see docs/vllm.md)."
     )
     vllm_engine_args: dict[str, Any] = _f(
         {}, "backend vllm: keyword arguments for vllm.LLM (its engine arguments), e.g. {tensor_parallel_size: 8, "
@@ -96,7 +96,7 @@ class ExtractSection:
     )
     mode: Literal["offline", "online"] = _f(
         "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
-        "run the target beside the draft in training (no store; for targets that fit beside it, see eaglet/stages/online.py)."
+        "run the target beside the draft in training (no store; for targets that fit beside it, see docs/stages.md)."
     )
     tp_plan: Literal["auto"] | None = _f(
         None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
@@ -417,3 +417,30 @@ def describe_defaults() -> str:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+CONFIG_PAGE = """# The run config
+
+One YAML file configures a run: a section per stage (`run`, `target`, `prepare`, `extract`,
+`vocab`, `train`, `export`, `eval`, `regenerate`), every key typed and documented below. A key
+left out takes its default; an unknown key or a value of the wrong type is an error that names
+the key and the closest valid one. On the command line, `--set section.key=value` (repeatable,
+the value read as YAML) overrides the file.
+
+    eaglet config CONFIG [--set ...]     # the resolved config
+    eaglet config --defaults             # every key with its type, default and doc (this page)
+
+Every stage saves the resolved config in its `manifest.json`; a stage's input hash covers its
+own sections (eaglet/pipeline.py), so changing a key reruns the stages that read it and those
+after them. This page is generated (`python -m eaglet.config > docs/config.md`; a test checks
+that it is current).
+"""
+
+
+def config_page() -> str:
+    """docs/config.md: CONFIG_PAGE and every key of `describe_defaults`."""
+    return f"{CONFIG_PAGE}\n```yaml\n{describe_defaults()}```\n"
+
+
+if __name__ == "__main__":
+    print(config_page(), end="")

@@ -68,3 +68,34 @@ def test_every_option_has_help():
         for action in p._actions:
             if action.dest != "help":
                 assert action.help, f"eaglet {name}: option {action.dest} has no help"
+
+
+def test_the_config_page_is_current():
+    """docs/config.md is generated from the config's own defaults and docs."""
+    from pathlib import Path
+
+    from eaglet.config import config_page
+
+    page = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert page == config_page(), "regenerate it: python -m eaglet.config > docs/config.md"
+    assert "regenerate:\n" in page and "  max_new_tokens: 512" in page
+
+
+def test_regenerate_flags_set_the_regenerate_section(tmp_path, monkeypatch):
+    """`eaglet regenerate`'s flags are shortcuts for the regenerate section's keys: the config's
+    values hold unless a flag is given; without an output anywhere it is a config error."""
+    from eaglet.stages import regenerate
+
+    seen = []
+    monkeypatch.setattr(cli, "run_regenerate", lambda cfg: seen.append(cfg.regenerate))
+    path = tmp_path / "run.yaml"
+    path.write_text("regenerate:\n  out: from-config.jsonl\n  max_new_tokens: 64\n  engine: continuous\n")
+    assert cli.main(["regenerate", str(path)]) == 0
+    assert cli.main(["regenerate", str(path), "--out", "flag.jsonl", "--max-new-tokens", "8", "--shard", "1/4",
+                     "--temperature", "0.5"]) == 0
+    (a, b) = seen
+    assert (a.out, a.max_new_tokens, a.engine, a.shard) == ("from-config.jsonl", 64, "continuous", None)
+    assert (b.out, b.max_new_tokens, b.engine, b.shard, b.temperature) == ("flag.jsonl", 8, "continuous", "1/4", 0.5)
+    assert cli.main(["regenerate", str(path), "--engine", "fast"]) == 2  # a value the section does not take
+    with pytest.raises(ConfigError, match="regenerate.out"):
+        regenerate.run_regenerate(load_config(None))

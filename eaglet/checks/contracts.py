@@ -9,11 +9,11 @@ and `train`) reports each broken row as one line. Adding a contract is adding on
 `where` is "module:Qualified.name", or "{role}.attr" for a class that depends on the target
 (the roles the doctor fills in from a meta-device skeleton of the target model):
 
-    {decoder_layer}   class(es) of the hooked decoder layers       (extract.capture)
-    {base_model}      the decoder stack without the LM head          (extract.capture)
+    {decoder_layer}   class(es) of the hooked decoder layers       (engines.hf.capture)
+    {base_model}      the decoder stack without the LM head          (engines.hf.capture)
     {causal_lm}       the loaded model class                         (self-check, eval)
     {tokenizer}       the target tokenizer's class                   (prepare, chat.py)
-    {vllm_model}      the target's vLLM model class (backend vllm)   (vllm_backend)
+    {vllm_model}      the target's vLLM model class (backend vllm)   (engines.vllm)
 
 `params` is a space-separated list of rules on the signature (self/cls not counted):
 
@@ -67,19 +67,19 @@ class Contract:
 CONTRACTS: list[Contract] = [
     # -- extract: capture with hooks on the target (eaglet/stages/extract.py, eaglet/targets/load.py)
     Contract("torch.nn:Module.register_forward_pre_hook", "^hook with_kwargs",
-             "extract.capture: pre-hooks with kwargs read the state entering each captured layer"),
+             "engines.hf.capture: pre-hooks with kwargs read the state entering each captured layer"),
     Contract("{decoder_layer}.forward", "^hidden_states",
-             "extract.capture: the hook reads hidden_states as args[0] or kwargs['hidden_states']",
+             "engines.hf.capture: the hook reads hidden_states as args[0] or kwargs['hidden_states']",
              fix="the decoder layer's first parameter must be hidden_states: pin transformers, or adapt "
-                 "extract.capture's hook for this model (eaglet/stages/extract.py)"),
+                 "engines.hf.capture's hook for this model (eaglet/engines/hf.py)"),
     Contract("{base_model}.forward", "input_ids attention_mask use_cache",
-             "extract.capture: the base model runs without the LM head and without a KV cache"),
+             "engines.hf.capture: the base model runs without the LM head and without a KV cache"),
     Contract("{causal_lm}.forward", "input_ids output_hidden_states?",
              "extract self-check: reference states from the model's own output_hidden_states and logits"),
     Contract("transformers:PreTrainedModel.from_pretrained", "~dtype",
              "target.load_target passes dtype= (older transformers only knew torch_dtype=)"),
     Contract("transformers:AutoModelForCausalLM.from_config", "",
-             "doctor, vllm_backend: build the target's skeleton on the meta device (no weights)",
+             "doctor, targets.head: build the target's skeleton on the meta device (no weights)",
              stages=("extract", "extract-vllm")),
     Contract("transformers:AutoModelForImageTextToText.from_pretrained", "",
              "target.load_target: multimodal wrappers (Kimi-K2.5, Llava) are not CausalLM classes"),
@@ -130,36 +130,36 @@ CONTRACTS: list[Contract] = [
     # -- extract with backend vllm (eaglet/stages/extract_vllm.py): vLLM's native hidden-state path
     *[Contract(where, params, why, fix=VLLM_FIX, stages=("extract-vllm",)) for where, params, why in [
         ("vllm.config.speculative:SpeculativeMethod", "+extract_hidden_states",
-         "vllm_backend.speculative_config: the method that returns the states of the requested layer ids"),
+         "engines.vllm.speculative_config: the method that returns the states of the requested layer ids"),
         ("vllm.config:SpeculativeConfig", ".method .num_speculative_tokens .draft_model_config",
-         "vllm_backend.speculative_config: the fields eaglet sets"),
+         "engines.vllm.speculative_config: the fields eaglet sets"),
         ("vllm.v1.spec_decode.extract_hidden_states:ExtractHiddenStatesProposer.__init__",
          "$eagle_aux_hidden_state_layer_ids",
-         "vllm_backend.speculative_config: the layer ids, read from the draft hf_config under this key"),
+         "engines.vllm.speculative_config: the layer ids, read from the draft hf_config under this key"),
         ("vllm.config:KVTransferConfig", ".kv_connector .kv_role .kv_connector_extra_config",
-         "vllm_backend.kv_transfer_config: the fields eaglet sets"),
+         "engines.vllm.kv_transfer_config: the fields eaglet sets"),
         ("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
-         "+ExampleHiddenStatesConnector", "vllm_backend.kv_transfer_config: the connector's registered name"),
+         "+ExampleHiddenStatesConnector", "engines.vllm.kv_transfer_config: the connector's registered name"),
         (f"{_HS}:ExampleHiddenStatesConnector", "$shared_storage_path $hidden_states_path $hidden_states $token_ids",
-         "vllm_backend: the connector writes hidden_states [T, n, H] and token_ids [T] under shared_storage_path and "
+         "engines.vllm: the connector writes hidden_states [T, n, H] and token_ids [T] under shared_storage_path and "
          "names the file in kv_transfer_params['hidden_states_path']"),
-        (f"{_HS}:load_hidden_states", "^path", "vllm_backend: reads a request's file once its writer is done"),
-        (f"{_HS}:cleanup_hidden_states", "^path", "vllm_backend: removes a request's file and lock once stored"),
+        (f"{_HS}:load_hidden_states", "^path", "engines.vllm: reads a request's file once its writer is done"),
+        (f"{_HS}:cleanup_hidden_states", "^path", "engines.vllm: removes a request's file and lock once stored"),
         ("vllm.engine.arg_utils:EngineArgs", ".model .tokenizer .dtype .trust_remote_code .revision "
          ".speculative_config .kv_transfer_config .max_model_len .enable_prefix_caching",
-         "vllm_backend.engine_args: the engine arguments eaglet sets"),
-        ("vllm:LLM.__init__", "^model", "vllm_backend.LocalEngine: the in-process engine"),
-        ("vllm:LLM.generate", "^prompts sampling_params use_tqdm", "vllm_backend.LocalEngine.run"),
+         "engines.vllm.engine_args: the engine arguments eaglet sets"),
+        ("vllm:LLM.__init__", "^model", "engines.vllm.LocalEngine: the in-process engine"),
+        ("vllm:LLM.generate", "^prompts sampling_params use_tqdm", "engines.vllm.LocalEngine.run"),
         ("vllm:SamplingParams", ".max_tokens .temperature .detokenize .prompt_logprobs",
-         "vllm_backend: one generated token per prompt; prompt logprobs for the self-check"),
-        ("vllm.inputs:TokensPrompt", ".prompt_token_ids", "vllm_backend.LocalEngine.run: prompts as prepare's ids"),
+         "engines.vllm: one generated token per prompt; prompt logprobs for the self-check"),
+        ("vllm.inputs:TokensPrompt", ".prompt_token_ids", "engines.vllm.LocalEngine.run: prompts as prepare's ids"),
         ("vllm.outputs:RequestOutput.__init__", "prompt_logprobs kv_transfer_params",
-         "vllm_backend.LocalEngine.run: the file path and the self-check's logprobs"),
-        ("vllm.logprobs:Logprob", ".logprob", "vllm_backend.logprob_agreement: vLLM's score of each top token"),
+         "engines.vllm.LocalEngine.run: the file path and the self-check's logprobs"),
+        ("vllm.logprobs:Logprob", ".logprob", "checks.selfcheck.logprob_agreement: vLLM's score of each top token"),
         ("vllm.entrypoints.openai.completion.protocol:CompletionRequest", ".prompt_logprobs .return_token_ids",
-         "vllm_backend.ServerEngine (extract.vllm_server): the completion request eaglet sends"),
+         "engines.vllm.ServerEngine (extract.vllm_server): the completion request eaglet sends"),
         ("vllm.entrypoints.openai.completion.protocol:CompletionResponse", ".kv_transfer_params",
-         "vllm_backend.ServerEngine (extract.vllm_server): the file path in the response"),
+         "engines.vllm.ServerEngine (extract.vllm_server): the file path in the response"),
         ("vllm.model_executor.models:ModelRegistry._try_load_model_cls", "^model_arch",
          "doctor.check_vllm: resolves the target's vLLM model class"),
         ("{vllm_model}.supports_eagle3", "",

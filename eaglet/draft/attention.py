@@ -68,6 +68,28 @@ def _flex_attention(q: Tensor, *args: Any, **kwargs: Any) -> Any:
     return fn(q, *args, **kwargs)
 
 
+class TTTAttend:
+    """The keys and values each layer's TTT steps have made so far, and a new step's attention
+    over them (`ttt_attention`): an unroll's steps call it as attend(layer, q, k, v).
+
+    rows: set from some step on, that step's queries and new keys are of these flat rows
+    (b*T + t) only (the fast unroll's active rows); merge: `ttt_attention`'s."""
+
+    def __init__(self, num_layers: int, doc_ids_BT: Tensor | None, T: int, device: torch.device,
+                 attn_impl: str = "auto", merge: Callable[..., Tensor] | None = None):
+        self.impl = resolve_attn_impl(attn_impl, device)
+        self.doc_ids_BT, self.merge = doc_ids_BT, merge
+        self.block_mask = ttt_block_mask(doc_ids_BT, T, device) if self.impl == "flex" else None
+        self.rows: Tensor | None = None
+        self.kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(num_layers)]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.kv[layer].append((k, v))
+        ks, vs = [k for k, _ in self.kv[layer]], [v for _, v in self.kv[layer]]
+        return ttt_attention(q, ks, vs, self.impl, doc_ids_BT=self.doc_ids_BT, block_mask=self.block_mask,
+                             merge=self.merge, rows=self.rows)
+
+
 def ttt_block_mask(doc_ids_BT: Tensor | None, T: int, device: torch.device,
                    block: int = _SPARSE_BLOCK) -> BlockMask:
     """BlockMask over the step-0 keys: causal, and within one document when doc_ids is given.
@@ -139,7 +161,7 @@ def ttt_attention(
     of steps 1..j. ks/vs: [B, Hkv, T, D] per step. Returns [B, Hq, T, D].
 
     merge: None folds the diagonal keys in with `_merge_diagonal` (the reference); else a
-    function with `merge_diagonal_stacked`'s signature (compile_draft's compiled one).
+    function with `merge_diagonal_stacked`'s signature (the compiled fast unroll's).
     rows: the queries and the diagonal keys (ks[1:], vs[1:]) are of these flat rows b*T + t
     only, as one sequence [1, H, n, D] (the TTT unroll's active rows); the step-0 keys are
     whole. The queries go to their rows of a zero [B, Hq, T, D] for the step-0 part, so that

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, acc, cached_attention, resolve_attn_impl, ttt_attention, ttt_block_mask
+from .attention import KVCache, TTTAttend, acc, cached_attention
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -459,18 +459,9 @@ class Eagle3Draft(nn.Module):
         A generator, so a caller can take each step's loss before the next step runs.
         """
         B, T = input_ids_BT.shape
-        dev = input_ids_BT.device
         if position_ids_BT is None:
-            position_ids_BT = torch.arange(T, device=dev).expand(B, T)
-        impl = resolve_attn_impl(attn_impl, dev)
-        block_mask = ttt_block_mask(doc_ids_BT, T, dev) if impl == "flex" else None
-        kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kv[layer].append((k, v))
-            return ttt_attention(q, [k for k, _ in kv[layer]], [v for _, v in kv[layer]], impl,
-                                 doc_ids_BT=doc_ids_BT, block_mask=block_mask)
-
+            position_ids_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
+        attend = TTTAttend(len(self.layers), doc_ids_BT, T, input_ids_BT.device, attn_impl)
         hidden = self.project_aux(aux_BTA)
         for j in range(num_steps):
             hidden, logits = self.step(hidden, shift_ids(input_ids_BT, 1 + j), position_ids_BT + 1 + j, attend)

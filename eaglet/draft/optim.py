@@ -80,7 +80,7 @@ class UnrollAdamW(torch.optim.AdamW):
     """torch's AdamW (fused) for the parameters with a gradient, and for those with an
     `UnrollCopy` the update from its accumulated low-precision gradient
     (`adamw_from_low_precision_grads`, compiled when `compile`). `grad_scale` (set by
-    train.optimizer_step for the clipping) divides both kinds of gradient."""
+    step.optimizer_step for the clipping) divides both kinds of gradient."""
 
     def __init__(self, params: Iterable[nn.Parameter], copies: dict[nn.Parameter, UnrollCopy], compile: bool = False,
                  **kwargs: Any):

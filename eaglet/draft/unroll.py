@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import merge_diagonal_stacked, resolve_attn_impl, ttt_attention, ttt_block_mask
+from .attention import TTTAttend, merge_diagonal_stacked
 from .casts import Weights, cast_linears, linear, sharded
 from .model import MLP, DecoderLayer, Eagle3Draft, SelfAttention, shift_ids
 
@@ -198,20 +198,9 @@ class FastUnroll:
         dev = input_ids_BT.device
         if position_ids_BT is None:
             position_ids_BT = torch.arange(T, device=dev).expand(B, T)
-        impl = resolve_attn_impl(attn_impl, dev)
-        block_mask = ttt_block_mask(doc_ids_BT, T, dev) if impl == "flex" else None
-        kv: list[list[tuple[Tensor, Tensor]]] = [[] for _ in model.layers]
-
         if head_rows is None or num_steps < 2:
             active_rows = None
-        step_rows: Tensor | None = None  # the rows the current step runs over (None: all)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kv[layer].append((k, v))
-            ks, vs = [k for k, _ in kv[layer]], [v for _, v in kv[layer]]
-            return ttt_attention(q, ks, vs, impl, doc_ids_BT=doc_ids_BT, block_mask=block_mask, merge=self.merge,
-                                 rows=step_rows)
-
+        attend = TTTAttend(len(model.layers), doc_ids_BT, T, dev, attn_impl, self.merge)
         hidden = model.project_aux(aux_BTA)
         lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         weights = self.cast_weights(model, lowp) if lowp is not None and num_steps > 1 else None
@@ -244,7 +233,7 @@ class FastUnroll:
                 rows = None if head_rows is None else head_rows[0]
             else:
                 if j == 1 and active_rows is not None:  # the active rows only, as one [1, n] sequence
-                    step_rows, hidden = active_rows, take_rows(hidden, seq)
+                    attend.rows, hidden = active_rows, take_rows(hidden, seq)
                 ids = None if once else take_rows(ids0, src[j - 1])
                 plus, plus_rows = (embed_qkv, src[j - 1]) if once else (None, None)
                 rope = later_rope[0][j - 1], later_rope[1][j - 1]

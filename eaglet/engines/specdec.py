@@ -25,7 +25,7 @@ accepted path: for a chain that is a prefix slice, for a tree an index_select of
 `Cache.crop` cannot gather, and its argument changed meaning across versions (5.24 accepts
 only negative "tokens to remove").
 
-Draft KV cache: `model.KVCache`. The tree's draft rows are dropped after each cycle
+Draft KV cache: `draft.attention.KVCache`. The tree's draft rows are dropped after each cycle
 (crop back to Q); the accepted positions are then re-fed with the *target's* states.
 
 Tree verification mask: a 4D additive float mask [1, 1, N, Q+N] in the model's dtype (0 =

@@ -22,8 +22,8 @@ With `extract.backend: vllm` the target runs in vLLM instead (eaglet/stages/extr
 the same store is written, with the final state before the final norm (`final_state: pre_norm`).
 
 Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli extract CONFIG`) the ranks split
-the batches (data parallel), or with `target.tp_plan: auto` split the target itself
-(tensor parallel, `extract.tp_plan: auto`); see `run_extract`.
+the batches (data parallel), or with `extract.tp_plan: auto` split the target itself
+(tensor parallel); see `run_extract`.
 """
 
 from __future__ import annotations

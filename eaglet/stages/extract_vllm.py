@@ -3,19 +3,16 @@
     eaglet extract CONFIG          # with extract.backend: vllm, run from the venv that has vLLM
                                    # (bash scripts/vllm_venv.sh), or with extract.vllm_server set
 
-vLLM's own path for this, not a patch of its internals: the speculative method
-`extract_hidden_states` makes the target model return the states of the layer ids in the
-draft config's `eagle_aux_hidden_state_layer_ids`, and the KV connector
-`ExampleHiddenStatesConnector` writes each request's states [T, n, H] and token ids [T] to a
-safetensors file under `shared_storage_path`, named in the request's
-`kv_transfer_params["hidden_states_path"]` (read with its `load_hidden_states` helper).
+vLLM computes the states through its own hidden-state path (its `extract_hidden_states`
+method and hidden-states connector: eaglet/engines/vllm.py), in process or in a server.
 
 eaglet asks for its captured layer ids plus L (= num_hidden_layers). vLLM's id i is the state
 entering decoder layer i (hidden_states + residual: the HF output_hidden_states[i]
 convention eaglet's HF backend stores), so the aux states are the same tensors. Id L is the
 state after the last layer *before* the final norm: the store records
 `final_state: pre_norm` and training applies the final norm before the LM head
-(train.load_head, loss.teacher_targets). vLLM returns the states in increasing layer order.
+(formats.store.read_target_head, draft.loss.teacher_targets). vLLM returns the states in
+increasing layer order.
 
 Each prompt runs once with max_tokens=1. The token ids vLLM stored must equal the ids prepare
 produced; a sample whose ids differ is set aside ("token_mismatch"), never stored. So is one
@@ -32,8 +29,9 @@ teacher, final norm included) must pick vLLM's top token on at least
 or the run stops before the rest is extracted.
 
 The target's head (embedding, LM head, final norm) is read from its checkpoint files by
-name, without loading the model: a 1T-parameter target needs only these few GB here.
-The doctor checks every vLLM API this module uses (eaglet/checks/contracts.py, stage "extract-vllm").
+name, without loading the model (eaglet/targets/head.py): a 1T-parameter target needs only
+these few GB here. The doctor checks every vLLM API eaglet uses (eaglet/checks/contracts.py,
+stage "extract-vllm").
 """
 
 from __future__ import annotations

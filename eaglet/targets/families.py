@@ -27,7 +27,7 @@ The draft is a dense Llama-style layer for every family; its sizes follow the ru
 `eaglet.draft.model.DraftConfig.from_target_config` (MLA targets: head_dim 128, H/128 heads, 8 KV
 heads; MoE targets: the dense layers' width, else 4 x H rounded up to 256).
 
-    python -m eaglet.targets.families   # prints the README table of families
+    python -m eaglet.targets.families   # prints the table of docs/families.md
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ class UnsupportedFamily(ValueError):
 @dataclass(frozen=True)
 class Family:
     key: str  # short id (tests, tiny configs)
-    name: str  # as the README names it
+    name: str  # as docs/families.md names it
     model_types: tuple[str, ...]  # config model_type(s) served (a wrapper's own or its text config's)
     hf_class: str  # the transformers class that loads it
-    example: str  # a real checkpoint of the family, and its decoder layers (the README's layer ids)
+    example: str  # a real checkpoint of the family, and its decoder layers (the table's layer ids)
     example_layers: int
-    attention: str  # README: attention kind
-    mlp: str  # README: dense or MoE, and which layers
+    attention: str  # the table: attention kind
+    mlp: str  # the table: dense or MoE, and which layers
     config_class: str  # transformers config class of `tiny`
     tiny: dict[str, Any] = field(default_factory=dict)  # overrides of TINY_BASE for the tests' random model
     wraps: str | None = None  # a multimodal wrapper: key of the family of its language model
@@ -82,8 +82,8 @@ class Family:
     logit_scale: Callable[[Any], float] | None = None
     logit_softcap: Callable[[Any], float | None] | None = None
     norm_offset: float = 0.0
-    remote_code: str = ""  # README: the checkpoint's own classes, when they differ from transformers'
-    note: str = ""  # README: what the tests cover beyond the common checks
+    remote_code: str = ""  # the table: the checkpoint's own classes, when they differ from transformers'
+    note: str = ""  # the table: what the tests cover beyond the common checks
 
     def available(self) -> bool:
         """Whether the installed transformers has the classes the tiny test model needs."""
@@ -350,14 +350,14 @@ def _tiny_wrapper_config(fam: Family, vocab_size: int, **overrides: Any) -> Any:
     raise ValueError(f"no tiny wrapper config for {fam.key}")
 
 
-# ---- the README table -----------------------------------------------------------------------------------
+# ---- the table of docs/families.md -----------------------------------------------------------------------------------
 
 
 TESTED = "states, logits, doctor + shadow, training"
 
 
 def markdown_table() -> str:
-    """The README's table of families (regenerate with `python -m eaglet.targets.families`)."""
+    """The table of families of docs/families.md (regenerate with `python -m eaglet.targets.families`)."""
     rows = ["| family | transformers class | attention; MLP | default captured layers | tested |",
             "|---|---|---|---|---|"]
     for f in FAMILIES.values():

@@ -1,0 +1,123 @@
+"""The layout's rules (docs/development.md): the package's folders are layers, no import closes
+a circle (imports inside functions counted), and the benchmarks use eaglet's public names only."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "eaglet"
+
+# Each module's layer, by its first part under eaglet/: a module imports from its own part and
+# the layers below only.
+FLOORS = {"config": 0, "distributed": 0, "utils": 0, "draft": 1, "formats": 2, "targets": 3, "engines": 4,
+          "testing": 4, "checks": 5, "stages": 6, "pipeline": 7, "shadow": 8, "demo": 8, "cli": 9}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every eaglet module `path` imports, wherever the import stands."""
+    me = _module(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "eaglet"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "eaglet":
+                continue
+            for a in node.names:  # `from .pkg import module` names a module; `from .mod import name` a name
+                sub = f"{base}.{a.name}"
+                found.append((node.lineno, sub if (REPO / sub.replace(".", "/")).with_suffix(".py").is_file()
+                              or (REPO / sub.replace(".", "/")).is_dir() else base))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: {t for _, t in _imports(p) if t in files and t != m} for m, p in files.items()}
+
+
+def test_no_import_circle_counting_imports_inside_functions():
+    graph, state, circles = _graph(), {}, []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                circles.append(path[path.index(t):] + [t] if t in path else [m, t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, circles
+
+
+def test_each_module_imports_from_its_own_folder_and_the_layers_below():
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        me = _module(path).split(".")
+        if len(me) < 2:
+            continue  # eaglet/__init__.py
+        for line, target in _imports(path):
+            them = target.split(".")
+            if len(them) < 2:
+                continue
+            if them[1] == me[1]:
+                continue  # within one folder (or module)
+            if FLOORS[them[1]] >= FLOORS[me[1]]:
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {target} (layer {them[1]} is not below {me[1]})")
+    assert not bad, "\n".join(bad)
+    assert set(FLOORS) == {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+                           if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").is_file())}
+
+
+def test_benchmarks_use_public_names_and_no_path_edits():
+    bad = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        text = path.read_text()
+        if "sys.path" in text:
+            bad.append(f"{path.name}: edits sys.path")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eaglet"):
+                bad += [f"{path.name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+                bad += [f"{path.name}:{node.lineno} imports {node.module}" for _ in [0]
+                        if any(part.startswith("_") for part in node.module.split("."))]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and node.col_offset >= 0:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                local = {p.stem for p in (REPO / "bench").glob("*.py")}
+                bad += [f"{path.name}:{node.lineno} imports the benchmark {n}" for n in names if n.split(".")[0] in local]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and node.value.id.endswith("_mod"):
+                bad.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_tests_do_not_import_benchmarks():
+    local = {p.stem for p in (REPO / "bench").glob("*.py")}
+    bad = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        if path == Path(__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in local or n.split(".")[0] == "bench"]
+        text = path.read_text()
+        if "spec_from_file_location" in text and "bench" in text:
+            bad.append(f"{path.name}: loads a benchmark module")
+        # scripts the tests write and run (strings, not parsed above) must not reach into bench/ either
+        bad += [f"{path.name}:{n}: {ln.strip()}" for n, ln in enumerate(text.splitlines(), 1)
+                if "sys.path" in ln and "bench" in ln]
+    assert not bad, "\n".join(bad)
