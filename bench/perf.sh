@@ -61,6 +61,7 @@ work=$(mktemp -d /tmp/eaglet-perf-XXXXXX)
 log="$out/perf.log"
 : >"$log"
 start=$(date +%s)
+# eaglet from this checkout where it is not installed (the GPU image): bench/ scripts import it
 export PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/eaglet-inductor-cache}
 

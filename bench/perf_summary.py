@@ -78,8 +78,8 @@ def _data_notes(res: dict[str, Any]) -> str:
     trained = _shares(res, "loss_share")
     if trained:
         notes += (f" Both systems' batches are trained on {trained} of their tokens (loss mask; the share measured "
-                  "on the default ShareGPT data, bench/scaling.py LOSS_SHARE); eaglet's LM head runs over the rows "
-                  "each step's loss can count, speculators' over every row.")
+                  "on the default ShareGPT data, eaglet.testing.synthetic LOSS_SHARE); eaglet's LM head runs over the "
+                  "rows each step's loss can count, speculators' over every row.")
     return notes
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -43,12 +44,11 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from eaglet import pipeline
+from eaglet.config import Config, load_config
+from eaglet.utils import atomic_write_json, log
 
-from eaglet import pipeline  # noqa: E402
-from eaglet.config import Config, load_config  # noqa: E402
-from eaglet.utils import atomic_write_json, log  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 COMMON = [
     "prepare.max_length=2048", "prepare.num_workers=12", "target.dtype=bfloat16",
@@ -60,13 +60,18 @@ COMMON = [
 ]
 
 
-def _cfg(args: argparse.Namespace, name: str, data: str, extra: list[str] = ()) -> Config:
-    """The run config: COMMON, then --set (applies to every step), then this step's own."""
+def _sets(args: argparse.Namespace, name: str, data: str, extra: list[str] = ()) -> list[str]:
+    """The run config's overrides: COMMON, then --set (applies to every step), then this step's own."""
     target = args.work / "cache" / "smollm2-135m-instruct"
     # --steps is the budget: as many epochs as it takes (train stops at the earlier of the two)
     steps = [f"train.max_steps={args.steps}", "train.epochs=1000"] if args.steps else []
-    return load_config(None, [f"run.dir={args.work / name}", f"target.path={target}", f"prepare.data=[{data}]",
-                              *COMMON, *(args.set or []), *steps, *extra])
+    return [f"run.dir={args.work / name}", f"target.path={target}", f"prepare.data=[{data}]", *COMMON,
+            *(args.set or []), *steps, *extra]
+
+
+def _cfg(args: argparse.Namespace, name: str, data: str, extra: list[str] = ()) -> Config:
+    """The run config (`_sets` over the defaults)."""
+    return load_config(None, _sets(args, name, data, extra))
 
 
 def cmd_setup(args: argparse.Namespace) -> None:
@@ -155,11 +160,16 @@ def _load(work: Path, which: str):
         return (untrained_like(draft, 0) if which == "untrained" else draft), aux
     if which == "regen":
         return load_final(work / "regen" / "train" / FINAL_DIR)
-    if which in ("speculators", "speculators-native"):
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from speculators_train import load_saved_draft  # noqa: E402
+    if which in ("speculators", "speculators-native"):  # speculators' checkpoint (vLLM format), eaglet's draft
+        from eaglet.draft.model import Eagle3Draft
+        from eaglet.formats.serving import load_draft
 
-        draft, meta = load_saved_draft(work / which / "draft", StoreReader(work / "original" / "extract", verify=False))
+        dcfg, state, meta = load_draft(work / which / "draft")
+        if "embed_tokens.weight" in meta["missing"]:  # the target's embedding, from the store's head file
+            store = StoreReader(work / "original" / "extract", verify=False)
+            state["embed_tokens.weight"] = store.target_head(torch.device("cpu")).embed
+        draft = Eagle3Draft(dcfg)
+        draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
         return draft, meta["aux_layer_ids"]
     raise ValueError(which)
 
@@ -191,17 +201,21 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_speculators(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from speculators_train import train_with_speculators  # noqa: E402
-
-    cfg = _cfg(args, "original", _setup(args.work)["data"])
-    steps = args.steps  # None: one epoch of eaglet's plan, as eaglet's own run
+    """bench/speculators_train.py on the original run's states (its own process: this one's
+    python, which needs the speculators package)."""
+    sets = _sets(args, "original", _setup(args.work)["data"])
+    cfg = load_config(None, sets)
     native = args.spec_mode == "native"
     name = "speculators-native" if native else "speculators"
-    res = train_with_speculators(cfg, cfg.run_dir, args.work / name / "draft", steps,
-                                 device="cuda" if torch.cuda.is_available() else "cpu", loss_impl="eager",
-                                 log_every=cfg.train.log_every, mask="speculators" if native else "eaglet",
-                                 init="speculators" if native else "eaglet")
+    out = args.work / name / "draft"
+    cmd = [sys.executable, str(HERE / "speculators_train.py"), "--run-dir", str(cfg.run_dir), "--out", str(out),
+           "--device", "cuda" if torch.cuda.is_available() else "cpu", "--loss-impl", "eager",
+           "--log-every", str(cfg.train.log_every), "--mask", "speculators" if native else "eaglet",
+           "--init", "speculators" if native else "eaglet", *(f"--set={s}" for s in sets)]
+    if args.steps is not None:  # else one epoch of eaglet's plan, as eaglet's own run
+        cmd += ["--steps", str(args.steps)]
+    subprocess.run(cmd, check=True)
+    res = json.loads((out / "bench.json").read_text())  # speculators_train.py's RESULT_FILE
     atomic_write_json(args.work / name / "train.json", res)
 
 

@@ -15,6 +15,8 @@ W=$1; STEPS=${2:-}; REGEN_S=${3:-0}
 cd "$(dirname "$0")/.."
 mkdir -p "$W/logs"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# eaglet from this checkout where it is not installed (the GPU image): bench/ scripts import it
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 Q=(python3 bench/quality.py --work "$W" ${STEPS:+--steps "$STEPS"} ${QUALITY_ARGS:-})  # QUALITY_ARGS: e.g. --set k=v
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")  # 0 on a CPU: everything on "GPU 0"
 G1=$(( NGPU > 1 ? 1 : 0 ))

@@ -533,8 +533,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     d = anchor_dims(PRESETS[args.preset])
     flops = train_flops_per_token(d, args.doc_tokens, args.ttt_steps)
     extra = 2 * d["hidden"] * (d["vocab"] - d["draft_vocab"])
-    figures = {"anchor_dims": d, "gflop_per_token": flops / 1e9, "gflop_per_token_full_teacher": (flops + extra) / 1e9,
-               "flops_formula": "anchor train_flops_per_token"}
+    figures = {"anchor_dims": d, "flop_per_token": flops, "gflop_per_token": flops / 1e9,
+               "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token"}
     if args.flops_only:
         report = {"system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
                   "ttt_steps": args.ttt_steps, **figures}

@@ -1,7 +1,9 @@
 """Issue 7's benchmarks at tiny shapes on the CPU: bench/perf.sh running bench/train_throughput.py
 (eaglet's step with its per-phase breakdown, profile and compiled-vs-eager check; speculators'
 step when .venv-speculators exists) and writing its summary; bench/extract_throughput.py; the
-FLOP count against the anchor script's. EAGLET_PERF_FULL=1 also runs speculators' side (15 s more)."""
+FLOP count against the anchor script's; the synthetic batches they train on (eaglet.testing.
+synthetic). EAGLET_PERF_FULL=1 also runs speculators' side (15 s more). The bench scripts run as
+scripts (`python bench/x.py ... --out FILE`), their JSON read back."""
 
 import ast
 import json
@@ -12,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, synthetic_batch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-import extract_throughput  # noqa: E402
-import train_throughput  # noqa: E402
-
+TRAIN_BENCH = REPO / "bench" / "train_throughput.py"
+EXTRACT_BENCH = REPO / "bench" / "extract_throughput.py"
 ANCHOR = REPO.parent / "shared" / "anchors" / "speculators_train_step.py"
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
 if not SPECULATORS_PYTHON.exists():  # a worktree: the main checkout's side environment
@@ -28,10 +29,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--preset", "tiny", "--device", "cpu", "--tokens", "256", "--doc-tokens", "64", "--warmup", "1", "--steps", "2"]
 
 
-def test_flop_count_is_the_anchors():
-    d = train_throughput.anchor_dims(train_throughput.PRESETS["llama3-8b"])
-    got = train_throughput.train_flops_per_token(d, 2048, 7)
-    assert got / 1e9 == pytest.approx(16.64, abs=0.01)
+def run_bench(script: Path, args: list[str], out: Path, timeout: int = 300) -> dict:
+    """`python bench/SCRIPT ARGS --out OUT` (one OpenMP thread, as the one_thread fixture); its JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(script), *args, "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_flop_count_is_the_anchors(tmp_path):
+    def flops(preset: str, seq: int) -> dict:  # the bench's own figures, nothing built
+        return run_bench(TRAIN_BENCH, ["--flops-only", "--preset", preset, "--tokens", str(seq), "--doc-tokens",
+                                       str(seq), "--ttt-steps", "7"], tmp_path / f"{preset}-{seq}.json")
+
+    got = flops("llama3-8b", 2048)
+    assert got["gflop_per_token"] == pytest.approx(16.64, abs=0.01)
     if ANCHOR.exists():  # the function itself, from the anchor script (which needs speculators to import)
         tree = ast.parse(ANCHOR.read_text())
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_flops_per_token")
@@ -39,8 +52,8 @@ def test_flop_count_is_the_anchors():
         exec(compile(ast.Module([fn], []), str(ANCHOR), "exec"), ns)
         for seq in (2048, 4096):
             for preset in ("llama3-8b", "kimi-k2"):
-                dims = train_throughput.anchor_dims(train_throughput.PRESETS[preset])
-                assert ns["train_flops_per_token"](dims, seq, 7) == train_throughput.train_flops_per_token(dims, seq, 7)
+                r = flops(preset, seq)  # the bench's FLOPs of its anchor dims of the preset
+                assert ns["train_flops_per_token"](r["anchor_dims"], seq, 7) == r["flop_per_token"]
 
 
 def test_synthetic_batch_trains_on_the_loss_share_asked_for():
@@ -52,11 +65,10 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
     from eaglet.draft.loss import active_rows, head_rows
     from eaglet.draft.model import DraftConfig
 
-    shape = train_throughput.PRESETS["tiny"]
+    shape = PRESETS["tiny"]
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
-    for share in (train_throughput.LOSS_SHARE, 0.5, 1.0):
-        b = train_throughput._batch(cfg, 2048, 1024, torch.device("cpu"), torch.float32, seed=1, loss_share=share,
-                                    ttt_steps=3)
+    for share in (LOSS_SHARE, 0.5, 1.0):
+        b = synthetic_batch(cfg, 2048, 1024, torch.device("cpu"), torch.float32, seed=1, loss_share=share, ttt_steps=3)
         assert b.loss_mask.float().mean().item() == pytest.approx(share, abs=0.01)
         assert not b.loss_mask[0, 0] or share == 1.0  # a turn starts with its prompt
         want = head_rows(b.loss_mask, b.doc_ids, 3)
@@ -75,7 +87,7 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     from eaglet.draft.loss import teacher_targets
     from eaglet.draft.model import DraftConfig
 
-    shape = dict(train_throughput.PRESETS["tiny"])
+    shape = dict(PRESETS["tiny"])
     if wide:
         shape.update(vocab_size=128256, draft_vocab_size=32000, hidden_size=256)
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
@@ -85,33 +97,31 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02  # fp32: CPU bf16 products are slow
     tokens = 512
     for share in (0.95, 0.5):
-        b = train_throughput._batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1, head=head,
-                                    in_vocab=share)
+        b = synthetic_batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1, head=head, in_vocab=share)
         got = teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item()
         assert abs(got - share) < 0.05, (share, got)
-    b = train_throughput._batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1)  # random states
+    b = synthetic_batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1)  # random states
     assert teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item() < 0.5
 
 
-def test_host_profile_lists_where_a_steps_host_time_goes():
+def test_host_profile_lists_where_a_steps_host_time_goes(tmp_path):
     """--host-profile N: cProfile over N steps; the step function itself takes the whole host
     time (cumulative), and the unroll's step and the backward are among the listed functions."""
-    res = train_throughput.main(TINY + ["--compile", "off", "--host-profile", "2", "--top", "60"])
+    res = run_bench(TRAIN_BENCH, TINY + ["--compile", "off", "--host-profile", "2", "--top", "60"], tmp_path / "t.json")
     hp = res["host_profile"]
     assert hp["host_ms_per_step"] > 0 and len(hp["by_own"]) == len(hp["by_cum"]) == 60
     top = hp["by_cum"][0]
     assert top["fn"].endswith("(step)") and top["calls_per_step"] == 1
     assert top["cum_ms"] == pytest.approx(hp["host_ms_per_step"], rel=0.2)
     names = [r["fn"] for r in hp["by_cum"]]
-    assert any("model.py" in n and n.endswith("(ttt_steps)") for n in names), names
+    assert any("draft/unroll.py" in n and n.endswith("(__call__)") for n in names), names  # the TTT unroll
     assert any("run_backward" in n for n in names), names
     assert sorted((r["own_ms"] for r in hp["by_own"]), reverse=True) == [r["own_ms"] for r in hp["by_own"]]
 
 
 def test_extract_bench(tmp_path):
     out = tmp_path / "e.json"
-    r = extract_throughput.main(["--preset", "tiny", "--device", "cpu", "--batches", "2", "--dir", str(tmp_path),
-                                 "--out", str(out)])
+    r = run_bench(EXTRACT_BENCH, ["--preset", "tiny", "--device", "cpu", "--batches", "2", "--dir", str(tmp_path)], out)
     assert json.loads(out.read_text())["tokens"] == r["tokens"] == 2 * 8 * 64
     assert r["aux_layers"] == [2, 4, 5] and r["store_bytes_per_token"] == 4 * 64 * 2 + 5
     assert r["forward"]["tokens_per_s"] > 0 and r["extract"]["vs_forward"] > 0
@@ -161,17 +171,34 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
     """A store writer slower than the forwards shows as 'writer_wait_s' (the host blocked on its
     queue), within the loop's own time; nothing is charged to pinned buffers on a CPU."""
     import time
+    from types import SimpleNamespace
 
+    import numpy as np
     import torch
 
     from eaglet.stages.extract import extract_samples
-    from eaglet.targets.load import TargetParts
     from eaglet.targets.families import resolve_layers
+    from eaglet.targets.load import TargetParts
+    from eaglet.testing import tiny
 
-    model = extract_throughput.build_target("tiny", None, torch.device("cpu"), torch.float32)
+    class Samples:  # what extract_samples reads of PreparedData: lengths, sample_ids and samples by position
+        def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
+            rng = np.random.default_rng(seed)
+            self.ids = rng.integers(0, vocab, size=(n, seq), dtype=np.int64).astype(np.int32)
+            self.lengths = np.full(n, seq, dtype=np.int64)
+            self.sample_ids = np.arange(n, dtype=np.int64)
+            self.mask = np.ones(seq, dtype=np.uint8)
+
+        def __len__(self) -> int:
+            return len(self.lengths)
+
+        def __getitem__(self, i: int) -> SimpleNamespace:
+            return SimpleNamespace(sample_id=int(self.sample_ids[i]), input_ids=self.ids[i], loss_mask=self.mask)
+
+    model = tiny.build_model("llama")  # a random float32 Llama of 8 layers (what the bench's tiny preset is)
     parts = TargetParts.of(model)
     layers = resolve_layers(None, parts.num_layers)
-    data = extract_throughput._Samples(6, 16, model.config.vocab_size, seed=0)
+    data = Samples(6, 16, model.config.vocab_size, seed=0)
 
     class SlowWriter:  # takes 50 ms per sample, as a writer behind on its disk would
         added: list[int] = []
@@ -186,7 +213,7 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
     waits: dict[str, float] = {}
     writer = SlowWriter()
     tokens = extract_samples(data, list(range(6)), parts, layers, torch.float32, writer, batch_tokens=32,
-                           max_batch_size=2, show=False, waits=waits)
+                             max_batch_size=2, show=False, waits=waits)
     assert tokens == 6 * 16 and sorted(writer.added) == sorted(int(i) for i in data.sample_ids)
     assert set(waits) == {"pin_alloc_s", "copy_wait_s", "writer_wait_s", "loop_s"}
     assert 0.3 <= waits["writer_wait_s"] <= waits["loop_s"]

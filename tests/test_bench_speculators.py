@@ -1,8 +1,8 @@
 """bench/speculators_train.py: speculators 0.9.0's own EAGLE-3 model trained on eaglet's data.
 
-On a tiny run (prepare, extract, vocab), in .venv-speculators (made by
-scripts/speculators_venv.sh): a few steps of train_with_speculators lower its loss and
-save a checkpoint that eaglet's load_draft reads and evaluate_draft runs; and on the run's
+On a tiny run (prepare, extract, vocab), the script run in .venv-speculators (made by
+scripts/speculators_venv.sh) with --eval and --probe: a few steps of train_with_speculators lower
+its loss and save a checkpoint that eaglet's load_draft reads and evaluate_draft runs; and on the run's
 first micro-batch, speculators' forward of those saved weights gives eaglet's TTT logits,
 its teacher is eaglet's teacher_targets, and its per-step loss rows, accuracies and losses
 are eaglet's (KL = eaglet's soft CE - teacher entropy), for a post-norm store and for a
@@ -33,6 +33,7 @@ from eaglet.stages.train_data import load_batch
 from eaglet.formats.vocab import load_vocab
 
 REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench" / "speculators_train.py"
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
 STEPS, K, GAMMA = 8, 3, 0.8
 
@@ -42,83 +43,10 @@ pytestmark = [
                        reason="no .venv-speculators: `bash scripts/speculators_venv.sh` creates it (speculators 0.9.0)"),
 ]
 
-# Runs in .venv-speculators. argv: config, run dir, out dir, probe dir, JSON overrides.
-CHILD = r"""
-import json, sys
-from pathlib import Path
-import torch
-from safetensors.torch import load_file, save_file
-
-sys.path.insert(0, str(Path.cwd() / "bench"))
-import speculators_train as st
-from speculators.losses import resolve_loss_config
-from eaglet.config import load_config
-from eaglet.stages.train_data import load_batch
-from eaglet.formats.vocab import load_vocab
-
-config, run, out, probe, sets, first_ids = sys.argv[1:7]
-cfg = load_config(config, json.loads(sets))
-result = st.train_with_speculators(cfg, run, out, steps=int(sys.argv[7]), log_every=1)
-result["eval"] = st.evaluate_saved_draft(cfg, run, out)["aggregate"]
-
-
-class PreNorm:
-    # The store's states as a pre-norm source: each final row scaled (RMSNorm undoes it).
-    def __init__(self, s):
-        self.s, self.meta = s, {**s.meta, "final_state": "pre_norm"}
-    def __getattr__(self, name):
-        return getattr(self.s, name)
-    def __len__(self):
-        return len(self.s)
-    def get(self, i):
-        d = dict(self.s.get(i))
-        g = torch.Generator().manual_seed(int(i))
-        d["final"] = d["final"].float() * (0.3 + 3 * torch.rand(d["final"].shape[0], 1, generator=g))
-        return d
-
-
-d2t, t2d = load_vocab(Path(run) / "vocab")
-saved = load_file(str(Path(out) / "model.safetensors"))
-loss_config = resolve_loss_config("kl_div", implementation="eager")
-for case, states in (("post_norm", st.open_states(run)), ("pre_norm", PreNorm(st.open_states(run)))):
-    head = states.target_head(torch.device("cpu"))
-    model = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="eager")
-    missing, unexpected = model.load_state_dict(saved, strict=False)
-    assert not unexpected and set(missing) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, (missing, unexpected)
-    model.eval()
-    b = load_batch(states, json.loads(first_ids), cfg.train.max_tokens, torch.device("cpu"))
-    in_vocab = st.draft_vocab_rows(b, head, t2d, d2t, cfg.train.teacher_chunk)
-    inputs = st.speculators_inputs(b, cfg.train.ttt_steps, in_vocab)
-    logits, teacher = [], []
-    h1 = model.lm_head.register_forward_hook(lambda m, a, o: logits.append(o.detach()))
-    h2 = model.verifier_lm_head.register_forward_hook(lambda m, a, o: teacher.append(o.detach()))
-    with torch.no_grad():
-        _, loss, metrics = model(**inputs, ttt_steps=cfg.train.ttt_steps, ttt_step_loss_decay=cfg.train.gamma,
-                                 loss_config=loss_config)
-    h1.remove(); h2.remove()
-    # The CUDA path: flex_attention BlockMasks over the batch padded to whole 128-row blocks
-    # (forward only: CPU flex_attention has no backward).
-    flex = st.build_speculators_draft(cfg, states, d2t, t2d, head, attn_impl="simple_flex_attention")
-    flex.load_state_dict(saved, strict=False)
-    flex_logits = []
-    h3 = flex.eval().lm_head.register_forward_hook(lambda m, a, o: flex_logits.append(o.detach()))
-    with torch.no_grad():
-        flex(**st.speculators_inputs(b, cfg.train.ttt_steps, in_vocab, pad_to=512), ttt_steps=cfg.train.ttt_steps,
-             loss_config=loss_config)
-    h3.remove()
-    tensors = {"aux": b.aux, "final": b.final.float(), "input_ids": b.input_ids, "loss_mask": b.loss_mask,
-               "position_ids": b.position_ids, "doc_ids": b.doc_ids, "teacher": teacher[0],
-               **{f"logits{j}": t for j, t in enumerate(logits)},
-               **{f"flex_logits{j}": t[:, : b.input_ids.shape[1]] for j, t in enumerate(flex_logits)},
-               **{f"m.{k}": v.reshape(1).float() for k, v in metrics.items()}}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(probe) / f"{case}.safetensors"))
-print("RESULT " + json.dumps(result))
-"""
-
 
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory):
-    """A tiny run through vocab (target with a random final-norm weight), then the child."""
+    """A tiny run through vocab (target with a random final-norm weight), then the bench script."""
     root = tmp_path_factory.mktemp("bench_spec")
     target = tiny.save_target(root / "target", family="llama", template="default_system")
     weights = load_file(str(target / "model.safetensors"))
@@ -145,15 +73,19 @@ def spec_run(tmp_path_factory):
     micro = trainer.micro_batches(0, 0)
     plan = [next(micro)[2] for _ in range(cfg.train.grad_accum)]
 
+    # bench/speculators_train.py in .venv-speculators: train, evaluate, and probe its forward on the
+    # first micro-batch it trained on (post-norm and pre-norm states; eager and flex attention).
     out, probe = root / "spec", root / "probe"
-    probe.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(SPECULATORS_PYTHON), "-c", CHILD, str(cfg_path), str(root / "run"), str(out), str(probe),
-                           json.dumps(sets), json.dumps(plan[0]), str(STEPS)],
+    proc = subprocess.run([str(SPECULATORS_PYTHON), str(BENCH), str(cfg_path), "--run-dir", str(root / "run"),
+                           "--steps", str(STEPS), "--out", str(out), "--eval", "--log-every", "1", "--probe", str(probe),
+                           *(f"--set={s}" for s in sets)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    result = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
+    assert result["first_micro_batch"] == [int(i) for i in plan[0]]  # the probe's batch: the one eaglet's Trainer trains on first
+    assert sorted(result["probe"]) == ["post_norm", "pre_norm"]
     return dict(root=root, cfg=cfg, store=store, head=head, d2t=d2t, t2d=t2d, plan=plan, out=out, probe=probe,
                 result=result)
 

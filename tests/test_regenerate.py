@@ -238,26 +238,33 @@ def test_kv_bytes_per_token_matches_the_cache_transformers_fills(family):
 
 def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
     """bench/regen_throughput.py on a tiny target: each variant counts exactly the reply tokens
-    (up to EOS) that regenerate's own batched_generate gives for the same prompts."""
-    import importlib.util
+    (up to EOS) that regenerate's own batched_generate gives for the same prompts (the script's
+    own, --prompts-out)."""
+    import os
+    import subprocess
+    import sys
     from pathlib import Path
 
     from eaglet.stages.regenerate import batched_generate
 
-    spec = importlib.util.spec_from_file_location("regen_bench", Path(__file__).parent.parent / "bench/regen_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = Path(__file__).parent.parent / "bench" / "regen_throughput.py"
     target = tiny.save_target(tmp_path / "target", template="chatml")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(10, seed=6, max_turns=2))
     sets = ["--set", "target.dtype=float32", "--set", "target.device=cpu"]
-    res = bench.main(["--target", str(target), "--data", str(data), "--prompts", "7", "--new-tokens", "5",
-                      "--max-length", "256", "--variants", "dynamic:2,static:3", "--out", str(tmp_path / "r.json"), *sets])
-    assert json.loads((tmp_path / "r.json").read_text()) == res and res["prompts"] == 7
+    p = subprocess.run([sys.executable, str(bench), "--target", str(target), "--data", str(data), "--prompts", "7",
+                        "--new-tokens", "5", "--max-length", "256", "--variants", "dynamic:2,static:3",
+                        "--out", str(tmp_path / "r.json"), "--prompts-out", str(tmp_path / "prompts.json"), *sets],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    res = json.loads((tmp_path / "r.json").read_text())  # written after each variant: the last has both
+    assert [r["variant"] for r in res["variants"]] == ["dynamic:2", "static:3"] and res["prompts"] == 7
     cfg = load_config(None, [f"target.path={target}", f"prepare.data=[{data}]", "prepare.max_length=256",
                              "target.dtype=float32", "target.device=cpu"])
     tok = load_tokenizer(cfg.target)
     tok.padding_side = "left"
-    prompts = sorted(bench.first_turn_prompts(cfg, tok, 7), key=len, reverse=True)
+    taken = json.loads((tmp_path / "prompts.json").read_text())["prompts"]
+    assert len(taken) == 7 and sum(map(len, taken)) == res["prompt_tokens"]
+    prompts = sorted(taken, key=len, reverse=True)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
