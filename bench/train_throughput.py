@@ -34,7 +34,8 @@ each TTT step's forward, each step's loss, backward, optimizer. Events do not sy
 --profile: torch.profiler over `--profile-steps` more steps; the top kernels by device time
 are printed and saved in the JSON (`--trace FILE` also writes the Chrome trace).
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
---flops-only: the preset's FLOP figures alone (nothing built, nothing run).
+--flops-only: the preset's FLOP figures alone, and every real preset's at 2048 and 4096 (nothing
+built, nothing run).
 """
 
 from __future__ import annotations
@@ -537,7 +538,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token"}
     if args.flops_only:
         report = {"system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
-                  "ttt_steps": args.ttt_steps, **figures}
+                  "ttt_steps": args.ttt_steps, **figures,
+                  # every real preset's FLOPs per token at documents of 2048 and 4096 (one run for a table)
+                  "presets": {name: {str(seq): train_flops_per_token(anchor_dims(shape), seq, args.ttt_steps)
+                                     for seq in (2048, 4096)} for name, shape in PRESETS.items() if name != "tiny"}}
         print(f"{args.preset} documents of {args.doc_tokens}, {args.ttt_steps} TTT steps: "
               f"{report['gflop_per_token']:.2f} GFLOP/token (anchor formula), "
               f"{report['gflop_per_token_full_teacher']:.2f} with the full-vocabulary teacher", flush=True)

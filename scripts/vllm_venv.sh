@@ -33,6 +33,6 @@ fi
 "${PIP[@]}" -e ".[dev]"  # eaglet's own dependencies; vLLM's torch and transformers satisfy its ranges
 "$VENV/bin/python" -c "
 import importlib.metadata as md
-from eaglet.stages.extract_vllm import installed_vllm_version
+from eaglet.engines.vllm import installed_vllm_version
 print('[vllm_venv] vllm', installed_vllm_version(), 'torch', md.version('torch'), 'transformers', md.version('transformers'))"
 echo "[vllm_venv] $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) in $VENV"

@@ -55,3 +55,20 @@ def train_on_copy(tmp, base: list[str], name: str, *extra: str, fresh: bool = Tr
         shutil.copytree(tmp / "run", run)
     pipeline.run_all(load_config(None, [f"run.dir={run}", *base, *extra]), upto="train")
     return run, [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+
+
+def run_script(path, args: list[str]) -> None:
+    """Run the script `path` with command-line `args` in this process, as `python path args`
+    would (its `__main__` block runs; nothing is imported from it): the benchmarks' tests, without
+    a new interpreter's start for each."""
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = [str(path), *args]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        assert not e.code, f"{path} {args}: exit {e.code}"
+    finally:
+        sys.argv = argv

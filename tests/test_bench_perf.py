@@ -1,9 +1,9 @@
-"""Issue 7's benchmarks at tiny shapes on the CPU: bench/perf.sh running bench/train_throughput.py
+"""The performance benchmarks at tiny shapes on the CPU: bench/perf.sh running bench/train_throughput.py
 (eaglet's step with its per-phase breakdown, profile and compiled-vs-eager check; speculators'
 step when .venv-speculators exists) and writing its summary; bench/extract_throughput.py; the
 FLOP count against the anchor script's; the synthetic batches they train on (eaglet.testing.
 synthetic). EAGLET_PERF_FULL=1 also runs speculators' side (15 s more). The bench scripts run as
-scripts (`python bench/x.py ... --out FILE`), their JSON read back."""
+scripts (`bench/x.py ... --out FILE`, in this process: conftest.run_script), their JSON read back."""
 
 import ast
 import json
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, synthetic_batch
 
@@ -29,31 +30,29 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--preset", "tiny", "--device", "cpu", "--tokens", "256", "--doc-tokens", "64", "--warmup", "1", "--steps", "2"]
 
 
-def run_bench(script: Path, args: list[str], out: Path, timeout: int = 300) -> dict:
-    """`python bench/SCRIPT ARGS --out OUT` (one OpenMP thread, as the one_thread fixture); its JSON."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(script), *args, "--out", str(out)], env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=REPO)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+def run_bench(script: Path, args: list[str], out: Path) -> dict:
+    """`python bench/SCRIPT ARGS --out OUT`, run in this process (conftest.run_script); its JSON."""
+    run_script(script, [*args, "--out", str(out)])
     return json.loads(out.read_text())
 
 
 def test_flop_count_is_the_anchors(tmp_path):
-    def flops(preset: str, seq: int) -> dict:  # the bench's own figures, nothing built
-        return run_bench(TRAIN_BENCH, ["--flops-only", "--preset", preset, "--tokens", str(seq), "--doc-tokens",
-                                       str(seq), "--ttt-steps", "7"], tmp_path / f"{preset}-{seq}.json")
-
-    got = flops("llama3-8b", 2048)
+    # the bench's own figures, nothing built: the preset's, and every real preset's at 2048 and 4096
+    got = run_bench(TRAIN_BENCH, ["--flops-only", "--preset", "llama3-8b", "--tokens", "2048", "--doc-tokens", "2048",
+                                  "--ttt-steps", "7"], tmp_path / "flops.json")
     assert got["gflop_per_token"] == pytest.approx(16.64, abs=0.01)
+    assert got["presets"]["llama3-8b"]["2048"] == got["flop_per_token"]
     if ANCHOR.exists():  # the function itself, from the anchor script (which needs speculators to import)
         tree = ast.parse(ANCHOR.read_text())
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_flops_per_token")
         ns: dict = {}
         exec(compile(ast.Module([fn], []), str(ANCHOR), "exec"), ns)
         for seq in (2048, 4096):
-            for preset in ("llama3-8b", "kimi-k2"):
-                r = flops(preset, seq)  # the bench's FLOPs of its anchor dims of the preset
-                assert ns["train_flops_per_token"](r["anchor_dims"], seq, 7) == r["flop_per_token"]
+            for preset in ("llama3-8b", "kimi-k2"):  # the anchor's FLOPs of the preset's anchor dims
+                dims = {k: v for k, v in zip(("hidden", "heads", "kv", "inter", "vocab", "draft_vocab"), (
+                    PRESETS[preset][k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                 "intermediate_size", "vocab_size", "draft_vocab_size")))}
+                assert ns["train_flops_per_token"](dims, seq, 7) == got["presets"][preset][str(seq)]
 
 
 def test_synthetic_batch_trains_on_the_loss_share_asked_for():

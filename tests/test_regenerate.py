@@ -240,10 +240,9 @@ def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
     """bench/regen_throughput.py on a tiny target: each variant counts exactly the reply tokens
     (up to EOS) that regenerate's own batched_generate gives for the same prompts (the script's
     own, --prompts-out)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from conftest import run_script
 
     from eaglet.stages.regenerate import batched_generate
 
@@ -251,11 +250,9 @@ def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
     target = tiny.save_target(tmp_path / "target", template="chatml")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(10, seed=6, max_turns=2))
     sets = ["--set", "target.dtype=float32", "--set", "target.device=cpu"]
-    p = subprocess.run([sys.executable, str(bench), "--target", str(target), "--data", str(data), "--prompts", "7",
-                        "--new-tokens", "5", "--max-length", "256", "--variants", "dynamic:2,static:3",
-                        "--out", str(tmp_path / "r.json"), "--prompts-out", str(tmp_path / "prompts.json"), *sets],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    run_script(bench, ["--target", str(target), "--data", str(data), "--prompts", "7", "--new-tokens", "5",
+                       "--max-length", "256", "--variants", "dynamic:2,static:3", "--out", str(tmp_path / "r.json"),
+                       "--prompts-out", str(tmp_path / "prompts.json"), *sets])
     res = json.loads((tmp_path / "r.json").read_text())  # written after each variant: the last has both
     assert [r["variant"] for r in res["variants"]] == ["dynamic:2", "static:3"] and res["prompts"] == 7
     cfg = load_config(None, [f"target.path={target}", f"prepare.data=[{data}]", "prepare.max_length=256",
