@@ -33,7 +33,6 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +40,11 @@ import numpy as np
 import torch
 
 from eaglet.config import ExtractSection
-from eaglet.formats.store import StoreWriter
+from eaglet.formats.store import POST_NORM, StoreWriter, store_meta
 from eaglet.stages.extract import extract_samples
 from eaglet.targets.families import resolve_layers
-from eaglet.targets.load import TargetParts
+from eaglet.targets.load import TargetParts, norm_eps
+from eaglet.testing.synthetic import SyntheticSamples
 from eaglet.utils import DTYPES
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -104,38 +104,14 @@ def build_target(preset: str, layers: int | None, device: torch.device, dtype: t
     return model
 
 
-@dataclass
-class _Sample:
-    sample_id: int
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-
-
-class _Samples:
-    """What extract_samples reads of PreparedData: lengths, sample_ids and samples by position."""
-
-    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        self.ids = rng.integers(0, vocab, size=(n, seq), dtype=np.int64).astype(np.int32)
-        self.lengths = np.full(n, seq, dtype=np.int64)
-        self.sample_ids = np.arange(n, dtype=np.int64)
-        self.mask = np.ones(seq, dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> _Sample:
-        return _Sample(int(self.sample_ids[i]), self.ids[i], self.mask)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _meta(parts: TargetParts, layers: list[int], dtype: str) -> dict[str, Any]:
-    return {"input_hash": "bench", "hidden_size": parts.hidden_size, "n_aux": len(layers), "layers": layers,
-            "dtype": dtype, "final_state": "post_norm", "num_target_layers": parts.num_layers}
+    return store_meta("bench", parts.hidden_size, layers, dtype, POST_NORM, parts.num_layers,
+                      type(parts.decoder).__name__, norm_eps(parts.norm), "offline")
 
 
 def _writer(folder: Path, meta: dict[str, Any], args: argparse.Namespace) -> StoreWriter:
@@ -143,7 +119,7 @@ def _writer(folder: Path, meta: dict[str, Any], args: argparse.Namespace) -> Sto
                        fsync=not args.no_fsync, threads=args.writer_threads)
 
 
-def time_forward(parts: TargetParts, data: _Samples, B: int, device: torch.device) -> float:
+def time_forward(parts: TargetParts, data: SyntheticSamples, B: int, device: torch.device) -> float:
     """Seconds for the base model's forward over all of `data`, in batches of B."""
     _sync(device)
     t0 = time.perf_counter()
@@ -155,7 +131,7 @@ def time_forward(parts: TargetParts, data: _Samples, B: int, device: torch.devic
     return time.perf_counter() - t0
 
 
-def time_extract(parts: TargetParts, layers: list[int], data: _Samples, B: int, folder: Path,
+def time_extract(parts: TargetParts, layers: list[int], data: SyntheticSamples, B: int, folder: Path,
                  args: argparse.Namespace) -> tuple[float, int, dict[str, float]]:
     """Seconds for eaglet's extract loop over `data` until the writer has every shard on disk,
     the bytes written, and where the loop's host thread waited (`extract_samples`'s `waits`, plus
@@ -211,8 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     layers = resolve_layers(None, parts.num_layers)
     B, n = args.batch_size, args.batch_size * args.batches
-    data = _Samples(n, args.seq, model.config.vocab_size, seed=1)
-    warm = _Samples(B, args.seq, model.config.vocab_size, seed=2)
+    data = SyntheticSamples(n, args.seq, model.config.vocab_size, seed=1)
+    warm = SyntheticSamples(B, args.seq, model.config.vocab_size, seed=2)
     tokens = n * args.seq
     root = Path(tempfile.mkdtemp(prefix="eaglet-extract-bench-", dir=args.dir))
     bytes_per_token = (len(layers) + 1) * parts.hidden_size * 2 + 5  # bf16 states + int32 id + uint8 mask

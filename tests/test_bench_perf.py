@@ -170,34 +170,19 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
     """A store writer slower than the forwards shows as 'writer_wait_s' (the host blocked on its
     queue), within the loop's own time; nothing is charged to pinned buffers on a CPU."""
     import time
-    from types import SimpleNamespace
 
-    import numpy as np
     import torch
 
     from eaglet.stages.extract import extract_samples
     from eaglet.targets.families import resolve_layers
     from eaglet.targets.load import TargetParts
     from eaglet.testing import tiny
-
-    class Samples:  # what extract_samples reads of PreparedData: lengths, sample_ids and samples by position
-        def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
-            rng = np.random.default_rng(seed)
-            self.ids = rng.integers(0, vocab, size=(n, seq), dtype=np.int64).astype(np.int32)
-            self.lengths = np.full(n, seq, dtype=np.int64)
-            self.sample_ids = np.arange(n, dtype=np.int64)
-            self.mask = np.ones(seq, dtype=np.uint8)
-
-        def __len__(self) -> int:
-            return len(self.lengths)
-
-        def __getitem__(self, i: int) -> SimpleNamespace:
-            return SimpleNamespace(sample_id=int(self.sample_ids[i]), input_ids=self.ids[i], loss_mask=self.mask)
+    from eaglet.testing.synthetic import SyntheticSamples
 
     model = tiny.build_model("llama")  # a random float32 Llama of 8 layers (what the bench's tiny preset is)
     parts = TargetParts.of(model)
     layers = resolve_layers(None, parts.num_layers)
-    data = Samples(6, 16, model.config.vocab_size, seed=0)
+    data = SyntheticSamples(6, 16, model.config.vocab_size, seed=0)
 
     class SlowWriter:  # takes 50 ms per sample, as a writer behind on its disk would
         added: list[int] = []

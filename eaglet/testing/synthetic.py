@@ -5,14 +5,17 @@ Llama-3.1-8B and Kimi-K2.5, and a tiny one) with random captured states and toke
 mask with the share of trained tokens real chat data has (`LOSS_SHARE`), and, given the
 teacher's LM head, final states whose teacher argmax is a draft token as often as on real data
 (`IN_VOCAB`). bench/train_throughput.py and bench/scaling.py time the training step on them.
+`SyntheticSamples` stands in for prepared data (random tokens of one length), for extraction.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..draft.model import DraftConfig
 from ..draft.step import Batch, device_head_rows
+from ..formats.prepared import Sample
 
 
 # The share of rows whose teacher argmax is a draft token in the synthetic batches (`synthetic_batch`): a
@@ -81,3 +84,21 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
         head_rows=rows,
         active_rows=active,
     )
+
+
+class SyntheticSamples:
+    """`n` samples of `seq` random tokens below `vocab`, every token trained on: what extraction
+    reads of `formats.prepared.PreparedData` (lengths, sample_ids, samples by position)."""
+
+    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.ids = rng.integers(0, vocab, size=(n, seq), dtype=np.int64).astype(np.int32)
+        self.lengths = np.full(n, seq, dtype=np.int64)
+        self.sample_ids = np.arange(n, dtype=np.int64)
+        self.mask = np.ones(seq, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> Sample:
+        return Sample(int(self.sample_ids[i]), self.ids[i], self.mask)
