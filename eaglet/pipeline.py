@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .checks.doctor import preflight as run_preflight
 from .config import Config
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .stages.context import StageContext
@@ -146,8 +147,6 @@ def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream
         log(f"[{stage.name}] up to date ({out_dir}), skipped")
         return old
     if preflight and stage.name in PREFLIGHT_STAGES:
-        from .checks.doctor import preflight as run_preflight
-
         run_on_main(run_preflight, cfg, stage.name)  # raises PreflightError before any weights load
 
     def start() -> None:

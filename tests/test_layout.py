@@ -121,3 +121,22 @@ def test_tests_do_not_import_benchmarks():
         bad += [f"{path.name}:{n}: {ln.strip()}" for n, ln in enumerate(text.splitlines(), 1)
                 if "sys.path" in ln and "bench" in ln]
     assert not bad, "\n".join(bad)
+
+
+def test_eaglet_modules_are_imported_at_the_top():
+    """An import inside a function is kept only for a heavy or optional dependency: eaglet's own
+    modules are imported at the top of a module (the one exception: the remote-code stand-in,
+    which imports transformers' model classes, imported only when it is asked for)."""
+    allowed = {("eaglet/testing/tiny.py", "remote_kimi_k25")}
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(REPO))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("eaglet")):
+                    names = [a.name for a in node.names]
+                    if not any((rel, n) in allowed for n in names):
+                        bad.append(f"{rel}:{node.lineno} imports {names} inside {fn.name}")
+    assert not bad, "\n".join(bad)

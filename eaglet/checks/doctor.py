@@ -23,8 +23,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config
+from ..distributed import resolve_device
+from ..draft.model import DraftConfig, Eagle3Draft
+from ..formats.datasets import check_data_file, iter_records
+from ..targets.chat import (
+    Settings,
+    check_fast_tokenizer,
+    load_tokenizer,
+    mask_method,
+    process_record,
+    resolve_chat_template,
+)
+from ..targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported, text_config_from_dict
+from ..targets.load import TargetParts, build_meta_model, hub_kwargs
 from ..utils import log
+from .contracts import CONTRACTS, check_contracts, describe
 from .findings import Finding, PreflightError, Probe, Report
+from .selfcheck import REF_MAX_TOKENS
 from .vllm import check_vllm
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
@@ -63,8 +78,6 @@ def check_versions(p: Probe) -> None:
 
 def check_api_contracts(p: Probe) -> None:
     import transformers
-
-    from .contracts import CONTRACTS, check_contracts, describe
 
     roles: dict[str, list[type]] = {}
     if p.parts is not None:
@@ -111,8 +124,6 @@ def check_target_config(p: Probe) -> None:
     auto_map = raw.get("auto_map") or {}
     from transformers import AutoConfig
 
-    from ..targets.load import hub_kwargs
-
     try:
         p.hf_config = AutoConfig.from_pretrained(t.path, **hub_kwargs(t))
     except Exception as e:  # noqa: BLE001 - the message is the finding
@@ -151,8 +162,6 @@ def check_target_config(p: Probe) -> None:
 
 
 def check_tokenizer(p: Probe) -> None:
-    from ..targets.chat import check_fast_tokenizer, load_tokenizer, mask_method, resolve_chat_template
-
     t = p.cfg.target
     try:
         p.tokenizer = load_tokenizer(t)
@@ -178,9 +187,6 @@ def check_tokenizer(p: Probe) -> None:
 
 
 def check_architecture(p: Probe) -> None:
-    from ..targets.families import ADD_FAMILY, UnsupportedFamily, supported
-    from ..targets.load import TargetParts, build_meta_model
-
     if p.hf_config is None:
         return
     try:
@@ -210,8 +216,6 @@ def check_architecture(p: Probe) -> None:
 
 
 def check_layers(p: Probe) -> None:
-    from ..targets.families import resolve_layers
-
     if p.parts is None:
         return
     L = p.parts.num_layers
@@ -259,9 +263,6 @@ def check_vocab(p: Probe) -> None:
 def check_records(p: Probe) -> None:
     """The first records of each file through prepare's own per-record path."""
     from collections import Counter
-
-    from ..formats.datasets import check_data_file, iter_records
-    from ..targets.chat import Settings, process_record
 
     pc = p.cfg.prepare
     if not pc.data:
@@ -387,8 +388,6 @@ def check_disk(p: Probe) -> None:
 def _devices(device: str, device_map: str | None) -> list[Any]:
     import torch
 
-    from ..distributed import resolve_device
-
     if not torch.cuda.is_available():
         return []
     if device_map is not None:
@@ -459,8 +458,6 @@ def check_extract_memory(p: Probe) -> None:
         return
     if p.model is None or p.parts is None:
         return
-    from .selfcheck import REF_MAX_TOKENS
-
     e, tc = p.cfg.extract, p.text_config
     b = _target_dtype_bytes(p)
     weights = _weight_bytes(p, b)
@@ -484,16 +481,11 @@ def _text_config_for_train(p: Probe) -> Any:
     f = p.cfg.run_dir / "extract" / "target_config.json"
     if not f.is_file():
         return None
-    from ..targets.families import text_config_from_dict
-
     return text_config_from_dict(json.loads(f.read_text()))
 
 
 def check_train_memory(p: Probe) -> None:
     import torch
-
-    from ..draft.model import DraftConfig, Eagle3Draft
-    from ..distributed import resolve_device
 
     if p.stage is None and p.parts is None:
         return  # the doctor could not resolve the architecture (already a FAIL)

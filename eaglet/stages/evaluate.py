@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from ..config import Config, EvalSection
+from ..distributed import resolve_device
 from ..draft.model import Eagle3Draft
-from .context import StageContext
-from ..formats.prepared import PreparedData
 from ..engines.specdec import (
     DraftRunner,
     SpecSettings,
@@ -47,9 +46,14 @@ from ..engines.specdec import (
     plain_generate,
     speculative_generate,
 )
-from ..distributed import resolve_device
+from ..formats.draft import FINAL_DIR, load_final
+from ..formats.prepared import PreparedData
+from ..targets.chat import load_tokenizer
 from ..targets.load import load_target
 from ..utils import atomic_write_bytes, atomic_write_json, log
+from .context import StageContext
+from .online import split_source
+from .train_data import split_ids
 
 EVAL_JSON = "eval.json"
 EVAL_PNG = "eval.png"
@@ -247,8 +251,6 @@ def heldout_prompts(data: PreparedData, split_sample_ids: np.ndarray, eval_fract
                     num_prompts: int) -> list[tuple[int, list[int]]]:
     """(sample id, prompt tokens) of the first `num_prompts` held-out samples that have an
     assistant turn after some prompt; each cut before its first loss-masked token."""
-    from .train_data import split_ids
-
     _, eval_ids = split_ids(split_sample_ids, eval_fraction, seed)
     row_of = {int(sid): i for i, sid in enumerate(data.sample_ids.tolist())}
     out = []
@@ -310,17 +312,12 @@ def plot_eval(result: dict[str, Any]) -> bytes:
 def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> tuple[list[tuple[int, list[int]]], Eagle3Draft, list[int], Any, Any, dict[str, Any], str]:
     """(held-out prompts as (sample id, tokens), trained draft, aux layers, target, tokenizer,
     target info, dtype) for an evaluation over the run whose stage folders are `upstream`."""
-    from ..targets.chat import load_tokenizer
-    from ..formats.draft import FINAL_DIR, load_final
-
     ecfg = cfg.eval
     data = PreparedData(upstream["prepare"])
     # Split the ids that training split (the extract store's, which may lack set-aside
     # samples), so that the held-out prompts are exactly the ones training never saw.
     split_ids_from = data.sample_ids
     if "extract" in upstream:
-        from .online import split_source
-
         split_ids_from = split_source(upstream)
     if cfg.train.eval_fraction <= 0:
         raise ValueError("eval needs held-out prompts: train.eval_fraction is 0")

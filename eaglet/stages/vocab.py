@@ -9,15 +9,16 @@ lowest unused target ids fill the rest, so the maps always have the configured s
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
 from ..config import Config
-from .context import StageContext
 from ..formats.prepared import PreparedData
 from ..formats.vocab import save_vocab
+from ..targets.load import hub_kwargs
 from ..utils import log
+from .context import StageContext
+
 
 def masked_token_counts(data: PreparedData, vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -56,8 +57,6 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
 
 def target_vocab_size(cfg: Config) -> int:
     from transformers import AutoConfig
-
-    from ..targets.load import hub_kwargs
 
     tc = AutoConfig.from_pretrained(cfg.target.path, **hub_kwargs(cfg.target))
     return int(tc.get_text_config().vocab_size)

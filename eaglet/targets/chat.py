@@ -32,6 +32,7 @@ import numpy as np
 
 from ..config import ConfigError, TargetSection
 from ..formats.datasets import RecordError, normalize_record
+from .load import hub_kwargs
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -63,8 +64,6 @@ class MaskMismatch(ChatError):
 def load_tokenizer(target: TargetSection) -> Any:
     """The target's tokenizer (from `target.tokenizer`, else `target.path`)."""
     from transformers import AutoTokenizer
-
-    from .load import hub_kwargs
 
     return AutoTokenizer.from_pretrained(target.tokenizer or target.path, **hub_kwargs(target))
 

@@ -16,6 +16,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..targets.families import TINY_BASE
+from ..targets.families import tiny_config as family_tiny_config
+from ..targets.load import model_from_config
+
 # ---- chat templates (the shapes real targets use) -------------------------------------------
 
 LLAMA3_TEMPLATE = (
@@ -140,8 +144,6 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides: Any):
     use) or any family key of eaglet.targets.families (its `tiny` config)."""
     import transformers
 
-    from ..targets.families import TINY_BASE, tiny_config as family_tiny_config
-
     if family == "llama":
         return transformers.LlamaConfig(**{**TINY_BASE, "vocab_size": vocab_size, **overrides})
     return family_tiny_config(family, vocab_size, **overrides)
@@ -164,8 +166,6 @@ def build_model(family: str = "llama", seed: int = 0, vocab_size: int = 512, rem
         rcfg = remote.KimiK25Config(text_config=text, auto_map=dict(remote.AUTO_MAP),
                                     architectures=["KimiK25ForConditionalGeneration"])
         return remote.KimiK25ForConditionalGeneration(rcfg).float().eval()
-    from ..targets.load import model_from_config
-
     return model_from_config(cfg, dtype=torch.float32).eval()
 
 
