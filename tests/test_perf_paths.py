@@ -591,8 +591,8 @@ def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, st
         plain = Eagle3Draft(CFG)
         unroll = use_fast_unroll(plain)
         if strategy == "fsdp":  # FSDP2's layer 0 is sharded outside its forward: each step projects its embeddings
-            monkeypatch.setattr(unroll, "cast_weights", lambda model, dtype: (
-                [None] * len(model.layers), cast_linears([("lm_head", model.lm_head)], dtype)))
+            monkeypatch.setattr(unroll, "cast_weights", lambda dtype: (
+                [None] * len(plain.layers), cast_linears([("lm_head", plain.lm_head)], dtype)))
             unroll.embeds_once = False
         want, want_g = _loss_and_grads(plain, bf16=True)
         draft = Eagle3Draft(CFG)
@@ -601,7 +601,7 @@ def test_unroll_under_fsdp_and_ddp_casts_what_is_whole(tmp_path, monkeypatch, st
         par = parallelize(draft, teacher, strategy, torch.device("cpu"))
         casts = []
         cast = draft.unroll.cast_weights
-        monkeypatch.setattr(draft.unroll, "cast_weights", lambda model, dtype: casts.append(cast(model, dtype)) or casts[-1])
+        monkeypatch.setattr(draft.unroll, "cast_weights", lambda dtype: casts.append(cast(dtype)) or casts[-1])
         got, got_g = _loss_and_grads(par.module, bf16=True)
         ((layers, lm_head),) = casts
         assert set(lm_head) == {"lm_head", "lm_head.grad", "lm_head.link"}

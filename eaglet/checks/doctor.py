@@ -26,6 +26,7 @@ from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..formats.datasets import check_data_file, iter_records
+from ..formats.store import TARGET_CONFIG, read_target_config
 from ..targets.chat import (
     Settings,
     check_fast_tokenizer,
@@ -478,10 +479,10 @@ def check_extract_memory(p: Probe) -> None:
 def _text_config_for_train(p: Probe) -> Any:
     if p.text_config is not None:
         return p.text_config
-    f = p.cfg.run_dir / "extract" / "target_config.json"
-    if not f.is_file():
+    folder = p.cfg.run_dir / "extract"
+    if not (folder / TARGET_CONFIG).is_file():
         return None
-    return text_config_from_dict(json.loads(f.read_text()))
+    return text_config_from_dict(read_target_config(folder))
 
 
 def check_train_memory(p: Probe) -> None:

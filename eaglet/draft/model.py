@@ -375,8 +375,8 @@ class Eagle3Draft(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
         self._inv_freq_on: dict[torch.device, Tensor] = {}
-        # A faster TTT unroll installed from outside (eaglet/draft/unroll.py): called as
-        # unroll(self, *args) with `reference_ttt_steps`' arguments, it yields the same logits.
+        # A faster TTT unroll of this draft installed from outside (eaglet/draft/unroll.py):
+        # called with `reference_ttt_steps`' arguments, it yields the same logits.
         self.unroll: Callable[..., Iterator[Tensor]] | None = None
         self.reset_parameters()
 
@@ -473,7 +473,7 @@ class Eagle3Draft(nn.Module):
         """The TTT unroll training runs: the installed fast one (`unroll`), else the reference;
         the arguments are `reference_ttt_steps`'."""
         if self.unroll is not None:
-            return self.unroll(self, *args, **kwargs)
+            return self.unroll(*args, **kwargs)
         return self.reference_ttt_steps(*args, **kwargs)
 
     def ttt_forward(self, *args: Any, **kwargs: Any) -> list[Tensor]:

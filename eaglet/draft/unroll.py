@@ -139,8 +139,8 @@ def unroll_linears(model: Eagle3Draft) -> list[nn.Module]:
 
 
 class FastUnroll:
-    """The fast TTT unroll of one draft (module doc). Called as `unroll(model, *args)` with
-    `Eagle3Draft.reference_ttt_steps`' arguments; yields the same logits.
+    """The fast TTT unroll of one draft, `model` (module doc). Called with
+    `Eagle3Draft.reference_ttt_steps`' arguments, it yields the same logits.
 
     embeds_once: share layer 0's embedding products between the steps (False: each step makes
     its own). casts: under autocast, 'accumulate' casts each linear weight once and accumulates
@@ -151,7 +151,7 @@ class FastUnroll:
                  compile: bool = False, sharded: bool = False, **compile_kwargs: Any):
         if casts not in CASTS:
             raise ValueError(f"casts {casts!r}: expected one of {CASTS}")
-        self.embeds_once, self.casts = embeds_once, casts
+        self.model, self.embeds_once, self.casts = model, embeds_once, casts
 
         def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
             return torch.compile(fn, **compile_kwargs) if compile else fn
@@ -168,19 +168,18 @@ class FastUnroll:
                 layer.attn_inputs = torch.compile(layer.attn_inputs, **compile_kwargs)
                 layer.attn_output = torch.compile(layer.attn_output, **compile_kwargs)
 
-    def cast_weights(self, model: Eagle3Draft, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None] | None:
+    def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None] | None:
         """The linear weights every step uses (per layer, lm_head's), cast to `dtype` once
         (eaglet/draft/casts.py); None with casts 'per_product'. A layer FSDP2 shards gets None:
         its products keep autocast's casts."""
         if self.casts == "per_product":
             return None
-        accumulate = self.casts == "accumulate"
+        accumulate, model = self.casts == "accumulate", self.model
         return ([cast_linears(layer.named_modules(), dtype, accumulate) for layer in model.layers],
                 cast_linears([("lm_head", model.lm_head)], dtype, accumulate))
 
     def __call__(
         self,
-        model: Eagle3Draft,
         aux_BTA: Tensor,
         input_ids_BT: Tensor,
         position_ids_BT: Tensor | None = None,
@@ -194,6 +193,7 @@ class FastUnroll:
         head_rows: step j yields the logits of head_rows[j] only, [1, len, draft_vocab].
         active_rows: with head_rows, the rows steps 1.. run over (flat b*T + t, ascending;
         `loss.active_rows`, which holds head_rows[1:])."""
+        model = self.model
         B, T = input_ids_BT.shape
         dev = input_ids_BT.device
         if position_ids_BT is None:
@@ -203,7 +203,7 @@ class FastUnroll:
         attend = TTTAttend(len(model.layers), doc_ids_BT, T, dev, attn_impl, self.merge)
         hidden = model.project_aux(aux_BTA)
         lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-        weights = self.cast_weights(model, lowp) if lowp is not None and num_steps > 1 else None
+        weights = self.cast_weights(lowp) if lowp is not None and num_steps > 1 else None
         # Not under FSDP2, whose layer 0 is sharded outside its own forward.
         layer_sharded = [sharded(layer.self_attn.q_proj.weight) for layer in model.layers]
         once = self.embeds_once and not layer_sharded[0]

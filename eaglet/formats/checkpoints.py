@@ -30,7 +30,7 @@ RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"
 
 
-def rng_state() -> dict[str, torch.Tensor]:
+def _rng_state() -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -38,7 +38,7 @@ def rng_state() -> dict[str, torch.Tensor]:
     return out
 
 
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [state[k] for k in sorted(state) if k.startswith("torch_cuda_")]
@@ -62,7 +62,7 @@ def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor
     tmp.mkdir()
     save_file(trainable_state(model_state), str(tmp / MODEL_FILE))
     torch.save(optim_state, tmp / OPTIMIZER_FILE)
-    save_file(rng_state(), str(tmp / RNG_FILE))
+    save_file(_rng_state(), str(tmp / RNG_FILE))
     atomic_write_json(tmp / STATE_FILE, {**state, "step": step, "scheduler": sched.state_dict()})
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -95,4 +95,4 @@ def read_weights(folder: Path, device: torch.device | str) -> tuple[dict[str, to
 
 def restore_rng(folder: Path) -> None:
     """Set this process's RNG states to a checkpoint's."""
-    set_rng_state(load_file(str(folder / RNG_FILE)))
+    _set_rng_state(load_file(str(folder / RNG_FILE)))

@@ -5,12 +5,8 @@ For every sample the store gets, per token, the states *entering* the decoder la
 final normed state that the LM head reads (the teacher; logits = lm_head(final)).
 
 How, and why this way (the tiny test targets stand in for 8B..1T targets on many GPUs):
-- Forward pre-hooks on the chosen decoder layers copy each incoming state into one
-  [B, T, n_aux*H] buffer in the store dtype; `output_hidden_states` would keep every
-  layer's state alive at once.
-- The base decoder model runs, not the CausalLM: no full-vocabulary logits are built. The
-  final state is the base model's `last_hidden_state`, which is exactly the tensor the
-  CausalLM feeds its LM head (it already has the final norm applied).
+- The states are captured by hooks on the decoder layers in one forward of the base model,
+  without full-vocabulary logits (eaglet/engines/hf.py says how and why).
 - Samples are sorted longest first and packed into right-padded batches under a token
   budget; outputs map back to sample ids by their row in the batch.
 - Device-to-host copies go to pinned memory without blocking; a batch's rows are handed to

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from ..config import TargetSection
-from .extract import capture, nonfinite_rows, pad_batch
-from ..utils import to_device
+from ..engines.hf import capture, nonfinite_rows, pad_batch
 from ..formats.prepared import PreparedData
 from ..formats.store import StoreReader, TargetHead, read_target_head
 from ..targets.load import TargetParts, load_target
+from ..utils import to_device
 
 
 class OnlineStates:

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ..config import Config, TrainSection
+from ..config import Config
 from ..distributed import all_gather_object, barrier, dist_env, init_distributed, resolve_device
 from ..draft.attention import compile_flex_attention, resolve_attn_impl
 from ..draft.model import DraftConfig, Eagle3Draft
@@ -96,11 +96,6 @@ def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.T
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model
-
-
-def teacher_for(head: TargetHead, tc: TrainSection) -> TeacherHead:
-    """The teacher as `train.*` sets it up (chunk, out-of-vocabulary mask), from the target's head."""
-    return TeacherHead.from_head(head, tc.teacher_chunk, tc.mask_out_of_vocab)
 
 
 # ---- what a checkpoint may be resumed with --------------------------------------------------------
@@ -185,8 +180,8 @@ class Trainer:
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see eaglet/draft/parallelize.py).
-        self.par = parallelize(model, teacher_for(head, self.tc), strategy, self.device,
-                               frozen_dtype=head.lm_head.dtype, env=self.env,
+        teacher = TeacherHead.from_head(head, self.tc.teacher_chunk, self.tc.mask_out_of_vocab)
+        self.par = parallelize(model, teacher, strategy, self.device, frozen_dtype=head.lm_head.dtype, env=self.env,
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
