@@ -161,15 +161,10 @@ def _load(work: Path, which: str):
     if which == "regen":
         return load_final(work / "regen" / "train" / FINAL_DIR)
     if which in ("speculators", "speculators-native"):  # speculators' checkpoint (vLLM format), eaglet's draft
-        from eaglet.draft.model import Eagle3Draft
-        from eaglet.formats.serving import load_draft
+        from eaglet.formats.serving import load_draft_model
 
-        dcfg, state, meta = load_draft(work / which / "draft")
-        if "embed_tokens.weight" in meta["missing"]:  # the target's embedding, from the store's head file
-            store = StoreReader(work / "original" / "extract", verify=False)
-            state["embed_tokens.weight"] = store.target_head(torch.device("cpu")).embed
-        draft = Eagle3Draft(dcfg)
-        draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+        store = StoreReader(work / "original" / "extract", verify=False)  # the target's embedding, from its head file
+        draft, meta = load_draft_model(work / which / "draft", store.target_head(torch.device("cpu")).embed)
         return draft, meta["aux_layer_ids"]
     raise ValueError(which)
 

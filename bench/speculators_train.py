@@ -466,26 +466,13 @@ def probe_forward(cfg: Config, run_dir: str | Path, draft_dir: str | Path, probe
 
 # ---- evaluation -----------------------------------------------------------------------------------
 
-def load_saved_draft(draft_dir: str | Path, store: Any) -> tuple[Any, dict[str, Any]]:
-    """(eaglet's Eagle3Draft, load_draft's meta) of the checkpoint in `draft_dir` (any format
-    load_draft reads), the target's embedding from `store`'s head file when the file lacks it."""
-    from eaglet.formats.serving import load_draft
-    from eaglet.draft.model import Eagle3Draft
-
-    dcfg, state, meta = load_draft(draft_dir)
-    draft = Eagle3Draft(dcfg)
-    if "embed_tokens.weight" in meta["missing"]:
-        state["embed_tokens.weight"] = store.target_head(torch.device("cpu")).embed
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    return draft, meta
-
-
 def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path, states: Any = None) -> dict[str, Any]:
     """eaglet's evaluate_draft of the draft in `draft_dir` (any format load_draft reads) on the
     run's held-out prompts, with cfg.eval's settings (chain or tree, temperature, ...)."""
     from eaglet.targets.chat import load_tokenizer
     from eaglet.stages.evaluate import evaluate_draft, heldout_prompts, resolve_eval_dtype
     from eaglet.formats.prepared import PreparedData
+    from eaglet.formats.serving import load_draft_model
     from eaglet.targets.load import load_target
 
     run_dir = Path(run_dir)
@@ -497,7 +484,7 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
         split = split_source({name: run_dir / name for name in STAGE_NAMES})
     else:
         store, split = states, states.sample_ids
-    draft, meta = load_saved_draft(draft_dir, store)
+    draft, meta = load_draft_model(draft_dir, store.target_head(torch.device("cpu")).embed)
     data = PreparedData(run_dir / "prepare")
     named = heldout_prompts(data, split, cfg.train.eval_fraction, cfg.run.seed, cfg.eval.num_prompts)
     if not named:

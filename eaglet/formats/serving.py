@@ -294,6 +294,20 @@ def load_draft(path: str | Path) -> tuple[DraftConfig, dict[str, Tensor], dict[s
     return cfg, state, meta
 
 
+def load_draft_model(path: str | Path, embed: Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """(the draft, `load_draft`'s meta) of an EAGLE-3 checkpoint in either format, its weights in
+    fp32; `embed` ([V, H], the target's embedding as the draft takes it: a store's
+    `target_head().embed`) fills in embed_tokens when the checkpoint has none."""
+    cfg, state, meta = load_draft(path)
+    if "embed_tokens.weight" in meta["missing"]:
+        if embed is None:
+            raise ValueError(f"{path}: the checkpoint has no embed_tokens.weight; pass the target's embedding")
+        state["embed_tokens.weight"] = embed
+    draft = Eagle3Draft(cfg)
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    return draft, meta
+
+
 def detect_format(config: dict[str, Any], weights: dict[str, Tensor] | None = None) -> str:
     if "speculators_model_type" in config:
         if config["speculators_model_type"] != "eagle3":
