@@ -7,7 +7,10 @@
     eaglet config [CONFIG] [--defaults]                 the resolved config, or every key with its doc
     eaglet demo                                         the whole pipeline on SmolLM2-135M-Instruct and ShareGPT
 
-Exit codes: 0 done, 1 the doctor found a FAIL, 2 a config error, 3 a preflight FAIL.
+Every error ends in one line, `eaglet: <what>, <where>; <how to fix>`, with the exit code
+eaglet/errors.py lists (0 done, 1 the doctor found a FAIL, 2 config, 3 preflight, 4 input,
+5 corrupt data, 6 resume refused, 70 a bug, 130 interrupted). `--debug` (or EAGLET_DEBUG=1)
+prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from .checks.doctor import run_doctor
-from .checks.findings import PreflightError
-from .config import ConfigError, RegenerateSection, describe_defaults, dump_config, load_config
+from .config import RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
 from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage
 from .shadow import shadow_findings
 from .stages.regenerate import run_regenerate
@@ -50,11 +56,12 @@ def _base_type(annotation: str) -> str:
 
 def _add_skip_preflight(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-preflight", action="store_true",
-                   help="Do not run the doctor's cheap checks before extract/train load weights.")
+                   help="Do not run the doctor's cheap checks of the stage's library APIs and inputs first.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models for Hugging Face targets.")
+    ap.add_argument("--debug", action="store_true", help="Print the traceback of an error (also EAGLET_DEBUG=1).")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="Run the stages in order, skipping those whose inputs have not changed.")
@@ -69,12 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--force", action="store_true", help="Rerun the stage even if its manifest is up to date.")
         if name in PREFLIGHT_STAGES:
             _add_skip_preflight(p)
+        if name == "train":
+            p.add_argument("--extend", action="store_true",
+                           help="Continue a finished or stopped run to a longer schedule (train.epochs or train.max_steps "
+                                "raised); see docs/stages.md.")
         if name == "export":
             p.add_argument("--format", dest="formats", action="append", choices=["vllm", "sglang"],
                            help="Format to write (repeatable); default: export.formats.")
 
     p = sub.add_parser("regenerate", help="Replace the assistant turns of prepare.data with the target's own responses.")
     _add_common(p)
+    _add_skip_preflight(p)
     for f in dataclasses.fields(RegenerateSection):  # the regenerate section's keys, each as a flag too
         kind = {"int": int, "float": float}.get(_base_type(f.type), str)
         p.add_argument("--" + f.name.replace("_", "-"), dest=f"regen_{f.name}", type=kind, default=None,
@@ -102,38 +114,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("EAGLET_DEBUG", "") not in ("", "0")
     try:
-        if args.command == "config":
-            if args.defaults:
-                print(describe_defaults())
-            else:
-                print(dump_config(load_config(args.config, args.overrides)), end="")
-            return 0
-        overrides = list(getattr(args, "overrides", []))
-        if getattr(args, "formats", None):
-            overrides.append(f"export.formats={list(args.formats)}")
-        if args.command == "regenerate":
-            flags = {k.removeprefix("regen_"): v for k, v in vars(args).items() if k.startswith("regen_") and v is not None}
-            overrides += [f"regenerate.{k}={json.dumps(v)}" for k, v in flags.items()]
-            run_regenerate(load_config(args.config, overrides))
-            return 0
-        if args.command == "demo":
-            run_demo(args.cache, args.run_dir, args.overrides)
-            return 0
-        cfg = load_config(args.config, overrides)
-        preflight = not getattr(args, "skip_preflight", False)
-        if args.command == "doctor":
-            return run_doctor(cfg, more=shadow_findings if args.shadow else None)
-        if args.command == "run":
-            run_all(cfg, upto=args.until, force=args.force, preflight=preflight)
+        return _command(args)
+    except EagletError as e:
+        code, line = e.exit_code, e.line()
+    except KeyboardInterrupt:
+        code, line = EXIT_INTERRUPTED, "interrupted; finished work is kept: rerun the same command to resume"
+    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback with --debug
+        code = EXIT_INTERNAL
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        line = (f"unexpected {type(e).__name__}: {one_line(str(e))[:500]}, at {Path(where.filename).name}:{where.lineno}; "
+                "rerun with --debug for the traceback, and report it if it is eaglet's")
+    if debug:
+        traceback.print_exc()
+    print(f"eaglet: {line}", file=sys.stderr)
+    return code
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        if args.defaults:
+            print(describe_defaults())
         else:
-            run_stage(cfg, args.command, force=args.force, preflight=preflight)
-    except ConfigError as e:
-        print(f"eaglet: config error: {e}", file=sys.stderr)
-        return 2
-    except PreflightError as e:
-        print(f"eaglet: {e}", file=sys.stderr)
-        return 3
+            print(dump_config(load_config(args.config, args.overrides)), end="")
+        return 0
+    overrides = list(getattr(args, "overrides", []))
+    if getattr(args, "formats", None):
+        overrides.append(f"export.formats={list(args.formats)}")
+    if args.command == "regenerate":
+        flags = {k.removeprefix("regen_"): v for k, v in vars(args).items() if k.startswith("regen_") and v is not None}
+        overrides += [f"regenerate.{k}={json.dumps(v)}" for k, v in flags.items()]
+        run_regenerate(load_config(args.config, overrides), preflight=not args.skip_preflight)
+        return 0
+    if args.command == "demo":
+        run_demo(args.cache, args.run_dir, args.overrides)
+        return 0
+    cfg = load_config(args.config, overrides)
+    preflight = not getattr(args, "skip_preflight", False)
+    if args.command == "doctor":
+        return run_doctor(cfg, more=shadow_findings if args.shadow else None)
+    if args.command == "run":
+        run_all(cfg, upto=args.until, force=args.force, preflight=preflight)
+    else:
+        run_stage(cfg, args.command, force=args.force, preflight=preflight, extend=getattr(args, "extend", False))
     return 0
 
 

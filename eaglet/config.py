@@ -18,9 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config key or value is invalid. The message names the key."""
+from .errors import ConfigError
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:

@@ -64,7 +64,9 @@ STAGES: list[Stage] = [
     Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval"),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
-PREFLIGHT_STAGES = ("extract", "train")  # stages that load large things: the doctor's cheap checks run first
+# Stages that load a model or render templates: the doctor's cheap checks of their own
+# contracts run first (eaglet/checks/doctor.py `preflight`).
+PREFLIGHT_STAGES = ("prepare", "extract", "train", "eval")
 
 
 def library_versions() -> dict[str, str]:
@@ -118,7 +120,7 @@ def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]
 
 
 def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
-              preflight: bool = True) -> dict[str, Any]:
+              preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
     doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/checks/doctor.py)."""
     init_distributed(cfg.run.dist_timeout_minutes)
@@ -134,11 +136,11 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
             )
         upstream[stage.name] = run_dir / stage.name
     stage, h, inputs = plan[-1]
-    return _execute(cfg, stage, h, inputs, upstream, force, preflight)
+    return _execute(cfg, stage, h, inputs, upstream, force, preflight, extend)
 
 
 def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool,
-             preflight: bool = True) -> dict[str, Any]:
+             preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     env = dist_env()
     out_dir = cfg.run_dir / stage.name
     old = read_manifest(out_dir)
@@ -154,7 +156,7 @@ def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream
         (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
 
     run_on_main(start)
-    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream)
+    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream, force=force, extend=extend)
     log(f"[{stage.name}] running -> {out_dir}" + (f" on {env.world_size} ranks" if env.active and stage.distributed
                                                  else " on rank 0" if env.active else ""))
     t0 = time.time()

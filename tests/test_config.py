@@ -87,7 +87,7 @@ def test_regenerate_flags_set_the_regenerate_section(tmp_path, monkeypatch):
     from eaglet.stages import regenerate
 
     seen = []
-    monkeypatch.setattr(cli, "run_regenerate", lambda cfg: seen.append(cfg.regenerate))
+    monkeypatch.setattr(cli, "run_regenerate", lambda cfg, **kw: seen.append(cfg.regenerate))
     path = tmp_path / "run.yaml"
     path.write_text("regenerate:\n  out: from-config.jsonl\n  max_new_tokens: 64\n  engine: continuous\n")
     assert cli.main(["regenerate", str(path)]) == 0

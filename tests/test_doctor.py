@@ -20,7 +20,7 @@ from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import load_config
 from eaglet.checks.doctor import diagnose, run_doctor
-from eaglet.checks.findings import PreflightError
+from eaglet.errors import PreflightError
 from eaglet.shadow import shadow_findings
 
 

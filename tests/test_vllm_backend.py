@@ -596,7 +596,7 @@ def test_vllm_cpu_build_is_refused_before_loading(target):
     loads anything) stops on the 'vLLM device' line, not the engine after the model has loaded,
     in the connector's CUDA copy (where vllm-cpu 0.32's engine failed when run here)."""
     from eaglet.checks.doctor import preflight
-    from eaglet.checks.findings import PreflightError
+    from eaglet.errors import PreflightError
 
     findings = diagnose(_cfg(target), "extract").findings
     (bad,) = [f for f in findings if f.status == "FAIL"]

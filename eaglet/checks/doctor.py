@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
+from ..errors import PreflightError
 from ..formats.datasets import check_data_file, iter_records
 from ..formats.store import TARGET_CONFIG, read_target_config
 from ..targets.chat import (
@@ -39,7 +40,7 @@ from ..targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, su
 from ..targets.load import TargetParts, build_meta_model, hub_kwargs
 from ..utils import log
 from .contracts import CONTRACTS, check_contracts, describe
-from .findings import Finding, PreflightError, Probe, Report
+from .findings import Finding, Probe, Report
 from .selfcheck import REF_MAX_TOKENS
 from .vllm import check_vllm
 

@@ -12,13 +12,8 @@ from typing import Any, Callable
 
 from ..config import Config
 
-
 # (status, check, expected, found, fix): one finding of a further check, printed as it comes
 Report = Callable[[str, str, str, str, str], None]
-
-
-class PreflightError(RuntimeError):
-    """A preflight check failed; the message holds the FAIL lines."""
 
 
 @dataclass

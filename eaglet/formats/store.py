@@ -55,6 +55,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+from ..errors import CorruptDataError
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
 
 FORMAT = "eaglet-store-v1"
@@ -67,7 +68,7 @@ TARGET_CONFIG = "target_config.json"
 POST_NORM, PRE_NORM = "post_norm", "pre_norm"  # store.json final_state: the teacher state after / before the final norm
 
 
-class CorruptShardError(RuntimeError):
+class CorruptShardError(CorruptDataError):
     """A shard does not match its sidecar (checksum, size or contents). The message names the file."""
 
 

@@ -15,3 +15,9 @@ class StageContext:
     run_dir: Path
     input_hash: str
     upstream: dict[str, Path] = field(default_factory=dict)  # earlier stages' folders by name
+    # `--force`: redo the stage. train starts fresh (the old run is kept aside); extract
+    # verifies every shard of the store and re-extracts the samples of bad or missing ones.
+    force: bool = False
+    # `eaglet train --extend`: continue a run to a longer schedule (train.epochs or
+    # train.max_steps raised), see the train stage.
+    extend: bool = False

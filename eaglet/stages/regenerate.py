@@ -47,13 +47,14 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ..targets.chat import load_tokenizer, resolve_chat_template
+from ..checks.doctor import preflight as run_preflight
 from ..config import Config, ConfigError
-from ..formats.datasets import RecordError, check_data_file, iter_records, normalize_record
-from .evaluate import eos_ids
 from ..engines.specdec import cache_kwarg
+from ..formats.datasets import RecordError, check_data_file, iter_records, normalize_record
+from ..targets.chat import load_tokenizer, resolve_chat_template
 from ..targets.load import load_target
 from ..utils import log
+from .evaluate import eos_ids
 
 
 def shard_path(out: str | Path, rank: int, world: int) -> Path:
@@ -291,13 +292,16 @@ def source_records(cfg: Config) -> Iterator[tuple[str, int, Any]]:
             yield str(path), row, item
 
 
-def run_regenerate(cfg: Config, out: str | Path | None = None, **settings: Any) -> dict[str, Any]:
+def run_regenerate(cfg: Config, out: str | Path | None = None, preflight: bool = True, **settings: Any) -> dict[str, Any]:
     """`eaglet regenerate`: the run config's `regenerate` section (config.RegenerateSection says
     what each key does), with `out` and `settings` (any of its keys; the command's flags) in
-    place of the section's own values."""
+    place of the section's own values. `preflight`: the doctor's checks of the regenerate
+    contracts first, before the target loads."""
     rc = dataclasses.replace(cfg.regenerate, **settings, **({"out": str(out)} if out is not None else {}))
     if not rc.out:
         raise ConfigError("regenerate.out: no output file given (set regenerate.out, or --out)")
+    if preflight:
+        run_preflight(cfg, "regenerate")
     batch_size, max_new_tokens, temperature, engine = rc.batch_size, rc.max_new_tokens, rc.temperature, rc.engine
     generate_batch, max_turns, kv_cache, shard = rc.generate_batch, rc.max_turns, rc.kv_cache, rc.shard
     rank, world = resolve_shard(shard)
