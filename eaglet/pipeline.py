@@ -2,8 +2,10 @@
 
 Each stage writes into `<run.dir>/<stage>/` and, when it finishes, a `manifest.json` there:
 the resolved config, the hash of the stage's inputs, library versions, timings and stats.
-A stage's inputs are its own config sections, the fingerprints of files it reads, and the
-input hash of the stage before it, so a change anywhere reruns that stage and all after it.
+A stage's inputs are its own config sections, the fingerprints of files it reads, what it
+reads of the target (prepare its tokenizer files, extract its config and weights:
+eaglet/targets/identity.py), and the input hash of the stage before it, so a change anywhere
+reruns that stage and all after it.
 `eaglet run` skips a stage whose manifest is complete with the same input hash.
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
@@ -24,9 +26,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checks.doctor import preflight as run_preflight
-from .config import Config
+from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
+from .errors import InputError
 from .stages.context import StageContext
+from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
 
 MANIFEST = "manifest.json"
@@ -37,29 +41,46 @@ class Stage:
     name: str
     sections: tuple[str, ...]  # config sections that are this stage's inputs
     entry: str  # "module:function", imported only when the stage runs
-    input_files: Callable[[Config], list[str]] = lambda cfg: []
+    input_files: Callable[[Config], list[tuple[str, str]]] = lambda cfg: []  # (config key, file)
     distributed: bool = False  # under torchrun every rank runs it (else rank 0 alone)
+    target: Callable[[TargetSection, Path], dict[str, Any]] | None = None  # what it reads of the target
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
         return getattr(importlib.import_module(mod), fn)
 
 
-def _target_files(cfg: Config) -> list[str]:
-    files = []
+def _prepare_files(cfg: Config) -> list[tuple[str, str]]:
+    files = [("prepare.data", p) for p in cfg.prepare.data]
     if cfg.target.chat_template:
-        files.append(cfg.target.chat_template)
+        files.append(("target.chat_template", cfg.target.chat_template))
     return files
+
+
+def _init_files(cfg: Config) -> list[tuple[str, str]]:
+    """train.init_from: a draft file, or every file of a draft folder."""
+    src = Path(cfg.train.init_from) if cfg.train.init_from else None
+    if src is None or not src.exists():
+        return []
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    return [("train.init_from", str(p)) for p in files]
+
+
+def _fingerprint(key: str, path: str, cache: Path) -> str:
+    p = Path(path)
+    if not p.is_file():
+        what = "is a folder, not a file" if p.is_dir() else "file not found"
+        raise InputError(f"{key}: {what}: {p}", fix="correct the path in the config (or --set " + key + "=...)")
+    return file_fingerprint(p, cache)
 
 
 STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
-          lambda cfg: list(cfg.prepare.data) + _target_files(cfg)),
-    Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True),
+          _prepare_files, target=tokenizer_identity),
+    Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True,
+          target=model_identity),
     Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab"),
-    Stage("train", ("train",), "eaglet.stages.train:run_train",
-          lambda cfg: [cfg.train.init_from] if cfg.train.init_from and Path(cfg.train.init_from).is_file() else [],
-          distributed=True),
+    Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True),
     Stage("export", ("export", "target"), "eaglet.stages.export:run_export"),
     Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval"),
 ]
@@ -88,13 +109,16 @@ def _hash_json(obj: Any) -> str:
 def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[str, Any]:
     """Everything the stage's output depends on, as a JSON-able dict."""
     cache = cfg.run_dir / ".fingerprints.json"
-    return {
+    inputs = {
         "stage": stage.name,
         "config": {s: cfg.section(s) for s in stage.sections},
-        "files": {p: file_fingerprint(p, cache) for p in stage.input_files(cfg)},
+        "files": {p: _fingerprint(key, p, cache) for key, p in stage.input_files(cfg)},
         "previous": previous_hash,
         "seed": cfg.run.seed,
     }
+    if stage.target is not None:
+        inputs["target"] = stage.target(cfg.target, cache)
+    return inputs
 
 
 def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
@@ -130,10 +154,9 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
     for stage, h, inputs in plan[:-1]:
         m = read_manifest(run_dir / stage.name)
         if check_upstream and (m is None or m.get("input_hash") != h):
-            raise RuntimeError(
-                f"stage '{name}' needs stage '{stage.name}' up to date in {run_dir / stage.name}; "
-                f"run `eaglet {stage.name}` (or `eaglet run`) first"
-            )
+            why = "has not run" if m is None else "is out of date (its inputs changed since it ran)"
+            raise InputError(f"stage {name} needs stage {stage.name}, which {why} in {run_dir / stage.name}",
+                             fix=f"run `eaglet {stage.name} CONFIG` first, or `eaglet run CONFIG` for every stage")
         upstream[stage.name] = run_dir / stage.name
     stage, h, inputs = plan[-1]
     return _execute(cfg, stage, h, inputs, upstream, force, preflight, extend)

@@ -6,6 +6,7 @@ import pytest
 
 from eaglet import pipeline
 from eaglet.config import load_config
+from eaglet.errors import InputError
 
 CALLS: list[str] = []
 
@@ -25,7 +26,7 @@ def stages(monkeypatch, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("{}\n")
     fake = [
-        pipeline.Stage("a", ("prepare",), "unused:a", lambda cfg: list(cfg.prepare.data)),
+        pipeline.Stage("a", ("prepare",), "unused:a", lambda cfg: [("prepare.data", p) for p in cfg.prepare.data]),
         pipeline.Stage("b", ("extract",), "unused:b"),
         pipeline.Stage("c", ("vocab",), "unused:c"),
     ]
@@ -75,8 +76,68 @@ def test_failed_stage_leaves_no_manifest_and_is_rerun(stages):
 
 def test_single_stage_needs_its_upstream(stages):
     tmp_path, data = stages
-    with pytest.raises(RuntimeError, match="needs stage 'a'"):
+    with pytest.raises(InputError, match="stage b needs stage a, which has not run in .*; run `eaglet a CONFIG` first"):
         pipeline.run_stage(_cfg(tmp_path, data), "b")
     pipeline.run_stage(_cfg(tmp_path, data), "a")
     pipeline.run_stage(_cfg(tmp_path, data), "b")
     assert CALLS == ["a", "b"]
+
+
+# ---- the target's identity in the input hashes ---------------------------------------------------
+
+def _hashes(cfg):
+    return {stage.name: h for stage, h, _ in pipeline._stage_plan(cfg, "eval")}
+
+
+def test_a_target_replaced_in_place_reruns_what_reads_it(tmp_path):
+    """Another model, tokenizer, chat template or fine-tuned weights in the same target folder
+    change the input hash of the stage that reads them (and so of every stage after it);
+    touching or copying files without changing them does not."""
+    import os
+    import shutil
+
+    from eaglet.testing.tiny import save_target
+
+    target = tmp_path / "target"
+    save_target(target, "llama", seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"prepare.data=[{data}]", f"target.path={target}"])
+    base = _hashes(cfg)
+    for f in target.iterdir():  # a copy keeps the contents: mtimes alone do not count
+        os.utime(f, (1, 1))
+    assert _hashes(cfg) == base
+
+    def changed(mutate):
+        shutil.rmtree(target)
+        save_target(target, "llama", seed=0)
+        assert _hashes(cfg) == base
+        mutate()
+        now = _hashes(cfg)
+        return [name for name in base if now[name] != base[name]]
+
+    after_prepare = ["prepare", "extract", "vocab", "train", "export", "eval"]
+    after_extract = after_prepare[1:]
+    # Llama -> Qwen3 in place: config, tokenizer and weights all change
+    assert changed(lambda: (shutil.rmtree(target), save_target(target, "qwen3", template="llama3", seed=0))) \
+        == after_prepare
+    # another chat template in tokenizer_config.json / chat_template.jinja
+    def template():
+        files = [f for f in target.iterdir() if f.name in ("chat_template.jinja", "tokenizer_config.json")]
+        assert files
+        for f in files:
+            f.write_text(f.read_text().replace("<|im_start|>", "<|im_begin|>"))
+    assert changed(template) == after_prepare
+    # fine-tuned weights: the same names, shapes and sizes, other values
+    def finetune():
+        from safetensors.torch import load_file, save_file
+
+        for f in target.glob("*.safetensors"):
+            w = load_file(str(f))
+            save_file({k: v + 1e-3 for k, v in w.items()}, str(f), metadata={"format": "pt"})
+    assert changed(finetune) == after_extract
+    # the model's config
+    def config():
+        c = target / "config.json"
+        c.write_text(c.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    assert changed(config) == after_extract
