@@ -18,15 +18,17 @@ import torch
 from safetensors import safe_open
 
 from ..config import TargetSection
+from ..errors import InputError
+from .identity import model_folder
 from .load import TargetParts, build_meta_model, hub_kwargs, norm_eps
 
 
 def checkpoint_folder(tcfg: TargetSection) -> Path:
-    if Path(tcfg.path).is_dir():
-        return Path(tcfg.path)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(tcfg.path, revision=tcfg.revision, local_files_only=True))
+    folder = model_folder(tcfg.path, tcfg.revision)
+    if folder is None:
+        raise InputError(f"target.path: folder not found: {tcfg.path}",
+                         fix="give a local model folder, or a hub id already in the local cache")
+    return folder
 
 
 def _checkpoint_keys(folder: Path) -> dict[str, Path]:
