@@ -117,19 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("EAGLET_DEBUG", "") not in ("", "0")
     try:
         return _command(args)
-    except EagletError as e:
-        code, line = e.exit_code, e.line()
-    except KeyboardInterrupt:
-        code, line = EXIT_INTERRUPTED, "interrupted; finished work is kept: rerun the same command to resume"
-    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback with --debug
-        code = EXIT_INTERNAL
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        line = (f"unexpected {type(e).__name__}: {one_line(str(e))[:500]}, at {Path(where.filename).name}:{where.lineno}; "
-                "rerun with --debug for the traceback, and report it if it is eaglet's")
-    if debug:
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - every error ends in one line; the traceback with --debug
+        if isinstance(e, SystemExit):
+            raise
+        code, line = _error_line(e)
+        if debug:
+            traceback.print_exception(e)
     print(f"eaglet: {line}", file=sys.stderr)
     return code
+
+
+def _error_line(e: BaseException) -> tuple[int, str]:
+    """(exit code, message) for an exception that reached the command."""
+    if isinstance(e, EagletError):
+        return e.exit_code, e.line()
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted; finished work is kept: rerun the same command to resume"
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f", at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return EXIT_INTERNAL, (f"unexpected {type(e).__name__}: {one_line(str(e))[:500]}{at}; rerun with --debug for "
+                           "the traceback, and report it if it is eaglet's")
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -1,0 +1,104 @@
+"""Every error a user can cause ends in one line `eaglet: ...` with its documented exit code
+(eaglet/errors.py), never a traceback: the CLI driven through each case."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from eaglet import cli
+from eaglet.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, CorruptDataError, InputError, ResumeError
+from eaglet.testing import tiny
+
+
+def _config(tmp_path, **sections):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "run")}, **sections}))
+    return str(path)
+
+
+def _run(capsys, *argv):
+    """(exit code, the last line on stderr, everything printed): fails on any traceback."""
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return rc, (lines[-1] if lines else ""), out + err
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny.save_target(tmp_path_factory.mktemp("target") / "t", family="llama", template="llama3")
+
+
+def _one_line(line, code, rc, *named):
+    assert rc == code, line
+    assert line.startswith("eaglet: "), line
+    for name in named:
+        assert name in line, (name, line)
+
+
+def test_exit_codes_are_the_documented_ones():
+    assert (ConfigError.exit_code, InputError.exit_code, CorruptDataError.exit_code, ResumeError.exit_code) == (2, 4, 5, 6)
+    doc = cli.__doc__ + sys.modules["eaglet.errors"].__doc__
+    for code in ("0", "1", "2", "3", "4", "5", "6", "70", "130"):
+        assert f" {code} " in doc.replace("\n", " ")
+
+
+def test_missing_data_file(tmp_path, capsys, target):
+    cfg = _config(tmp_path, target={"path": str(target)}, prepare={"data": [str(tmp_path / "nope.jsonl")]})
+    rc, line, _ = _run(capsys, "prepare", cfg)
+    _one_line(line, 4, rc, "prepare.data", "not found", "nope.jsonl")
+
+
+def test_a_folder_given_as_a_data_file(tmp_path, capsys, target):
+    (tmp_path / "data").mkdir()
+    cfg = _config(tmp_path, target={"path": str(target)}, prepare={"data": [str(tmp_path / "data")]})
+    rc, line, _ = _run(capsys, "run", cfg)
+    _one_line(line, 4, rc, "prepare.data", "folder", str(tmp_path / "data"))
+
+
+def test_config_errors_name_the_key(tmp_path, capsys):
+    cfg = _config(tmp_path, train={"ttt_stesp": 3})
+    rc, line, _ = _run(capsys, "train", cfg)
+    _one_line(line, 2, rc, "ttt_stesp", "ttt_steps")
+
+
+def test_export_before_train(tmp_path, capsys, target):
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(2))
+    cfg = _config(tmp_path, target={"path": str(target)}, prepare={"data": [str(data)]})
+    rc, line, _ = _run(capsys, "export", cfg)
+    _one_line(line, 4, rc, "stage export needs stage prepare", "has not run", "eaglet prepare CONFIG")
+
+
+def test_interrupt_and_unexpected_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    cfg = _config(tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_stage", interrupted)
+    rc, line, _ = _run(capsys, "vocab", cfg)
+    _one_line(line, EXIT_INTERRUPTED, rc, "interrupted", "rerun the same command to resume")
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(cli, "run_stage", bug)
+    rc, line, _ = _run(capsys, "vocab", cfg)
+    _one_line(line, EXIT_INTERNAL, rc, "unexpected ZeroDivisionError: division by zero", "--debug")
+    # --debug: the traceback too, and the same last line
+    assert cli.main(["--debug", "vocab", cfg]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1] == line
+
+
+def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
+    cfg = _config(tmp_path, target={"path": str(tmp_path / "no-such-model")},
+                  prepare={"data": [str(tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(2)))]})
+    p = subprocess.run([sys.executable, "-m", "eaglet.cli", "prepare", cfg, "--skip-preflight"],
+                       capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    _one_line(last, 4, p.returncode, "target.path", "not found", "no-such-model")
