@@ -31,6 +31,13 @@ sidecar written (atomically). A shard counts as done only when its sidecar exist
 process killed at any instant leaves done shards plus debris (tmp files, a shard without a
 sidecar) that the next `StoreWriter` deletes; their samples are extracted again.
 
+Checked before use: training checks every shard (size, sha256, header) before its first step
+(`open_verified`), spread over threads and torchrun ranks, so a flipped byte is named before
+any step, with the command that repairs it; the reader then does not hash a shard again. An
+extraction that finds a store (a rerun after a kill, or `--force` on a finished one) checks
+its finished shards the same way and deletes the bad ones (`resume_folder`); their samples,
+and those of shards index.json listed that are gone, are extracted again.
+
 Writing overlaps the forward: `StoreWriter.add` buffers samples and hands each full shard to
 background writer threads through a bounded queue (the forward loop waits when it is full).
 A shard is streamed from the samples' own tensors into the file and its checksum, in the
@@ -41,12 +48,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import re
 import struct
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +64,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
+from tqdm import tqdm
 
+from ..distributed import all_gather_object, barrier, dist_env, run_on_main
 from ..errors import CorruptDataError
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
 
@@ -68,8 +80,19 @@ TARGET_CONFIG = "target_config.json"
 POST_NORM, PRE_NORM = "post_norm", "pre_norm"  # store.json final_state: the teacher state after / before the final norm
 
 
+REPAIR = "repair it with `eaglet extract CONFIG --force`"
+PROGRESS_BYTES = 1 << 30  # a check of at least this much data shows a progress bar
+
+
 class CorruptShardError(CorruptDataError):
     """A shard does not match its sidecar (checksum, size or contents). The message names the file."""
+
+
+def verify_threads() -> int:
+    """Threads that check shards in one process: min(8, this rank's share of the host's CPUs).
+    Hashing and reads release the GIL, so threads overlap; past a few the disk is the limit."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // max(1, dist_env().local_world_size)))
 
 
 def shard_stem(rank: int, k: int) -> str:
@@ -210,20 +233,56 @@ class _Piece:
     loss_mask: torch.Tensor  # uint8 [T]
 
 
-def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> int:
-    """Make `folder` ready for writers of `meta`; returns the number of unfinished files removed.
+@dataclass
+class StoreCheck:
+    """What an extraction found in its store folder (`prepare_folder`, `resume_folder`)."""
+
+    removed: int = 0  # unfinished files deleted (what a killed run leaves)
+    intact: int = 0  # finished shards that passed the check
+    bad: list[dict[str, Any]] = field(default_factory=list)  # {file, error, samples}: deleted
+    missing: list[dict[str, Any]] = field(default_factory=list)  # {file, samples}: finished once, now gone
+
+    @property
+    def redo_samples(self) -> int:
+        """Samples of bad and missing shards: no longer stored, so extracted again."""
+        return sum(int(b["samples"]) for b in self.bad + self.missing)
+
+    def summary(self) -> str | None:
+        """One line for the log, or None for a folder without finished shards."""
+        total = self.intact + len(self.bad) + len(self.missing)
+        if not total:
+            return None
+        line = f"store verified: {self.intact} of {total} shards intact"
+        if self.bad or self.missing:
+            what = " and ".join(f"{n} {kind}" for n, kind in ((len(self.bad), "bad"), (len(self.missing), "missing"))
+                                if n)
+            line += (f"; re-extracting the {self.redo_samples} samples of {what} "
+                     f"shard{'s' if len(self.bad) + len(self.missing) > 1 else ''}")
+        return line
+
+
+def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> StoreCheck:
+    """Make `folder` ready for writers of `meta`; returns the unfinished files removed and the
+    shards that were finished once (listed in index.json, or a sidecar left without its
+    shard) and are gone: their samples are no longer stored.
 
     A store made for other inputs (store.json differs) is deleted; the index is removed (it
     is valid again only when this extraction completes); debris of any rank (temporary
     files, a shard without its sidecar, a sidecar without its shard) is removed. Under
-    torchrun rank 0 runs this alone, before any rank opens a writer.
+    torchrun rank 0 runs this alone, before any rank opens a writer. Checksums are not
+    read here (`resume_folder` checks them).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, **meta}
     old = _read_json(folder / STORE_META)
     files = [p for p in folder.iterdir() if _is_store_file(p.name)]
+    index = _read_json(folder / INDEX)
+    listed: dict[str, int] = {}  # shards known to have been finished -> their samples
+    if isinstance(index, dict) and index.get("meta") == meta:
+        listed = {str(sh["file"]): int(sh["samples"]) for sh in index.get("shards", []) if isinstance(sh, dict)}
     if old != meta and files:
+        listed = {}
         if isinstance(old, dict) and old.get("input_hash") != meta.get("input_hash"):
             why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
         elif isinstance(old, dict):
@@ -249,9 +308,99 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True)
             removed += 1
     for side in sorted(folder.glob("shard-r*.json")):
         if not side.with_suffix(".safetensors").is_file():
+            record = _read_json(side)  # written only after its shard: that shard was finished, then lost
+            if isinstance(record, dict) and isinstance(record.get("samples"), int):
+                listed.setdefault(side.with_suffix(".safetensors").name, record["samples"])
             side.unlink()
             removed += 1
-    return removed
+    finished = {p.name for p in folder.glob("shard-r*.safetensors") if p.with_suffix(".json").is_file()}
+    missing = [{"file": f, "samples": n} for f, n in sorted(listed.items()) if f not in finished]
+    return StoreCheck(removed=removed, missing=missing)
+
+
+def shard_problem(folder: str | Path, side: dict[str, Any], n_aux: int, hidden: int, checksum: bool = True
+                  ) -> str | None:
+    """Why the shard that sidecar `side` describes cannot be used, in a few words, or None when
+    it matches its sidecar: the file exists, has its size, its sha256 (`checksum`), and its
+    header, sample ids and offsets are the sidecar's."""
+    path = Path(folder) / side["file"]
+    if not path.is_file():
+        return "shard file missing"
+    size = path.stat().st_size
+    if size != side["bytes"]:
+        return f"{size} bytes, sidecar says {side['bytes']} (truncated or overwritten)"
+    if checksum and sha256_file(path) != side["sha256"]:
+        return "sha256 mismatch"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            sid = f.get_tensor("sample_id")
+            off = f.get_tensor("offsets")
+            aux_shape, final_shape = f.get_slice("aux").get_shape(), f.get_slice("final").get_shape()
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+        return f"not a readable safetensors file ({e})"
+    tokens = side["tokens"]
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(side["lengths"], dtype=np.int64))]).tolist()
+    if (sid.tolist() != side["sample_ids"] or off.tolist() != offsets
+            or aux_shape != [tokens, n_aux * hidden] or final_shape != [tokens, hidden]):
+        return "contents do not match its sidecar"
+    return None
+
+
+def check_shards(folder: str | Path, sides: list[dict[str, Any]], n_aux: int, hidden: int,
+                 threads: int | None = None, part: tuple[int, int] = (0, 1)) -> list[dict[str, Any]]:
+    """Check shards `sides[part[0]::part[1]]` (sidecars) with `shard_problem` on `threads`
+    threads (default `verify_threads()`); returns the bad ones as {file, error, samples}, in
+    the order of `sides`. A bar shows progress when the share is PROGRESS_BYTES or more."""
+    mine = list(sides[part[0]::part[1]])
+    total = sum(int(s["bytes"]) for s in mine)
+    errors: dict[str, str] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify store", dynamic_ncols=True,
+               disable=total < PROGRESS_BYTES or not dist_env().is_main)
+    with ThreadPoolExecutor(max_workers=max(1, threads or verify_threads()), thread_name_prefix="eaglet-verify") as pool:
+        futures = {pool.submit(shard_problem, folder, s, n_aux, hidden): s for s in mine}
+        for fut in as_completed(futures):
+            side = futures[fut]
+            problem = fut.result()
+            if problem is not None:
+                errors[side["file"]] = problem
+            bar.update(int(side["bytes"]))
+    bar.close()
+    return [{"file": s["file"], "error": errors[s["file"]], "samples": int(s["samples"])} for s in mine
+            if s["file"] in errors]
+
+
+def check_shards_all_ranks(folder: str | Path, sides: list[dict[str, Any]], n_aux: int, hidden: int,
+                           threads: int | None = None) -> list[dict[str, Any]]:
+    """`check_shards` over every rank (a collective under torchrun: rank r checks shards
+    r, r+W, ...); every rank gets all the bad shards."""
+    env = dist_env()
+    bad = all_gather_object(check_shards(folder, sides, n_aux, hidden, threads, (env.rank, env.world_size)))
+    order = {s["file"]: k for k, s in enumerate(sides)}
+    return sorted((b for part in bad for b in part), key=lambda b: order[b["file"]])
+
+
+def _delete_shards(folder: Path, bad: list[dict[str, Any]], missing: list[dict[str, Any]]) -> None:
+    for b in bad:
+        (folder / b["file"]).unlink(missing_ok=True)
+        (folder / b["file"]).with_suffix(".json").unlink(missing_ok=True)
+        log(f"[extract] {b['file']}: {b['error']}; deleted, its {b['samples']} samples are extracted again")
+    for m in missing:
+        log(f"[extract] {m['file']}: finished once, now missing; its {m['samples']} samples are extracted again")
+
+
+def resume_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
+                  threads: int | None = None) -> StoreCheck:
+    """Make `folder` ready for an extraction of `meta` that keeps what is intact: `prepare_folder`
+    (on rank 0), then every finished shard checked (`check_shards_all_ranks`) and the bad ones
+    deleted, shard and sidecar, so that their samples count as not done. A collective under
+    torchrun: every rank calls it, before any rank opens a writer; all get the same result."""
+    folder = Path(folder)
+    found = run_on_main(prepare_folder, folder, meta, fsync)
+    sides = list(finished_shards(folder).values())
+    bad = check_shards_all_ranks(folder, sides, int(meta["n_aux"]), int(meta["hidden_size"]), threads)
+    run_on_main(_delete_shards, folder, bad, found.missing)
+    barrier()  # the bad shards are gone before any rank reads what is done
+    return StoreCheck(removed=found.removed, intact=len(sides) - len(bad), bad=bad, missing=found.missing)
 
 
 def _valid_sidecar(shard: Path) -> dict[str, Any] | None:
@@ -326,7 +475,7 @@ class StoreWriter:
         self.rank = rank
         removed = 0
         if prepare:
-            removed = prepare_folder(self.folder, meta, fsync)
+            removed = prepare_folder(self.folder, meta, fsync).removed
         elif _read_json(self.folder / STORE_META) != self.meta:
             raise RuntimeError(f"{self.folder / STORE_META} does not describe rank {rank}'s states: ranks disagree "
                                "on the inputs, or prepare_folder did not run first")
@@ -490,7 +639,8 @@ class StoreReader:
     """Random access to a finished store by sample id; shards are memory-mapped.
 
     Each shard's size and sha256 are checked against its sidecar the first time it is opened
-    (`verify=False` skips the checksum, e.g. in data-loader workers after one `verify_all`).
+    (`verify=False` skips the checksum), unless `verify_all` or `verify` checked it already:
+    training opens the store with `open_verified`, which checks every shard up front.
     """
 
     def __init__(self, folder: str | Path, verify: bool = True):
@@ -503,13 +653,14 @@ class StoreReader:
         self.layers: list[int] = list(self.meta["layers"])
         self.hidden_size = int(self.meta["hidden_size"])
         self.dtype = DTYPES[self.meta["dtype"]]
-        self.verify = verify
+        self.hash_on_open = verify
         self.shards: list[dict[str, Any]] = []
         ids, shard_of, row, lengths = [], [], [], []
         for k, sh in enumerate(index["shards"]):
             side = _read_json(self.folder / sh["file"].replace(".safetensors", ".json"))
             if not isinstance(side, dict) or side.get("sha256") != sh["sha256"]:
-                raise CorruptShardError(f"{sh['file']}: sidecar missing or not matching {INDEX} in {self.folder}")
+                raise CorruptShardError(f"store {self.folder}: {sh['file']}: sidecar missing or not matching {INDEX}",
+                                        fix=f"{REPAIR} (re-extracts its {sh['samples']} samples)")
             self.shards.append(side)
             n = len(side["sample_ids"])
             ids.append(np.asarray(side["sample_ids"], dtype=np.int64))
@@ -525,9 +676,11 @@ class StoreReader:
         self._row = cat(row, np.int64)[order]
         if len(self.sample_ids) > 1 and (np.diff(self.sample_ids) == 0).any():
             dup = self.sample_ids[1:][np.diff(self.sample_ids) == 0]
-            raise CorruptShardError(f"store {self.folder}: sample ids stored twice: {dup[:5].tolist()}")
+            raise CorruptShardError(f"store {self.folder}: sample ids stored twice: {dup[:5].tolist()}",
+                                    fix="extract it again with `eaglet extract CONFIG` after deleting the folder")
         self._offsets = [np.concatenate([[0], np.cumsum(np.asarray(s["lengths"], dtype=np.int64))]) for s in self.shards]
         self._handles: dict[int, Any] = {}
+        self._verified: set[int] = set()  # shards whose checksum a verify_all or verify checked
 
     def __len__(self) -> int:
         return int(self.sample_ids.shape[0])
@@ -556,46 +709,25 @@ class StoreReader:
 
     def _open(self, k: int) -> Any:
         if k not in self._handles:
-            self._check(k, checksum=self.verify)
+            self._check(k, checksum=self.hash_on_open and k not in self._verified)
             self._handles[k] = safe_open(str(self.folder / self.shards[k]["file"]), framework="pt")
         return self._handles[k]
 
     def _check(self, k: int, checksum: bool = True) -> None:
         """Raise CorruptShardError unless shard k matches its sidecar."""
-        side = self.shards[k]
-        name = side["file"]
-        path = self.folder / name
-        if not path.is_file():
-            raise CorruptShardError(f"{name}: shard file missing from {self.folder}")
-        size = path.stat().st_size
-        if size != side["bytes"]:
-            raise CorruptShardError(f"{name}: {size} bytes, sidecar says {side['bytes']} (truncated or overwritten)")
-        if checksum:
-            digest = sha256_file(path)
-            if digest != side["sha256"]:
-                raise CorruptShardError(f"{name}: sha256 {digest[:16]}... does not match sidecar {side['sha256'][:16]}...")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                sid = f.get_tensor("sample_id")
-                off = f.get_tensor("offsets")
-                aux_shape, final_shape = f.get_slice("aux").get_shape(), f.get_slice("final").get_shape()
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
-            raise CorruptShardError(f"{name}: not a readable safetensors file ({e})") from e
-        tokens = side["tokens"]
-        if (sid.tolist() != side["sample_ids"] or off.tolist() != self._offsets[k].tolist()
-                or aux_shape != [tokens, self.n_aux * self.hidden_size] or final_shape != [tokens, self.hidden_size]):
-            raise CorruptShardError(f"{name}: contents do not match its sidecar")
+        problem = shard_problem(self.folder, self.shards[k], self.n_aux, self.hidden_size, checksum)
+        if problem is not None:
+            raise CorruptShardError(f"store {self.folder}: {self.shards[k]['file']}: {problem}",
+                                    fix=f"{REPAIR} (re-extracts its {self.shards[k]['samples']} samples)")
 
-    def verify_all(self, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
-        """Check every shard (size, sha256, header); returns {shards, ok, bad: [{file, error}], samples, tokens}.
-        `part` (i, n): only shards i, i+n, ... (n ranks share the work)."""
-        bad = []
+    def verify_all(self, part: tuple[int, int] = (0, 1), threads: int | None = None) -> dict[str, Any]:
+        """Check every shard (size, sha256, header) on `threads` threads; returns {shards, ok,
+        bad: [{file, error, samples}], samples, tokens}. `part` (i, n): only shards i, i+n, ...
+        (n ranks share the work). The shards that pass are not hashed again when opened."""
+        bad = check_shards(self.folder, self.shards, self.n_aux, self.hidden_size, threads, part)
+        failed = {b["file"] for b in bad}
         ks = range(part[0], len(self.shards), part[1])
-        for k in ks:
-            try:
-                self._check(k, checksum=True)
-            except CorruptShardError as e:
-                bad.append({"file": self.shards[k]["file"], "error": str(e)})
+        self._verified.update(k for k in ks if self.shards[k]["file"] not in failed)
         return {
             "shards": len(ks),
             "ok": len(ks) - len(bad),
@@ -603,3 +735,32 @@ class StoreReader:
             "samples": len(self),
             "tokens": int(self.lengths.sum()),
         }
+
+    def verify(self, threads: int | None = None) -> StoreReader:
+        """Check every shard before the store is used, or raise one CorruptShardError naming the
+        bad shards and the command that repairs them. A collective under torchrun: the ranks
+        share the shards (`check_shards_all_ranks`), each on `threads` threads."""
+        t0 = time.perf_counter()
+        size = sum(int(s["bytes"]) for s in self.shards)
+        env = dist_env()
+        bad = check_shards_all_ranks(self.folder, self.shards, self.n_aux, self.hidden_size, threads)
+        if bad:
+            shown = ", ".join(f"{b['file']}: {b['error']}" for b in bad[:3])
+            if len(bad) > 3:
+                shown += f", and {len(bad) - 3} more"
+            samples = sum(b["samples"] for b in bad)
+            raise CorruptShardError(f"store {self.folder}: {len(bad)} of {len(self.shards)} shards corrupt ({shown})",
+                                    fix=f"{REPAIR} (re-extracts {'its' if len(bad) == 1 else 'their'} {samples} "
+                                        "samples)")
+        self._verified = set(range(len(self.shards)))
+        log(f"[store] {self.folder}: {len(self.shards)} shards ({size / 2**30:.2f} GiB) verified in "
+            f"{time.perf_counter() - t0:.1f} s ({threads or verify_threads()} threads"
+            + (f" on each of {env.world_size} ranks)" if env.active else ")"))
+        return self
+
+
+def open_verified(folder: str | Path, threads: int | None = None) -> StoreReader:
+    """A finished store with every shard checked before it is used (`StoreReader.verify`): a
+    10-TB store is read once, by many threads (and ranks), and not hashed again on first read.
+    A collective under torchrun."""
+    return StoreReader(folder).verify(threads)

@@ -13,6 +13,11 @@ How, and why this way (the tiny test targets stand in for 8B..1T targets on many
   the store one step later, while the next forward runs. The store writes shards on a
   background thread, so disk writes overlap the forward too.
 - Killing the process at any instant is safe: the store resumes from its finished shards.
+  A rerun (or `--force` on a finished store) first checks every finished shard and deletes
+  the bad ones (formats.store.resume_folder). The batch plan is always the one over every
+  wanted sample; a resumed run recomputes each batch of it that holds a sample not stored and
+  stores only those samples, so every sample goes through the batch an uninterrupted run
+  gives it and the store is bit for bit that run's.
 
 With `extract.backend: vllm` the target runs in vLLM instead (eaglet/stages/extract_vllm.py) and
 the same store is written, with the final state before the final norm (`final_state: pre_norm`).
@@ -35,10 +40,10 @@ from tqdm import tqdm
 
 from ..checks.selfcheck import pick_samples, run_selfcheck
 from ..config import Config
-from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed, run_on_main
+from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed
 from ..engines.hf import capture, nonfinite_rows, pad_batch, to_host
 from ..formats.prepared import PreparedData
-from ..formats.store import (POST_NORM, StoreReader, StoreWriter, finished_shards, prepare_folder, store_meta,
+from ..formats.store import (POST_NORM, StoreReader, StoreWriter, finished_shards, resume_folder, store_meta,
                              write_index, write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.load import TargetParts, load_target, norm_eps
@@ -126,10 +131,15 @@ def head_meta(parts: TargetParts) -> dict[str, Any]:
 def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     """Stage entry point: extract states for every prepared sample not yet in the store.
 
+    An existing store is checked first: bad shards are deleted, and their samples (and those
+    of shards gone missing) are extracted again (`ctx.force` on a finished store comes here
+    too: the pipeline skips a finished store only without it).
+
     Under torchrun, data parallel (the default): every rank loads the whole target, the
-    batch plan over the samples still to do is made identically on every rank, and rank r
-    runs batches r, r+W, r+2W, ...: each sample goes through the same batch as in a
-    one-rank run, so the stored states are the same. Each rank writes its own shards
+    batch plan over every wanted sample is made identically on every rank, and rank r runs
+    batches r, r+W, r+2W, ... of those that hold a sample still to do: each sample goes
+    through the same batch as in a one-rank or an uninterrupted run, so the stored states
+    are the same, bit for bit. Each rank writes its own shards
     (shard-r{rank}-*); after all finish, rank 0 writes one index over all of them. A rerun
     resumes from every finished shard, whatever world size wrote it. With `extract.tp_plan`
     the ranks form one tensor-parallel group instead: all run every batch, rank 0 writes.
@@ -155,7 +165,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         f"layers {layers}; store {ecfg.store_dtype}" + (f"; {how}" if how else ""))
     meta = store_meta(ctx.input_hash, parts.hidden_size, layers, ecfg.store_dtype, POST_NORM, parts.num_layers,
                       info["class"], norm_eps(parts.norm), ecfg.mode, **head_meta(parts))
-    removed = run_on_main(prepare_folder, ctx.out_dir, meta, ecfg.fsync)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)  # every rank: the shards' check is shared
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
     writer: StoreWriter | _Discard = _Discard()
     if writes:
@@ -164,17 +174,21 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                              threads=ecfg.writer_threads, prepare=False)
     done = broadcast_object(writer.done_ids() if env.is_main else None)
     barrier()  # every rank has read the finished shards before any rank writes a new one
-    if env.is_main and removed:
-        log(f"[extract] removed {removed} unfinished files of an interrupted run")
+    if env.is_main and found.removed:
+        log(f"[extract] removed {found.removed} unfinished files of an interrupted run")
+    if found.summary():
+        log(f"[extract] {found.summary()}")
     save_target_head(parts, model, ctx.out_dir, write=env.is_main)
     try:
-        todo = [i for i in range(len(data)) if int(data.sample_ids[i]) not in done]
+        wanted = list(range(len(data)))
         if ecfg.mode == "online":  # only what the self-check compares; training computes the rest
             picked = set(pick_samples(data.sample_ids[data.lengths > 0], ecfg.selfcheck_samples, cfg.run.seed))
-            todo = [i for i in todo if int(data.sample_ids[i]) in picked]
+            wanted = [i for i in wanted if int(data.sample_ids[i]) in picked]
+        new_tokens = sum(int(data.lengths[i]) for i in wanted if int(data.sample_ids[i]) not in done)
         waits: dict[str, float] = {}
-        new_tokens = extract_samples(data, todo, parts, layers, dtype, writer, ecfg.batch_tokens, ecfg.max_batch_size,
-                                   data_rank, data_world, show=env.is_main, waits=waits)
+        forward_tokens = extract_samples(data, wanted, parts, layers, dtype, writer, ecfg.batch_tokens,
+                                         ecfg.max_batch_size, data_rank, data_world, show=env.is_main, waits=waits,
+                                         done=done)
         t_close = time.perf_counter()
         records = writer.close(index=False) if isinstance(writer, StoreWriter) else {}
         waits["close_s"] = time.perf_counter() - t_close
@@ -188,7 +202,8 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
             writer.abort()
         raise
     set_aside = [s for part in all_gather_object(writer.set_aside_samples) for s in part]
-    new_tokens = int(all_reduce_sum(torch.tensor([new_tokens], dtype=torch.int64))[0])
+    if not tensor_parallel:  # tensor-parallel ranks all forward the same batches
+        forward_tokens = int(all_reduce_sum(torch.tensor([forward_tokens], dtype=torch.int64))[0])
     barrier()  # every rank's shards are on disk
     index = broadcast_object(write_index(ctx.out_dir, meta, finished_shards(ctx.out_dir) if env.active else records,
                                          set_aside, ecfg.fsync) if env.is_main else None)
@@ -204,12 +219,17 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "samples": index["num_samples"],
         "tokens": index["num_tokens"],
         "resumed_samples": len(done),
-        "new_tokens": new_tokens,
+        "new_tokens": new_tokens,  # of the samples stored by this run
+        "forward_tokens": forward_tokens,  # through the target: with the stored batch mates of resumed batches
+        "verified_shards": found.intact + len(found.bad),
+        "bad_shards": [b["file"] for b in found.bad],
+        "missing_shards": [m["file"] for m in found.missing],
+        "repaired_samples": found.redo_samples,
         "set_aside": index["set_aside_counts"],
         "shards": index["num_shards"],
         "bytes": index["bytes"],
         "seconds": round(seconds, 3),
-        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+        "tokens_per_s": round(forward_tokens / seconds, 1) if seconds > 0 else None,
         "layers": layers,
         "hidden_size": parts.hidden_size,
         "world_size": env.world_size,
@@ -219,11 +239,19 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     }
 
 
-def extract_samples(data: PreparedData, todo: list[int], parts: TargetParts, layers: list[int], dtype: torch.dtype,
-                  writer: StoreWriter | _Discard, batch_tokens: int, max_batch_size: int, rank: int = 0,
-                  world_size: int = 1, show: bool = True, waits: dict[str, float] | None = None) -> int:
-    """Forward this rank's share of `todo` (prepared-data positions): batches rank, rank +
-    world_size, ... of the plan over all of `todo`. Returns the tokens this rank processed.
+def extract_samples(data: PreparedData, wanted: list[int], parts: TargetParts, layers: list[int], dtype: torch.dtype,
+                    writer: StoreWriter | _Discard, batch_tokens: int, max_batch_size: int, rank: int = 0,
+                    world_size: int = 1, show: bool = True, waits: dict[str, float] | None = None,
+                    done: set[int] | frozenset[int] = frozenset()) -> int:
+    """Forward this rank's share of the batches over `wanted` (prepared-data positions) and
+    store the samples not in `done` (sample ids already stored). Returns the tokens this rank
+    forwarded.
+
+    The plan is `plan_batches` over all of `wanted` whatever is stored, the plan of an
+    uninterrupted run; the batches that hold a sample not in `done` are recomputed whole
+    (their stored rows are computed again and dropped), and this rank takes batches rank,
+    rank + world_size, ... of those. So a sample's batch, and its states bit for bit, are the
+    same in a one-rank, a W-rank, a resumed and a repaired run.
 
     `waits` (filled when given) says where the host thread that launches the forwards stood
     still, in seconds: 'pin_alloc_s' allocating pinned buffers, 'copy_wait_s' waiting for a
@@ -234,14 +262,16 @@ def extract_samples(data: PreparedData, todo: list[int], parts: TargetParts, lay
     for k in ("pin_alloc_s", "copy_wait_s", "writer_wait_s"):
         waits.setdefault(k, 0.0)
     t_loop = time.perf_counter()
-    lengths = [int(data.lengths[i]) for i in todo]
-    for i, n in zip(todo, lengths):
-        if n == 0 and rank == 0:
+    lengths = [int(data.lengths[i]) for i in wanted]
+    for i, n in zip(wanted, lengths):
+        if n == 0 and rank == 0 and int(data.sample_ids[i]) not in done:
             writer.set_aside(int(data.sample_ids[i]), "empty")
-    todo = [i for i, n in zip(todo, lengths) if n > 0]
+    todo = [i for i, n in zip(wanted, lengths) if n > 0]
     lengths = [n for n in lengths if n > 0]
-    batches = plan_batches(lengths, batch_tokens, max_batch_size)[rank::world_size]
-    todo_count = sum(len(b) for b in batches)
+    plan = plan_batches(lengths, batch_tokens, max_batch_size)
+    redo = [b for b in plan if any(int(data.sample_ids[todo[p]]) not in done for p in b)]
+    batches = redo[rank::world_size]
+    todo_count = sum(int(data.sample_ids[todo[p]]) not in done for b in batches for p in b)
     device = parts.input_device
     bar = tqdm(total=sum(lengths[p] for b in batches for p in b), unit="tok", unit_scale=True, desc="extract",
                dynamic_ncols=True, disable=not show)
@@ -255,6 +285,8 @@ def extract_samples(data: PreparedData, todo: list[int], parts: TargetParts, lay
         t1 = time.perf_counter()
         waits["copy_wait_s"] += t1 - t0
         for b, (i, n) in enumerate(zip(f.rows, f.lengths)):
+            if int(data.sample_ids[i]) in done:
+                continue  # stored by an earlier run; computed again only as a batch mate
             s = data[i]
             if bool(f.bad[b]):
                 writer.set_aside(s.sample_id, "nonfinite")

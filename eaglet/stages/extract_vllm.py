@@ -49,7 +49,7 @@ from ..config import Config
 from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
                             to_sample, vllm_layer_ids)
 from ..formats.prepared import PreparedData
-from ..formats.store import PRE_NORM, StoreWriter, prepare_folder, store_meta, write_index, write_target_head
+from ..formats.store import PRE_NORM, StoreWriter, resume_folder, store_meta, write_index, write_target_head
 from ..targets.families import resolve_layers
 from ..targets.head import CheckpointHead, read_checkpoint_head
 from ..utils import DTYPES, log
@@ -77,11 +77,13 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     dtype = DTYPES[ecfg.store_dtype]
     meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
                       ecfg.mode, backend="vllm", vllm_layer_ids=ids)
-    removed = prepare_folder(ctx.out_dir, meta, ecfg.fsync)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)  # bad shards deleted: their samples are redone
     writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
                          queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
-    if removed:
-        log(f"[extract] removed {removed} unfinished files of an interrupted run")
+    if found.removed:
+        log(f"[extract] removed {found.removed} unfinished files of an interrupted run")
+    if found.summary():
+        log(f"[extract] {found.summary()}")
     write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
                       head.text_config)
     storage = Path(ecfg.vllm_storage or ctx.out_dir / "vllm-states")
@@ -99,7 +101,13 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     max_len = int(max((lengths[i] for i in usable), default=1))
     picked = set(pick_samples(data.sample_ids[usable], ecfg.selfcheck_samples, cfg.run.seed))
     first = [i for i in usable if int(data.sample_ids[i]) in picked]
-    rest = [i for i in usable if int(data.sample_ids[i]) not in picked and int(data.sample_ids[i]) not in done]
+    # The rounds of an uninterrupted run; a resumed one sends each round that holds a sample
+    # not stored whole again (its stored rows are dropped), so vLLM schedules the same requests.
+    others = [i for i in usable if int(data.sample_ids[i]) not in picked]
+    step = max(1, ecfg.vllm_requests)
+    rounds = [r for r in (others[a:a + step] for a in range(0, len(others), step))
+              if any(int(data.sample_ids[i]) not in done for i in r)]
+    rest = [i for r in rounds for i in r]
     if not rest and all(int(data.sample_ids[i]) in done for i in first):
         first = []  # everything is stored: vLLM is not started (the check ran when these were extracted)
     log(f"[extract] vLLM backend: target {head.architecture} L={L} H={H}; vLLM layer ids {ids} (the last: the state "
@@ -114,8 +122,8 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
                    dynamic_ncols=True)
         if first:
             check = _selfcheck_round(engine, data, first, done, head, ids, dtype, writer, ecfg, stats, bar)
-        for a in range(0, len(rest), max(1, ecfg.vllm_requests)):
-            _round(engine, data, rest[a:a + ecfg.vllm_requests], ids, H, dtype, writer, stats, bar)
+        for rows in rounds:
+            _round(engine, data, rows, done, ids, H, dtype, writer, stats, bar)
         bar.close()
         records = writer.close(index=False)
     except BaseException:
@@ -128,7 +136,9 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     seconds = time.time() - t0
     return {
         "samples": index["num_samples"], "tokens": index["num_tokens"], "resumed_samples": len(done),
-        "new_tokens": stats["tokens"], "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
+        "new_tokens": stats["tokens"], "verified_shards": found.intact + len(found.bad),
+        "bad_shards": [b["file"] for b in found.bad], "missing_shards": [m["file"] for m in found.missing],
+        "repaired_samples": found.redo_samples, "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
         "bytes": index["bytes"], "seconds": round(seconds, 3),
         "tokens_per_s": round(stats["tokens"] / seconds, 1) if seconds > 0 else None, "layers": layers,
         "hidden_size": H, "world_size": 1, "parallel": "vllm", "backend": "vllm", "vllm_layer_ids": ids,
@@ -156,12 +166,15 @@ def _convert(engine: Any, data: PreparedData, i: int, res: Result, ids: list[int
     return aux, final
 
 
-def _round(engine: Any, data: PreparedData, rows: list[int], ids: list[int], H: int, dtype: torch.dtype,
-           writer: StoreWriter, stats: dict[str, int], bar: Any) -> None:
+def _round(engine: Any, data: PreparedData, rows: list[int], done: set[int], ids: list[int], H: int,
+           dtype: torch.dtype, writer: StoreWriter, stats: dict[str, int], bar: Any) -> None:
     results = engine.run([(int(data.sample_ids[i]), data[i].input_ids) for i in rows], None)
     mismatched = 0
     for i, res in zip(rows, results):
         got = _convert(engine, data, i, res, ids, H, dtype)
+        if res.sample_id in done:  # stored by an earlier run: sent again only with its round
+            bar.update(int(data.lengths[i]))
+            continue
         if isinstance(got, str):
             writer.set_aside(res.sample_id, got)
             stats["set_aside"] += 1

@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import Config
-from ..distributed import all_gather_object, barrier, dist_env, init_distributed, resolve_device
+from ..distributed import barrier, init_distributed, resolve_device
 from ..draft.attention import compile_flex_attention, resolve_attn_impl
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
@@ -52,7 +52,7 @@ from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, forward_los
 from ..formats.checkpoints import latest_checkpoint, read_state, read_weights, restore_rng, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.serving import load_draft
-from ..formats.store import CorruptShardError, StoreReader, TargetHead, read_target_config
+from ..formats.store import StoreReader, TargetHead, open_verified, read_target_config
 from ..formats.vocab import load_vocab
 from ..targets.families import text_config_from_dict
 from ..utils import log
@@ -352,18 +352,9 @@ class Trainer:
 # ---- the stage ------------------------------------------------------------------------------------
 
 def open_store(folder: Path) -> StoreReader:
-    """The store, its shards checked once: by the first read of each (one process), or up front
-    with the shards split over the ranks (torchrun: every rank reads samples of every shard, so
-    checking on first read would read the whole store once per rank)."""
-    env = dist_env()
-    if not env.active:
-        return StoreReader(folder)
-    store = StoreReader(folder, verify=False)
-    bad = [b for part in all_gather_object(store.verify_all((env.rank, env.world_size))["bad"]) for b in part]
-    if bad:
-        raise CorruptShardError(f"store {folder}: {len(bad)} bad shards: "
-                                + "; ".join(f"{b['file']}: {b['error']}" for b in bad[:5]))
-    return store
+    """The store, every shard checked before the first step, on threads and split over the ranks
+    (formats.store.open_verified): a bad shard is named, with its repair command, before any step."""
+    return open_verified(folder)
 
 
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
