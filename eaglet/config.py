@@ -2,14 +2,20 @@
 
 Every knob of every stage lives here, as a dataclass field with a default and a doc string
 (the ``doc`` metadata). A run is configured by a YAML file plus ``--set section.key=value``
-overrides; unknown keys and wrong types are errors that name the key and suggest the
-closest valid one. ``eaglet config --defaults`` prints every key with its default and doc.
+overrides; unknown keys, wrong types and values out of range (a field's ``check``, a `Range`)
+are errors that name the key and suggest the closest valid one, raised where the config is
+read. A field marked ``path`` holds a path: a relative one in the file resolves against the
+file's folder, one given by ``--set`` against the working directory (`load_config`).
+``eaglet config --defaults`` prints every key with its default, range and doc.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,28 +27,66 @@ import yaml
 from .errors import ConfigError
 
 
-def _f(default: Any, doc: str, **kw: Any) -> Any:
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes (each item's, for a list; `items`: a list's length)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    items: int | None = None
+
+    def __contains__(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def __str__(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+
+
+def _ge(lo: float) -> Range:
+    return Range(lo)
+
+
+def _gt(lo: float) -> Range:
+    return Range(lo, lo_open=True)
+
+
+FRACTION = Range(0, 1)  # in [0, 1]
+PATH, MODEL = "path", "model"  # `path` metadata: a file or folder; a model folder or a hub id
+
+
+def _f(default: Any, doc: str, check: Range | None = None, path: str | None = None, **kw: Any) -> Any:
+    meta = {"doc": doc, "check": check, "path": path}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
 
 
 @dataclass
 class RunSection:
-    dir: str = _f("runs/default", "Run directory: every stage writes into a subfolder of it.")
-    seed: int = _f(0, "Seed for every random choice (data order, init, sampling).")
+    dir: str = _f("runs/default", "Run directory: every stage writes into a subfolder of it.", path=PATH)
+    seed: int = _f(0, "Seed for every random choice (data order, init, sampling).", _ge(0))
     dist_timeout_minutes: float = _f(
         60.0, "Under torchrun: longest wait in a collective, e.g. of ranks 1.. while rank 0 alone runs prepare, "
-        "vocab, export or eval; then the run fails instead of hanging."
+        "vocab, export or eval; then the run fails instead of hanging.", _gt(0)
     )
 
 
 @dataclass
 class TargetSection:
-    path: str = _f("", "Target model: a local Hugging Face model folder (or hub id already in the local cache).")
+    path: str = _f("", "Target model: a local Hugging Face model folder (or hub id already in the local cache).",
+                   path=MODEL)
     gguf_file: str | None = _f(None, "GGUF file name inside `path` (or an absolute path) to load a GGUF target.")
-    tokenizer: str | None = _f(None, "Tokenizer folder, if not the target's own `path`.")
-    chat_template: str | None = _f(None, "Path to a Jinja chat template file that replaces the tokenizer's own.")
+    tokenizer: str | None = _f(None, "Tokenizer folder (or cached hub id), if not the target's own `path`.", path=MODEL)
+    chat_template: str | None = _f(None, "Path to a Jinja chat template file that replaces the tokenizer's own.",
+                                   path=PATH)
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = _f(
         "bfloat16", "Dtype the target is loaded in ('auto' keeps the checkpoint's)."
     )
@@ -58,15 +102,22 @@ class TargetSection:
 
 @dataclass
 class PrepareSection:
-    data: list[str] = _f([], "Input files: .jsonl, .json (a JSON array, streamed) or .parquet; ShareGPT or OpenAI records.")
+    data: list[str] = _f(
+        [], "Input files: .jsonl, .json (a JSON array, streamed) or .parquet; ShareGPT or OpenAI records. Each file "
+        "once (the same file twice is an error).", path=PATH)
     format: Literal["auto", "sharegpt", "openai"] = _f("auto", "Record format; 'auto' decides per record.")
-    max_length: int = _f(2048, "Longest sample in tokens, after rendering with the chat template.")
+    multimodal: Literal["drop", "text"] = _f(
+        "drop", "A message whose content is a list of parts with non-text parts (images, audio): 'drop' skips the "
+        "record (reason 'multimodal_content'), 'text' keeps its text parts joined by newlines. A list of text parts "
+        "only is always joined.")
+    max_length: int = _f(2048, "Longest sample in tokens, after rendering with the chat template.", _ge(2))
     overflow: Literal["truncate", "drop"] = _f("truncate", "What to do with a sample longer than max_length.")
-    max_records: int | None = _f(None, "Read at most this many records per file (None: all). For quick runs.")
-    num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).")
-    shard_samples: int = _f(50000, "Samples per prepared-data shard.")
-    report_examples: int = _f(20, "Bad records quoted by name in the report (all are counted).")
-    min_loss_tokens: int = _f(1, "A sample with fewer loss-masked tokens than this is skipped (reason 'no_assistant_tokens').")
+    max_records: int | None = _f(None, "Read at most this many records per file (None: all). For quick runs.", _ge(1))
+    num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).", _ge(0))
+    shard_samples: int = _f(50000, "Samples per prepared-data shard.", _ge(1))
+    report_examples: int = _f(20, "Bad records quoted by name in the report (all are counted).", _ge(0))
+    min_loss_tokens: int = _f(
+        1, "A sample with fewer loss-masked tokens than this is skipped (reason 'no_assistant_tokens').", _ge(1))
 
 
 @dataclass
@@ -86,11 +137,11 @@ class ExtractSection:
     )
     vllm_storage: str | None = _f(
         None, "backend vllm: folder where vLLM's connector writes each request's states before eaglet stores them "
-        "(deleted once stored); default <run.dir>/extract/vllm-states. A RAM disk (/dev/shm/...) is fastest."
+        "(deleted once stored); default <run.dir>/extract/vllm-states. A RAM disk (/dev/shm/...) is fastest.", path=PATH
     )
     vllm_requests: int = _f(
         256, "backend vllm: samples sent to vLLM per round (in-process) or kept in flight (server); connector files "
-        "of at most this many samples exist at once."
+        "of at most this many samples exist at once.", _ge(1)
     )
     mode: Literal["offline", "online"] = _f(
         "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
@@ -101,58 +152,65 @@ class ExtractSection:
         "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."
     )
     layers: list[int] | None = _f(
-        None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3]."
+        None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3].",
+        _ge(0)
     )
-    batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).")
-    max_batch_size: int = _f(64, "Most samples in one forward batch.")
+    batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).", _ge(1))
+    max_batch_size: int = _f(64, "Most samples in one forward batch.", _ge(1))
     shard_mb: float = _f(
         256.0, "Target size of one store shard in MiB. What is still unwritten when the last forward ends is "
         "written after it; smaller shards spread that over the writer threads (on an H200, 256 against 1024 "
-        "cut it from 1.6 s to 0.5 s).")
+        "cut it from 1.6 s to 0.5 s).", _gt(0))
     store_dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the stored hidden states.")
-    writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.")
-    writer_threads: int = _f(4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).")
+    writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.", _ge(1))
+    writer_threads: int = _f(
+        4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).", _ge(1))
     fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
     selfcheck_samples: int = _f(
         4, "Stored samples rerun alone through the model's own forward and compared, at the end of extract (0: off). "
-        "Backend vllm: these samples are extracted first, with vLLM's prompt logprobs, and checked before the rest."
+        "Backend vllm: these samples are extracted first, with vLLM's prompt logprobs, and checked before the rest.",
+        _ge(0)
     )
-    selfcheck_min_cosine: float = _f(0.999, "Self-check: least cosine similarity of a stored state with the reference (suits bf16 stores).")
+    selfcheck_min_cosine: float = _f(
+        0.999, "Self-check: least cosine similarity of a stored state with the reference (suits bf16 stores).",
+        Range(-1, 1))
     selfcheck_min_top1: float = _f(
         0.99, "Self-check: least top-1 agreement of LM head(stored final) with the model's own logits (backend vllm: "
-        "with vLLM's prompt logprobs; a near tie within 0.05 nats counts as agreeing)."
+        "with vLLM's prompt logprobs; a near tie within 0.05 nats counts as agreeing).", FRACTION
     )
 
 
 @dataclass
 class VocabSection:
-    size: int = _f(32000, "Draft vocabulary size (capped at the target's vocabulary).")
+    size: int = _f(32000, "Draft vocabulary size (capped at the target's vocabulary).", _ge(1))
 
 
 @dataclass
 class TrainSection:
-    max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).")
-    epochs: int = _f(1, "Passes over the training split.")
-    max_tokens: int = _f(8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).", _ge(1))
+    epochs: int = _f(1, "Passes over the training split.", _ge(1))
+    max_tokens: int = _f(
+        8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).", _ge(2))
     grad_accum: int = _f(
-        1, "Micro-batches per optimizer step on each rank: a step trains on grad_accum x world size micro-batches."
+        1, "Micro-batches per optimizer step on each rank: a step trains on grad_accum x world size micro-batches.",
+        _ge(1)
     )
     parallel: Literal["auto", "none", "ddp", "fsdp"] = _f(
         "auto", "Under torchrun: 'ddp' (draft replicated, gradients all-reduced) or 'fsdp' (FSDP2 fully_shard: draft, "
         "frozen embedding and teacher head sharded); 'none': one process. auto: ddp with several ranks, else none."
     )
-    lr: float = _f(1e-4, "Peak learning rate (AdamW).")
-    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.")
-    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of lr.")
-    grad_clip: float = _f(0.5, "Clip the gradient norm to this (0: off).")
+    lr: float = _f(1e-4, "Peak learning rate (AdamW).", _gt(0))
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas (beta1, beta2).", Range(0, 1, hi_open=True, items=2))
+    weight_decay: float = _f(0.0, "AdamW weight decay.", _ge(0))
+    warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.", _ge(0))
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of lr.", FRACTION)
+    grad_clip: float = _f(0.5, "Clip the gradient norm to this (0: off).", _ge(0))
     unroll_optimizer: bool = _f(
         True, "With one process, grad_accum 1 and bf16: the linear weights keep a bf16 copy and gradient accumulator "
         "between steps, and AdamW reads the accumulated bf16 gradient and writes the copy in one compiled kernel per "
         "weight (eaglet/draft/optim.py); no fp32 gradient and no per-step cast. Otherwise, or false: torch's AdamW.")
-    ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).")
-    gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.")
+    ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).", _ge(1))
+    gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.", Range(0, 1, lo_open=True))
     attn_impl: Literal["auto", "flex", "chunked", "naive"] = _f(
         "auto", "TTT attention: 'flex' (GPU), 'chunked' (any device), 'naive' (dense mask, tests); auto picks."
     )
@@ -162,18 +220,20 @@ class TrainSection:
         "then take longer)."
     )
     device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
-    draft_layers: int = _f(1, "Decoder layers in the draft.")
+    draft_layers: int = _f(1, "Decoder layers in the draft.", _ge(1))
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
     norm_output: bool = _f(False, "EAGLE-3.1: feed the post-norm state to the next TTT step.")
     init_head_from_target: bool = _f(False, "Start the draft's lm_head from the target's LM head rows of the draft vocabulary.")
-    init_from: str | None = _f(None, "Start from an existing EAGLE-3 draft (eaglet export folder, speculators or SGLang format).")
-    eval_fraction: float = _f(0.05, "Share of samples held out for evaluation (fixed by run.seed).")
-    eval_max_samples: int = _f(256, "At most this many held-out samples are used per evaluation.")
-    eval_every: int = _f(200, "Evaluate every N optimizer steps (and at the end); 0: only at the end.")
-    log_every: int = _f(10, "Log metrics every N optimizer steps (the only host syncs of the loop).")
-    ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).")
-    keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.")
-    teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.")
+    init_from: str | None = _f(
+        None, "Start from an existing EAGLE-3 draft (eaglet export folder, speculators or SGLang format).", path=PATH)
+    eval_fraction: float = _f(0.05, "Share of samples held out for evaluation (fixed by run.seed).",
+                              Range(0, 1, hi_open=True))
+    eval_max_samples: int = _f(256, "At most this many held-out samples are used per evaluation.", _ge(1))
+    eval_every: int = _f(200, "Evaluate every N optimizer steps (and at the end); 0: only at the end.", _ge(0))
+    log_every: int = _f(10, "Log metrics every N optimizer steps (the only host syncs of the loop).", _ge(1))
+    ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).", _ge(1))
+    keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.", _ge(1))
+    teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.", _ge(1))
     mask_out_of_vocab: bool = _f(
         True, "Leave out of the loss the rows whose target top-1 token is not a draft token (takes the teacher's "
         "full-vocabulary logits the first time a sample is seen; its verdict is kept, so later epochs compute "
@@ -186,13 +246,13 @@ class TrainSection:
 @dataclass
 class EvalSection:
     method: Literal["chain", "tree"] = _f("chain", "Drafting: a chain of `chain_tokens`, or the EAGLE-2 dynamic tree.")
-    chain_tokens: int = _f(7, "Draft tokens per cycle for method 'chain' (tau <= chain_tokens + 1).")
-    tree_top_k: int = _f(10, "Tree: children expanded per node and nodes kept per depth.")
-    tree_depth: int = _f(6, "Tree: draft depth (longest path).")
-    tree_total_tokens: int = _f(60, "Tree: draft tokens kept after reranking, verified in one target forward.")
-    temperature: float = _f(0.0, "0: greedy (with the lossless check); > 0: sampling with rejection sampling.")
-    max_new_tokens: int = _f(256, "Tokens generated per prompt.")
-    num_prompts: int = _f(20, "Held-out prompts evaluated (from the train split's held-out part).")
+    chain_tokens: int = _f(7, "Draft tokens per cycle for method 'chain' (tau <= chain_tokens + 1).", _ge(1))
+    tree_top_k: int = _f(10, "Tree: children expanded per node and nodes kept per depth.", _ge(1))
+    tree_depth: int = _f(6, "Tree: draft depth (longest path).", _ge(1))
+    tree_total_tokens: int = _f(60, "Tree: draft tokens kept after reranking, verified in one target forward.", _ge(1))
+    temperature: float = _f(0.0, "0: greedy (with the lossless check); > 0: sampling with rejection sampling.", _ge(0))
+    max_new_tokens: int = _f(256, "Tokens generated per prompt.", _ge(1))
+    num_prompts: int = _f(20, "Held-out prompts evaluated (from the train split's held-out part).", _ge(1))
     baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
     lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
     device: str = _f("auto", "Device for target and draft during eval.")
@@ -205,7 +265,7 @@ class EvalSection:
 class ExportSection:
     formats: list[str] = _f(["vllm", "sglang"], "Formats written by export: 'vllm' (speculators) and/or 'sglang'.")
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the exported weights.")
-    speculative_tokens: int = _f(3, "Draft tokens per step written into the vLLM config's proposal method.")
+    speculative_tokens: int = _f(3, "Draft tokens per step written into the vLLM config's proposal method.", _ge(1))
     include_embed: bool = _f(False, "Also export the (frozen, target-copied) token embedding.")
 
 
@@ -213,23 +273,25 @@ class ExportSection:
 class RegenerateSection:
     out: str | None = _f(
         None, "`eaglet regenerate`'s output: JSONL of OpenAI `messages` records (list it, or its shard files, in "
-        "prepare.data); a rerun resumes it. Required, here or as --out.")
+        "prepare.data); a rerun resumes it. Required, here or as --out.", path=PATH)
     engine: Literal["auto", "generate", "continuous"] = _f(
         "auto", "'generate': padded batches; 'continuous': transformers' continuous batching (generate_batch, paged KV "
         "cache); auto: generate (the faster of the two, measured on an H200).")
     batch_size: int | None = _f(
-        None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous).")
+        None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous).",
+        _ge(1))
     generate_batch: int | None = _f(
         None, "engine generate: prompts per padded batch, grouped by length (default: sized to half the free GPU memory "
-        "for the KV cache; 16 on a CPU).")
+        "for the KV cache; 16 on a CPU).", _ge(1))
     kv_cache: Literal["auto", "static", "dynamic"] = _f(
         "auto", "engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes that holds its "
         "prompts + max_new_tokens (at most prepare.max_length + max_new_tokens positions per prompt), so that "
         "transformers compiles the decoding step once per size on a GPU; auto: dynamic (the faster on an H200 in "
         "bench/regen_throughput.py).")
-    max_new_tokens: int = _f(512, "Longest generated turn.")
-    temperature: float = _f(0.0, "0: greedy; > 0: sampling.")
-    max_turns: int | None = _f(None, "Replies regenerated per conversation; it ends after the last of them (None: all).")
+    max_new_tokens: int = _f(512, "Longest generated turn.", _ge(1))
+    temperature: float = _f(0.0, "0: greedy; > 0: sampling.", _ge(0))
+    max_turns: int | None = _f(
+        None, "Replies regenerated per conversation; it ends after the last of them (None: all).", _ge(1))
     shard: str | None = _f(
         None, "'R/N': take every N-th record, from the R-th, into out's stem + .shard-R-of-N (one process per GPU; "
         "None: under torchrun RANK/WORLD_SIZE, else all). List the shard files in prepare.data.")
@@ -257,6 +319,23 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir)
+
+    def paths(self) -> list[tuple[str, str]]:
+        """(key, value) of every path setting that is set, as `load_config` resolved it (a hub id
+        as written); a relative target.gguf_file is joined to a target.path folder."""
+        out = []
+        for sname in _sections():
+            section = getattr(self, sname)
+            for f in dataclasses.fields(section):
+                key, value = f"{sname}.{f.name}", getattr(section, f.name)
+                if key == "target.gguf_file" and value:
+                    folder = Path(self.target.path)
+                    out.append((key, str(folder / value) if folder.is_dir() else value))
+                elif f.metadata.get("path") and isinstance(value, list):
+                    out += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+                elif f.metadata.get("path") and value:
+                    out.append((key, value))
+        return out
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -329,7 +408,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        if isinstance(value, str) and FLOAT_TEXT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot, unsigned exponent) as a string
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}", fix="write a number such as 1e-4 or 0.5")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -339,7 +422,49 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
-def _apply(cfg: Config, updates: dict[str, Any], origin: str) -> None:
+# A number as people write it, which YAML 1.1 may have left a string: 1e-3, 1E-4, 3.0e-5, .5, 2.
+FLOAT_TEXT = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?")
+# A hub id, "name" or "org/name"; a relative value of this shape that is no folder is kept as one.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _check(key: str, value: Any, rng: Range | None) -> None:
+    """Raise ConfigError, naming the key, when `value` (each item of a list) is outside `rng`."""
+    if rng is None or value is None:
+        return
+    if isinstance(value, list):
+        if rng.items is not None and len(value) != rng.items:
+            raise ConfigError(f"{key}: {value!r} is not a list of {rng.items} values", fix=f"give {rng.items}, each {rng}")
+        for i, v in enumerate(value):
+            _check(f"{key}[{i}]", v, rng)
+    elif value not in rng:
+        raise ConfigError(f"{key}: {value!r} is not {rng}", fix=f"set a value {rng}")
+
+
+def resolve_path(value: str, base: Path, model: bool = False) -> str:
+    """`value` as an absolute path, a relative one taken against `base`; `model`: a relative value
+    shaped like a hub id ('org/name') that is not a folder under `base` and does not start with
+    './' or '../' is kept as written (a hub id for the local cache)."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    if model and HUB_ID.fullmatch(value) and not (base / p).exists():
+        return value
+    return os.path.normpath(base / p)
+
+
+def _resolve(key: str, value: Any, kind: str | None, base: Path) -> Any:
+    if kind is None or value is None:
+        return value
+    if isinstance(value, list):
+        return [resolve_path(v, base, kind == MODEL) for v in value]
+    return resolve_path(value, base, kind == MODEL)
+
+
+def _apply(cfg: Config, updates: dict[str, Any], origin: str, base: Path) -> None:
+    """Set `updates` ({section: {key: value}}) on `cfg`, checked; relative paths against `base`."""
     sections = _sections()
     for sname, values in updates.items():
         if sname not in sections:
@@ -350,14 +475,22 @@ def _apply(cfg: Config, updates: dict[str, Any], origin: str) -> None:
             raise ConfigError(f"{origin}: section '{sname}' must be a mapping, got {values!r}")
         obj = getattr(cfg, sname)
         hints = typing.get_type_hints(type(obj))
-        names = [f.name for f in dataclasses.fields(obj)]
+        fields = {f.name: f for f in dataclasses.fields(obj)}
         for key, value in values.items():
-            if key not in names:
-                full = [f"{sname}.{n}" for n in names]
+            if key not in fields:
+                full = [f"{sname}.{n}" for n in fields]
                 raise ConfigError(
                     f"{origin}: unknown key '{sname}.{key}'{_closest(f'{sname}.{key}', all_keys() or full)}"
                 )
-            setattr(obj, key, _coerce(f"{sname}.{key}", value, hints[key]))
+            name, meta = f"{sname}.{key}", fields[key].metadata
+            try:
+                value = _coerce(name, value, hints[key])
+                _check(name, value, meta.get("check"))
+            except ConfigError as e:
+                if origin.startswith("--set"):
+                    raise
+                raise ConfigError(f"{e.message}, in {origin}", fix=e.fix) from None
+            setattr(obj, key, _resolve(name, value, meta.get("path"), base))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -376,12 +509,15 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or start from defaults) and apply `--set` overrides.
+    """Read a YAML config (or start from defaults) and apply `--set` overrides, every value checked.
 
-    Relative paths in the file (target.path, prepare.data, run.dir, ...) are kept as written:
-    they resolve against the working directory, as every CLI path does.
+    Path settings (`Config.paths`) come out absolute: a relative one in the file is taken
+    against the file's folder, one of `--set` or a default against the working directory, where
+    the user typed it. target.path and target.tokenizer may be hub ids (`resolve_path`).
     """
     cfg = Config()
+    cwd = Path.cwd()
+    _apply(cfg, {"run": {"dir": cfg.run.dir}}, "the defaults", cwd)  # the one path with a default
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -392,10 +528,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        _apply(cfg, data, str(path))
+        _apply(cfg, data, str(path), path.absolute().parent)
     for text in overrides or []:
         sname, key, value = parse_override(text)
-        _apply(cfg, {sname: {key: value}}, f"--set {sname}.{key}")
+        _apply(cfg, {sname: {key: value}}, f"--set {sname}.{key}", cwd)
     return cfg
 
 
@@ -407,7 +543,13 @@ def describe_defaults() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            lines.append(f"  # {f.metadata.get('doc', '')}  [{_type_name(hints[f.name])}]")
+            rng = f.metadata.get("check")
+            extra = ""
+            if rng is not None:
+                many = typing.get_origin(hints[f.name]) is list or "list[" in _type_name(hints[f.name])
+                extra = f", {f'{rng.items} items, ' if rng.items else ''}{'each ' if many else ''}{rng}"
+            extra += {PATH: ", a path", MODEL: ", a path or hub id"}.get(f.metadata.get("path"), "")
+            lines.append(f"  # {f.metadata.get('doc', '')}  [{_type_name(hints[f.name])}{extra}]")
             lines.append(f"  {f.name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
         lines.append("")
     return "\n".join(lines)
@@ -421,9 +563,19 @@ CONFIG_PAGE = """# The run config
 
 One YAML file configures a run: a section per stage (`run`, `target`, `prepare`, `extract`,
 `vocab`, `train`, `export`, `eval`, `regenerate`), every key typed and documented below. A key
-left out takes its default; an unknown key or a value of the wrong type is an error that names
-the key and the closest valid one. On the command line, `--set section.key=value` (repeatable,
-the value read as YAML) overrides the file.
+left out takes its default; an unknown key, a value of the wrong type or a value outside the
+key's range (in brackets below, e.g. `>= 1`, `in [0, 1)`) is an error that names the key and
+the closest valid one. A float may be written as YAML 1.1 reads it or not (`1e-3`, `3.0e-5`, `2`).
+On the command line, `--set section.key=value` (repeatable, the value read as YAML) overrides
+the file.
+
+Paths (the keys marked "a path" below): a relative path in the config file is taken against
+the folder of the config file, one given with `--set` (or a default, `run.dir`) against the
+working directory. `target.path` and `target.tokenizer` may also name a hub id already in the
+local cache (`org/name`): a relative value of that shape is a path only when it exists under
+the config file's folder or starts with `./` or `../`. `target.gguf_file` is a file name inside
+`target.path`, or an absolute path. `eaglet config CONFIG` prints the config with every path
+resolved.
 
     eaglet config CONFIG [--set ...]     # the resolved config
     eaglet config --defaults             # every key with its type, default and doc (this page)

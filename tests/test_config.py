@@ -1,5 +1,7 @@
 """The typed run config: defaults, YAML, overrides, and errors that name the key."""
 
+from pathlib import Path
+
 import pytest
 
 from eaglet import cli
@@ -72,8 +74,6 @@ def test_every_option_has_help():
 
 def test_the_config_page_is_current():
     """docs/config.md is generated from the config's own defaults and docs."""
-    from pathlib import Path
-
     from eaglet.config import config_page
 
     page = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
@@ -83,9 +83,11 @@ def test_the_config_page_is_current():
 
 def test_regenerate_flags_set_the_regenerate_section(tmp_path, monkeypatch):
     """`eaglet regenerate`'s flags are shortcuts for the regenerate section's keys: the config's
-    values hold unless a flag is given; without an output anywhere it is a config error."""
+    values hold unless a flag is given; without an output anywhere it is a config error. The
+    file's relative out is taken against its folder, the flag's against the working directory."""
     from eaglet.stages import regenerate
 
+    monkeypatch.chdir(tmp_path.parent)
     seen = []
     monkeypatch.setattr(cli, "run_regenerate", lambda cfg, **kw: seen.append(cfg.regenerate))
     path = tmp_path / "run.yaml"
@@ -94,8 +96,169 @@ def test_regenerate_flags_set_the_regenerate_section(tmp_path, monkeypatch):
     assert cli.main(["regenerate", str(path), "--out", "flag.jsonl", "--max-new-tokens", "8", "--shard", "1/4",
                      "--temperature", "0.5"]) == 0
     (a, b) = seen
-    assert (a.out, a.max_new_tokens, a.engine, a.shard) == ("from-config.jsonl", 64, "continuous", None)
-    assert (b.out, b.max_new_tokens, b.engine, b.shard, b.temperature) == ("flag.jsonl", 8, "continuous", "1/4", 0.5)
+    assert (a.out, a.max_new_tokens, a.engine, a.shard) == (str(tmp_path / "from-config.jsonl"), 64, "continuous", None)
+    assert (b.out, b.max_new_tokens, b.engine, b.shard, b.temperature) == (
+        str(tmp_path.parent / "flag.jsonl"), 8, "continuous", "1/4", 0.5)
     assert cli.main(["regenerate", str(path), "--engine", "fast"]) == 2  # a value the section does not take
     with pytest.raises(ConfigError, match="regenerate.out"):
         regenerate.run_regenerate(load_config(None))
+
+
+# ---- value ranges -----------------------------------------------------------------------------
+
+OUT_OF_RANGE = [
+    ("train.eval_fraction", "1.5", "train.eval_fraction: 1.5 is not in [0, 1)"),
+    ("train.eval_fraction", "1", "train.eval_fraction: 1.0 is not in [0, 1)"),
+    ("extract.batch_tokens", "0", "extract.batch_tokens: 0 is not >= 1"),
+    ("extract.shard_mb", "-1", "extract.shard_mb: -1.0 is not > 0"),
+    ("extract.shard_mb", "0", "extract.shard_mb: 0.0 is not > 0"),
+    ("vocab.size", "0", "vocab.size: 0 is not >= 1"),
+    ("train.ttt_steps", "0", "train.ttt_steps: 0 is not >= 1"),
+    ("train.lr", "-1", "train.lr: -1.0 is not > 0"),
+    ("train.lr", "0", "train.lr: 0.0 is not > 0"),
+    ("train.ckpt_every", "0", "train.ckpt_every: 0 is not >= 1"),
+    ("train.keep_last", "0", "train.keep_last: 0 is not >= 1"),
+    ("train.betas", "[0.9]", "train.betas: [0.9] is not a list of 2 values"),
+    ("train.betas", "[0.9, 0.95, 0.99]", "train.betas: [0.9, 0.95, 0.99] is not a list of 2 values"),
+    ("train.betas", "[0.9, 1.0]", "train.betas[1]: 1.0 is not in [0, 1)"),
+    ("train.betas", "[-0.1, 0.9]", "train.betas[0]: -0.1 is not in [0, 1)"),
+    ("train.grad_accum", "0", "train.grad_accum: 0 is not >= 1"),
+    ("train.epochs", "0", "train.epochs: 0 is not >= 1"),
+    ("train.max_steps", "0", "train.max_steps: 0 is not >= 1"),
+    ("train.log_every", "0", "train.log_every: 0 is not >= 1"),
+    ("train.gamma", "0", "train.gamma: 0.0 is not in (0, 1]"),
+    ("train.min_lr_ratio", "2", "train.min_lr_ratio: 2.0 is not in [0, 1]"),
+    ("prepare.max_length", "1", "prepare.max_length: 1 is not >= 2"),
+    ("prepare.num_workers", "-1", "prepare.num_workers: -1 is not >= 0"),
+    ("extract.layers", "[2, -1]", "extract.layers[1]: -1 is not >= 0"),
+    ("extract.writer_queue", "0", "extract.writer_queue: 0 is not >= 1"),
+    ("eval.temperature", "-0.5", "eval.temperature: -0.5 is not >= 0"),
+    ("regenerate.max_turns", "0", "regenerate.max_turns: 0 is not >= 1"),
+    ("train.lr", ".inf", "train.lr: expected a finite number, got inf"),
+]
+
+
+@pytest.mark.parametrize("key, value, message", OUT_OF_RANGE)
+def test_values_out_of_range_name_the_key_in_file_and_override(tmp_path, key, value, message):
+    """Where the config is read: from --set, and from the file (which the message then names)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={value}"])
+    assert e.value.message == message
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.message == f"{message}, in {path}" and e.value.fix
+
+
+@pytest.mark.parametrize("key, value", [("train.eval_fraction", "0"), ("train.eval_fraction", "0.99"),
+                                        ("train.max_steps", "null"), ("train.betas", "[0, 0.999]"),
+                                        ("train.gamma", "1"), ("train.grad_clip", "0"), ("extract.selfcheck_samples", "0"),
+                                        ("train.eval_every", "0"), ("prepare.max_length", "2")])
+def test_values_at_the_edge_of_their_range_are_accepted(key, value):
+    load_config(None, [f"{key}={value}"])
+
+
+def test_every_numeric_field_has_a_range_its_default_is_in_and_the_docs_show():
+    import dataclasses
+    import typing
+
+    from eaglet.config import Range, _check, _sections, config_page
+
+    page = config_page()
+    for sname, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not any(t in str(hints[f.name]) for t in ("int", "float")) or "Literal" in str(hints[f.name]):
+                continue
+            rng = f.metadata.get("check")
+            assert isinstance(rng, Range), f"{sname}.{f.name} has no range"
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            _check(f"{sname}.{f.name}", default, rng)
+            assert str(rng) in page.split(f"  {f.name}:")[0].rsplit("\n", 2)[-2], f"{sname}.{f.name}: range not in docs"
+
+
+def test_float_forms_people_write(tmp_path):
+    """YAML 1.1 reads 1e-3 and 1E-4 as strings: a float field takes them, from the file and --set."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  weight_decay: 1E-4\n  min_lr_ratio: 3.0e-5\n  grad_clip: 1\n"
+                    "extract:\n  shard_mb: 2\n  selfcheck_min_cosine: .5\n")
+    cfg = load_config(path)
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.min_lr_ratio, cfg.train.grad_clip) == (1e-3, 1e-4, 3e-5, 1.0)
+    assert (cfg.extract.shard_mb, cfg.extract.selfcheck_min_cosine) == (2.0, 0.5)
+    assert all(isinstance(v, float) for v in (cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip))
+    cfg = load_config(None, ["train.lr=1e-3", "train.gamma=+8E-1", "train.betas=[9e-1, 95e-2]"])
+    assert (cfg.train.lr, cfg.train.gamma, cfg.train.betas) == (1e-3, 0.8, [0.9, 0.95])
+    for bad in ("train.lr=1e-3x", "train.lr=e-3", "train.lr=one", "train.epochs=1e1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [bad])
+
+
+def test_cli_range_error_is_one_line_exit_2(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  ckpt_every: 0\n")
+    assert cli.main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"eaglet: train.ckpt_every: 0 is not >= 1, in {path}; set a value >= 1"]
+
+
+# ---- relative paths -----------------------------------------------------------------------------
+
+
+def test_relative_paths_in_a_file_resolve_against_its_folder(tmp_path, monkeypatch):
+    folder, elsewhere = tmp_path / "cfg", tmp_path / "cwd"
+    (folder / "models" / "local").mkdir(parents=True)
+    (folder / "org").mkdir()  # "org/name" is a path only where it exists
+    (folder / "org" / "here").mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = folder / "c.yaml"
+    path.write_text(
+        "run: {dir: runs/x}\n"
+        "target: {path: models/local, tokenizer: org/name, chat_template: t.jinja, gguf_file: m.gguf}\n"
+        "prepare: {data: [a.jsonl, ../b.jsonl, /abs/c.jsonl, sub/../d.jsonl]}\n"
+        "extract: {vllm_storage: states}\ntrain: {init_from: ../draft}\nregenerate: {out: regen.jsonl}\n")
+    cfg = load_config(path, ["eval.num_prompts=3"])
+    assert cfg.paths() == [
+        ("run.dir", str(folder / "runs" / "x")),
+        ("target.path", str(folder / "models" / "local")),
+        ("target.gguf_file", str(folder / "models" / "local" / "m.gguf")),
+        ("target.tokenizer", "org/name"),  # a hub id: no folder of that name under the config's folder
+        ("target.chat_template", str(folder / "t.jinja")),
+        ("prepare.data[0]", str(folder / "a.jsonl")),
+        ("prepare.data[1]", str(tmp_path / "b.jsonl")),
+        ("prepare.data[2]", "/abs/c.jsonl"),
+        ("prepare.data[3]", str(folder / "d.jsonl")),
+        ("extract.vllm_storage", str(folder / "states")),
+        ("train.init_from", str(tmp_path / "draft")),
+        ("regenerate.out", str(folder / "regen.jsonl")),
+    ]
+    assert cfg.run_dir == folder / "runs" / "x"
+    # a hub-id-shaped value that exists under the folder, or starts with ./, is a path
+    path.write_text("target: {path: org/here, tokenizer: ./org/name}\n")
+    cfg = load_config(path)
+    assert (cfg.target.path, cfg.target.tokenizer) == (str(folder / "org" / "here"), str(folder / "org" / "name"))
+    # --set and the defaults: against the working directory, where the user typed them
+    cfg = load_config(path, ["target.path=./models/local", "prepare.data=[a.jsonl]", "target.tokenizer=HuggingFaceTB/x"])
+    assert (cfg.target.path, cfg.prepare.data, cfg.run.dir) == (
+        str(elsewhere / "models" / "local"), [str(elsewhere / "a.jsonl")], str(elsewhere / "runs" / "default"))
+    assert cfg.target.tokenizer == "HuggingFaceTB/x"
+
+
+def test_cli_config_prints_resolved_paths(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    path = tmp_path / "c.yaml"
+    path.write_text("prepare: {data: [d.jsonl]}\n")
+    assert cli.main(["config", str(path)]) == 0
+    assert f"- {tmp_path / 'd.jsonl'}\n" in capsys.readouterr().out
+
+
+def test_the_example_config_works_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    example = Path(__file__).parent.parent / "examples" / "tiny" / "config.yaml"
+    cfg = load_config(example)
+    assert (Path(cfg.target.path) / "config.json").is_file()
+    assert all(Path(f).is_file() for f in cfg.prepare.data) and cfg.prepare.data
+    assert Path(cfg.run.dir).is_relative_to(example.parent)

@@ -11,7 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eaglet import cli
 from eaglet.config import Config, ConfigError
+from eaglet.errors import InputError
 from eaglet.formats.datasets import RecordError, iter_records, normalize_record, read_json_array, read_jsonl, read_parquet
 from eaglet.pipeline import read_manifest, run_stage
 from eaglet.stages.context import StageContext
@@ -145,10 +147,10 @@ def test_file_kinds_and_errors(tmp_path):
     (tmp_path / "d.txt").write_text("{}")
     with pytest.raises(ConfigError, match=r"d\.txt.*unknown file type"):
         iter_records(tmp_path / "d.txt")
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(InputError, match="missing.jsonl"):
         iter_records(tmp_path / "missing.jsonl")
     (tmp_path / "lines.json").write_text('{"a": 1}\n{"a": 2}\n')
-    with pytest.raises(ConfigError, match=r"lines\.json.*one JSON array.*\.jsonl"):
+    with pytest.raises(InputError, match=r"lines\.json.*one JSON array.*\.jsonl"):
         list(iter_records(tmp_path / "lines.json"))
     write_jsonl(tmp_path / "d.jsonl", [{"i": i} for i in range(10)])
     assert [r for r, _ in iter_records(tmp_path / "d.jsonl", max_records=4)] == [1, 2, 3, 4]
@@ -183,7 +185,20 @@ def test_normalize_sharegpt_and_openai():
         ({"messages": [{"role": "tool", "content": "x"}]}, "unknown_role"),
         ({"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}, "empty_content"),
         ({"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "a"}]}, "empty_content"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}, "empty_content"),
+        ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]}, "empty_content"),
+        ({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "a"}]}, "empty_content"),
+        ({"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "a"}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": {"text": "q"}}, {"role": "assistant", "content": "a"}]},
+         "content_not_text"),
+        ({"messages": [{"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}, {"role": "assistant", "content": "a"}]},
+         "content_not_text"),
+        ({"conversations": [{"from": "human", "value": 3.5}, {"from": "gpt", "value": "a"}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "image_url", "image_url": {}}]},
+                       {"role": "assistant", "content": "a"}]}, "multimodal_content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": "x.png"}]},
+                       {"role": "assistant", "content": "a"}]}, "multimodal_content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}, "no_assistant_turn"),  # text parts join
         ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]}, "no_assistant_turn"),
     ],
 )
@@ -251,16 +266,16 @@ def test_every_bad_reason_counted_with_file_and_row(tmp_path, chatml_dir, capsys
 def test_file_without_usable_record_raises(tmp_path, chatml_dir):
     good_file = write_jsonl(tmp_path / "good.jsonl", [good()] * 3)
     bad_file = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}, {"conversations": [{"from": "human", "value": "q"}]}])
-    with pytest.raises(ValueError, match=r"bad\.jsonl: no usable record \(2 read; skipped: no_assistant_turn=1, not_a_conversation=1\)"):
+    with pytest.raises(InputError, match=r"bad\.jsonl: no usable record \(2 read; skipped: no_assistant_turn=1, not_a_conversation=1\)"):
         prepare(make_cfg(tmp_path, chatml_dir, [good_file, bad_file]))
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(ValueError, match=r"empty\.jsonl: no usable record \(0 read"):
+    with pytest.raises(InputError, match=r"empty\.jsonl: no records \(the file is empty or holds only blank lines\)"):
         prepare(make_cfg(tmp_path, chatml_dir, [tmp_path / "empty.jsonl"]))
 
 
 def test_input_files_checked_before_any_is_read(tmp_path, chatml_dir):
     good_file = write_jsonl(tmp_path / "good.jsonl", [good()])
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(InputError, match="nope.jsonl"):
         prepare(make_cfg(tmp_path, chatml_dir, [good_file, tmp_path / "nope.jsonl"]))
     with pytest.raises(ConfigError, match=r"data\.csv"):
         prepare(make_cfg(tmp_path, chatml_dir, [good_file, tmp_path / "data.csv"]))
@@ -395,3 +410,194 @@ def test_end_to_end_through_pipeline(tmp_path):
     assert run_stage(cfg, "prepare")["started"] == manifest["started"]
     cfg.prepare.max_records = 10
     assert run_stage(cfg, "prepare")["stats"]["samples"] == 10
+
+
+# ---- input errors through the command: one line, the file or key named, no traceback ----------------
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    """(exit code, the one `eaglet: ...` line on stderr); fails on a traceback."""
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, err
+    lines = [line for line in err.splitlines() if line.startswith("eaglet: ")]
+    assert len(lines) <= 1, lines
+    return rc, (lines[0] if lines else "")
+
+
+def _config(folder: Path, target: Path | str, data: list[str], **prepare_keys) -> Path:
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": "run"}, "target": {"path": str(target)},
+                                    "prepare": {"data": data, **prepare_keys}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_target(tmp_path_factory.mktemp("target") / "t", template="chatml")
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path, target_dir, monkeypatch, capsys):
+    """Data, chat template and run folder named relative to the config file, run from elsewhere."""
+    folder = tmp_path / "project"
+    write_jsonl(folder / "data" / "d.jsonl", [good(q=f"Question {i}?") for i in range(3)])
+    (folder / "t.jinja").write_text(CHATML_TEMPLATE)
+    path = _config(folder, target_dir, ["data/d.jsonl"])
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text())
+    cfg["target"]["chat_template"] = "t.jinja"
+    path.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, line = _cli(capsys, "prepare", path, "--skip-preflight")
+    assert (rc, line) == (0, "")
+    assert PreparedData(folder / "run" / "prepare").files == [str(folder / "data" / "d.jsonl")]
+    assert not (tmp_path / "elsewhere" / "run").exists()
+
+
+def test_files_without_a_usable_record_are_named_in_one_line(tmp_path, target_dir, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}, {"conversations": [{"from": "human", "value": "q"}]}])
+    write_jsonl(tmp_path / "good.jsonl", [good()])
+    files = ["empty.jsonl", "good.jsonl", "blank.jsonl", "bad.jsonl"]
+    rc, line = _cli(capsys, "prepare", _config(tmp_path, target_dir, files), "--skip-preflight")
+    assert rc == 4
+    assert line == (
+        f"eaglet: prepare.data: {tmp_path / 'empty.jsonl'}: no records (the file is empty or holds only blank lines), "
+        f"{tmp_path / 'blank.jsonl'}: no records (the file is empty or holds only blank lines), "
+        f"{tmp_path / 'bad.jsonl'}: no usable record (2 read; skipped: no_assistant_turn=1, not_a_conversation=1); "
+        f"fix the files or remove them from prepare.data; the reason of each skipped record is in "
+        f"{tmp_path / 'run' / 'prepare' / 'skipped.jsonl'}")
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("empty.json", "", "a .json file must hold one JSON array (found an empty file)"),
+    ("empty.parquet", "", "not a readable Parquet file"),
+    ("text.parquet", "not parquet at all\n", "not a readable Parquet file"),
+])
+def test_unreadable_files_are_input_errors(tmp_path, target_dir, capsys, name, text, words):
+    (tmp_path / name).write_text(text)
+    rc, line = _cli(capsys, "prepare", _config(tmp_path, target_dir, [name]), "--skip-preflight")
+    assert rc == 4 and line.startswith(f"eaglet: prepare.data: {tmp_path / name}: {words}"), line
+
+
+def test_missing_and_folder_data_files(tmp_path, chatml_dir, target_dir, capsys):
+    """The stage's own check (the doctor's and regenerate's too); through the command the pipeline,
+    which fingerprints its input files first, may say it first: one line either way."""
+    (tmp_path / "chats").mkdir()
+    with pytest.raises(InputError) as e:
+        prepare(make_cfg(tmp_path, chatml_dir, [tmp_path / "nope.jsonl"]))
+    assert e.value.message == f"prepare.data: input file not found: {tmp_path / 'nope.jsonl'}"
+    with pytest.raises(InputError) as e:
+        prepare(make_cfg(tmp_path, chatml_dir, [tmp_path / "chats"]))
+    assert e.value.message == f"prepare.data: {tmp_path / 'chats'} is a folder, not a data file"
+    for name, words in (("nope.jsonl", "not found"), ("chats", "folder")):
+        rc, line = _cli(capsys, "prepare", _config(tmp_path, target_dir, [name]), "--skip-preflight")
+        assert rc == 4 and line.startswith("eaglet: prepare.data") and str(tmp_path / name) in line and words in line
+
+
+def test_the_same_file_listed_twice_is_refused(tmp_path, target_dir, capsys):
+    """Also by another spelling of it (a symlink, '..'): its samples would count twice."""
+    data = write_jsonl(tmp_path / "d.jsonl", [good()])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.jsonl").symlink_to(data)
+    for second in ("d.jsonl", "sub/../d.jsonl", str(data)):
+        rc, line = _cli(capsys, "prepare", _config(tmp_path, target_dir, ["d.jsonl", second]), "--skip-preflight")
+        assert (rc, line) == (2, f"eaglet: prepare.data: {data} is listed twice; list each file once"), second
+    rc, line = _cli(capsys, "prepare", _config(tmp_path, target_dir, ["d.jsonl", "link.jsonl"]), "--skip-preflight")
+    assert (rc, line) == (2, f"eaglet: prepare.data: {tmp_path / 'link.jsonl'} is listed twice (the same file as "
+                             f"{data}); list each file once")
+    assert not (tmp_path / "run" / "prepare" / "index.json").exists()
+
+
+def test_missing_target_is_one_line_everywhere_it_is_loaded(tmp_path, capsys, monkeypatch):
+    """prepare (the tokenizer), extract (load_target) and a hub-id-shaped name not in the cache."""
+    from eaglet.config import TargetSection
+    from eaglet.targets.load import load_target, target_source
+
+    data = write_jsonl(tmp_path / "d.jsonl", [good()])
+    missing = tmp_path / "models" / "gone"
+    tail = " (a local model folder, or a hub id already in the local cache); "
+    rc, line = _cli(capsys, "prepare", _config(tmp_path, missing, [str(data)]), "--skip-preflight")
+    assert rc == 4 and line.startswith(f"eaglet: target.path: folder not found: {missing}{tail}"), line
+    rc, line = _cli(capsys, "prepare", _config(tmp_path, "nobody/no-such-model", [str(data)]), "--skip-preflight")
+    assert rc == 4 and line.startswith(f"eaglet: target.path: folder not found: nobody/no-such-model{tail}"), line
+    with pytest.raises(InputError, match=f"target.path: folder not found: {missing}"):
+        load_target(TargetSection(path=str(missing)))
+    with pytest.raises(InputError, match="target.tokenizer: folder not found: /no/tok"):
+        target_source(TargetSection(path=str(tmp_path), tokenizer="/no/tok"), "tokenizer")
+    with pytest.raises(InputError, match="is a file, not a model folder"):
+        target_source(TargetSection(path=str(data)))
+    with pytest.raises(ConfigError, match="target.path is not set"):
+        target_source(TargetSection())
+    # a hub id in the local cache is taken as it is
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert target_source(TargetSection(path="org/tiny")) == "org/tiny"
+    with pytest.raises(InputError, match="org/other"):
+        target_source(TargetSection(path="org/other"))
+
+
+MULTIMODAL = {"messages": [
+    {"role": "user", "content": [{"type": "text", "text": "Look at this."}, {"type": "image_url", "image_url": {"url": "x"}},
+                                 {"type": "text", "text": "What is it?"}]},
+    {"role": "assistant", "content": "A cat."}]}
+
+
+def test_content_that_is_not_text_and_multimodal_parts(tmp_path, chatml_dir, chatml_tok):
+    records = [good(), MULTIMODAL, {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "a"}]},
+               {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+                             {"role": "assistant", "content": "Hello."}]}]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data]))
+    assert stats["skipped"] == {"multimodal_content": 1, "content_not_text": 1} and stats["samples"] == 2
+    assert {s["row"]: s["reason"] for s in read_skipped(out)} == {2: "multimodal_content", 3: "content_not_text"}
+    texts = [chatml_tok.decode(s.input_ids.tolist()) for s in PreparedData(out)]
+    assert "Hi\nthere" in texts[1]
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data], multimodal="text"))
+    assert stats["skipped"] == {"content_not_text": 1} and stats["samples"] == 3
+    sample = next(s for s in PreparedData(out) if s.source_row == 2)
+    expected = chatml_tok.apply_chat_template(
+        [{"role": "user", "content": "Look at this.\nWhat is it?"}, {"role": "assistant", "content": "A cat."}],
+        tokenize=True, return_dict=False)
+    assert sample.input_ids.tolist() == expected
+
+
+def test_most_records_failing_in_the_template_call_stops_prepare(tmp_path, target_dir, capsys):
+    """A reason that is not the data's (template_error) stops the stage once it is most records;
+    data reasons, and a few template errors, never do."""
+    import yaml
+
+    records = [good(q="RAISE now") if i % 5 < 3 else good(q=f"Q{i}") for i in range(30)]  # 18 of 30
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    (tmp_path / "tricky.jinja").write_text(TRICKY_TEMPLATE)
+    path = _config(tmp_path, target_dir, [str(data)])
+    cfg = yaml.safe_load(path.read_text())
+    cfg["target"]["chat_template"] = "tricky.jinja"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, line = _cli(capsys, "prepare", path, "--skip-preflight")
+    assert rc == 4, line
+    assert line == (f"eaglet: prepare stopped: 8 of the 12 records read failed with template_error, which is not the "
+                    f"data's fault but the chat template's call (a library change, or a broken template), e.g. "
+                    f"{tmp_path / 'd.jsonl'}:line 12: TemplateError: turn says RAISE; run `eaglet doctor CONFIG` to find "
+                    "the changed library API, or correct target.chat_template")
+
+    few = [good(q="RAISE now") if i % 5 == 0 else good(q=f"Q{i}") for i in range(30)]  # 6 of 30
+    write_jsonl(tmp_path / "d.jsonl", few)
+    assert _cli(capsys, "prepare", path, "--skip-preflight") == (0, "")
+    empty = [good(q=" ") if i % 3 else good() for i in range(30)]  # 20 of 30 empty_content: the data's
+    write_jsonl(tmp_path / "d.jsonl", empty)
+    assert _cli(capsys, "prepare", path, "--skip-preflight") == (0, "")
+    stats = read_manifest(tmp_path / "run" / "prepare")["stats"]
+    assert stats["samples"] == 10 and stats["skipped"] == {"empty_content": 20}

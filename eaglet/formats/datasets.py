@@ -11,7 +11,12 @@ Every reader yields `(row, record_or_error)`: a record that cannot be read (a ma
 line, a broken array) comes out as a `RecordError` in its place instead of stopping the
 run, so `prepare` can count it, report it by file and row, and go on. Records are then
 normalised by `normalize_record` from the ShareGPT (`conversations` of {from, value}) or
-OpenAI (`messages` of {role, content}) shape into plain `[{"role", "content"}]` lists.
+OpenAI (`messages` of {role, content}) shape into plain `[{"role", "content"}]` lists; a
+content given as a list of parts ({type: text, text}, {type: image_url, ...}) becomes its text
+parts joined by newlines, or the record is skipped as multimodal (`prepare.multimodal`).
+
+A file that cannot be read at all (missing, a folder, not the kind its extension says) is an
+InputError naming it, raised before any record of any file is read (`check_data_files`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..config import ConfigError
+from ..errors import InputError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
@@ -30,6 +36,8 @@ MALFORMED_JSON = "malformed_json"
 NOT_A_CONVERSATION = "not_a_conversation"
 UNKNOWN_ROLE = "unknown_role"
 EMPTY_CONTENT = "empty_content"
+CONTENT_NOT_TEXT = "content_not_text"
+MULTIMODAL_CONTENT = "multimodal_content"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 
 SHAREGPT_ROLES = {
@@ -60,14 +68,33 @@ class RecordError(Exception):
 def check_data_file(path: str | Path) -> Path:
     """The file exists and has an extension we can read; raise otherwise, naming it."""
     p = Path(path)
+    if p.is_dir():
+        raise InputError(f"prepare.data: {p} is a folder, not a data file",
+                         fix=f"list its files ({', '.join(EXTENSIONS)}) in prepare.data one by one")
     if p.suffix.lower() not in EXTENSIONS:
         raise ConfigError(
             f"prepare.data: {p}: unknown file type '{p.suffix}' "
             f"(expected {', '.join(EXTENSIONS)}; a .json file must hold one JSON array, use .jsonl for one record per line)"
         )
     if not p.is_file():
-        raise FileNotFoundError(f"prepare.data: input file not found: {p}")
+        raise InputError(f"prepare.data: input file not found: {p}",
+                         fix="correct the path (a relative one is taken against the config file's folder)")
     return p
+
+
+def check_data_files(paths: list[str]) -> list[Path]:
+    """`check_data_file` of each, and no file listed twice (also not by two spellings of it:
+    its samples would count twice)."""
+    checked, seen = [], {}
+    for f in paths:
+        p = check_data_file(f)
+        real = p.resolve()
+        if real in seen:
+            same = f" (the same file as {seen[real]})" if str(seen[real]) != str(p) else ""
+            raise ConfigError(f"prepare.data: {p} is listed twice{same}", fix="list each file once")
+        seen[real] = p
+        checked.append(p)
+    return checked
 
 
 def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[Row]:
@@ -92,10 +119,16 @@ def read_jsonl(path: str | Path) -> Iterator[Row]:
 
 def read_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[Row]:
     """Rows as dicts, one row batch in memory at a time (nested lists/structs become lists/dicts)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = 0
-    with pq.ParquetFile(path) as pf:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:  # empty, cut short, or not Parquet
+        raise InputError(f"prepare.data: {path}: not a readable Parquet file ({e})",
+                         fix="check the file, or give it the extension of its format (.jsonl, .json)") from None
+    with pf:
         for batch in pf.iter_batches(batch_size=batch_size):
             for record in batch.to_pylist():
                 yield row, record
@@ -183,7 +216,7 @@ class _JsonArrayStream:
                 first = self._skip_ws()
                 if first != "[":
                     found = repr(first) if first else "an empty file"
-                    raise ConfigError(
+                    raise InputError(
                         f"prepare.data: {self.path}: a .json file must hold one JSON array (found {found}); "
                         f"use the .jsonl extension for one record per line"
                     )
@@ -219,11 +252,12 @@ class _JsonArrayStream:
 
 # ---- records ----------------------------------------------------------------------------------
 
-def normalize_record(record: Any, fmt: str = "auto") -> list[Message]:
+def normalize_record(record: Any, fmt: str = "auto", multimodal: str = "drop") -> list[Message]:
     """A ShareGPT or OpenAI record -> [{"role": user|assistant|system, "content": str}].
 
-    Raises RecordError(not_a_conversation | unknown_role | empty_content | no_assistant_turn).
-    `fmt` is 'auto' (decided by which key the record has), 'sharegpt' or 'openai'.
+    Raises RecordError(not_a_conversation | unknown_role | empty_content | content_not_text |
+    multimodal_content | no_assistant_turn). `fmt` is 'auto' (decided by which key the record
+    has), 'sharegpt' or 'openai'; `multimodal` ('drop' or 'text') is prepare.multimodal.
     """
     if not isinstance(record, dict):
         raise RecordError(NOT_A_CONVERSATION, f"record is a {type(record).__name__}, not an object")
@@ -244,14 +278,36 @@ def normalize_record(record: Any, fmt: str = "auto") -> list[Message]:
         role = roles.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
         if role is None:
             raise RecordError(UNKNOWN_ROLE, f"turn {i}: {role_key}={turn.get(role_key)!r} (known: {sorted(roles)})")
-        content = turn.get(content_key)
-        # Whitespace-only content counts as empty: templates often trim it to nothing.
-        if not isinstance(content, str) or not content.strip():
-            raise RecordError(EMPTY_CONTENT, f"turn {i} ({role}): {content_key}={_short(content)}")
+        content = _text(turn.get(content_key), f"turn {i} ({role}): {content_key}", multimodal)
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError(NO_ASSISTANT_TURN, f"{len(messages)} turns, none from the assistant")
     return messages
+
+
+def _is_parts(content: Any) -> bool:
+    """A list of typed parts, as OpenAI's chat format writes multimodal (or split) content."""
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+
+
+def _text(content: Any, where: str, multimodal: str) -> str:
+    """The text of one turn's content (a string, or a list of parts), or the reason it has none."""
+    if _is_parts(content):
+        texts = [p.get("text") for p in content if p["type"] == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise RecordError(CONTENT_NOT_TEXT, f"{where}: a text part without a string 'text' ({_short(content)})")
+        others = sorted({p["type"] for p in content if p["type"] != "text"})
+        if others and (multimodal == "drop" or not texts):
+            keep = "; prepare.multimodal=text keeps the text parts" if texts else ", no text part"
+            raise RecordError(MULTIMODAL_CONTENT, f"{where}: parts of type {', '.join(others)}{keep}")
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str) and content != []:
+        raise RecordError(CONTENT_NOT_TEXT, f"{where}={_short(content)} is of type {type(content).__name__}, not text")
+    # Missing, None or whitespace-only content counts as empty: templates often trim it to nothing.
+    if not isinstance(content, str) or not content.strip():
+        raise RecordError(EMPTY_CONTENT, f"{where}={_short(content)}")
+    return content
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -7,7 +7,11 @@ target's chat template and derives its loss mask (see eaglet.targets.chat), appl
 `max_length` overflow rule and writes the samples with `PreparedWriter` into the stage
 folder. No record is silently lost: each one becomes a sample or a line of `skipped.jsonl`
 ({"file", "row", "reason", "detail"}), so records == samples + sum(skipped) in the stats.
-A file that yields no sample at all is an error (most often the wrong template or format).
+A file that yields no sample at all (empty, blank lines only, or no usable record) is an
+error naming every such file with its counts by reason, once all files are read. Bad data
+never stops the stage, but a reason that is not the data's (`template_error`: the template
+call raised, most often because a library changed) does once it is most of the records read
+(more than half, and at least STOP_MIN): it stops with the count, an example and the fix.
 
 With `prepare.num_workers` > 0 rendering runs in a spawn-started process pool, each
 worker loading the tokenizer once; results come back in input order, so sample ids and
@@ -24,9 +28,11 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..targets.chat import Outcome, Settings, check_fast_tokenizer, load_tokenizer, mask_method, process_record, resolve_chat_template
+from ..targets.chat import (Outcome, Settings, TemplateError, check_fast_tokenizer, load_tokenizer, mask_method,
+                            process_record, resolve_chat_template)
 from ..config import Config, ConfigError, TargetSection
-from ..formats.datasets import Row, check_data_file, iter_records
+from ..errors import InputError
+from ..formats.datasets import Row, check_data_files, iter_records
 from .context import StageContext
 from ..formats.prepared import PreparedWriter
 from ..utils import log
@@ -36,6 +42,10 @@ SKIPPED = "skipped.jsonl"
 # the pool in windows so a huge file is never queued whole.
 CHUNK = 32
 WINDOW_CHUNKS_PER_WORKER = 8
+# Skip reasons that are not the data's fault: prepare stops when one of them is more than half of
+# the records read and at least STOP_MIN of them (a few records a template refuses do not stop it).
+NOT_DATA_REASONS = (TemplateError.reason,)
+STOP_MIN = 8
 
 
 # ---- in process or in a pool --------------------------------------------------------------------
@@ -83,35 +93,56 @@ def _counts(c: Counter) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(c.items())) or "none"
 
 
+def _check_not_data(reason: str, bad: Counter, records: int, example: str) -> None:
+    """Stop when a reason that is not the data's is most of the records read so far."""
+    if reason in NOT_DATA_REASONS and bad[reason] >= STOP_MIN and 2 * bad[reason] > records:
+        raise InputError(
+            f"prepare stopped: {bad[reason]} of the {records} records read failed with {reason}, which is not the "
+            f"data's fault but the chat template's call (a library change, or a broken template), e.g. {example[:400]}",
+            fix="run `eaglet doctor CONFIG` to find the changed library API, or correct target.chat_template")
+
+
+def _no_sample_error(empty: list[dict], skipped_path: Path) -> InputError:
+    """The error naming every file that gave no sample, with its counts by reason."""
+    parts = [f"{f['path']}: no records (the file is empty or holds only blank lines)" if not f["records"] else
+             f"{f['path']}: no usable record ({f['records']} read; skipped: {_counts(Counter(f['skipped']))})"
+             for f in empty]
+    fix = "fix the file" + ("s" if len(empty) > 1 else "") + " or remove " + ("them" if len(empty) > 1 else "it") + \
+        " from prepare.data" + (f"; the reason of each skipped record is in {skipped_path}"
+                                if any(f["records"] for f in empty) else "")
+    return InputError("prepare.data: " + ", ".join(parts), fix=fix)
+
+
 def run_prepare(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     p = cfg.prepare
     if not p.data:
-        raise ConfigError("prepare.data: no input files given")
-    if p.max_length < 1:
-        raise ConfigError(f"prepare.max_length must be at least 1, got {p.max_length}")
-    paths = [check_data_file(f) for f in p.data]  # every file checked before any is read
+        raise ConfigError("prepare.data: no input files given", fix="list the chat files (.jsonl, .json, .parquet)")
+    paths = check_data_files(p.data)  # every file checked before any is read
 
     tokenizer = load_tokenizer(cfg.target)
     check_fast_tokenizer(tokenizer)
     template = resolve_chat_template(tokenizer, cfg.target)
     method = mask_method(template)
     log(f"[prepare] loss mask from the chat template by: {method}")
-    settings = Settings(p.format, template, p.max_length, p.overflow, p.min_loss_tokens)
+    settings = Settings.of(p, template)
 
     writer = PreparedWriter(ctx.out_dir, [str(f) for f in p.data], p.shard_samples)
-    skipped: Counter = Counter()
-    files, tokens, loss_tokens, truncated, reported = [], 0, 0, 0, 0
+    skipped: Counter = Counter()  # of the files read so far, the current one included
+    files, tokens, loss_tokens, truncated, reported, read = [], 0, 0, 0, 0, 0
     with open(ctx.out_dir / SKIPPED, "w") as skipped_out, _mapper(tokenizer, cfg.target, settings, p.num_workers) as mapper:
         for k, path in enumerate(paths):
             records, samples, file_skipped = 0, 0, Counter()
             for out in mapper(iter_records(path, p.max_records)):
                 records += 1
+                read += 1
                 if out.reason:
                     file_skipped[out.reason] += 1
+                    skipped[out.reason] += 1
                     skipped_out.write(json.dumps({"file": str(path), "row": out.row, "reason": out.reason, "detail": out.detail}) + "\n")
                     if reported < p.report_examples:
                         log(f"[prepare] skipped {_row_label(path, out.row)}: {out.reason}: {out.detail}")
                         reported += 1
+                    _check_not_data(out.reason, skipped, read, f"{_row_label(path, out.row)}: {out.detail}")
                     continue
                 writer.add(out.input_ids, out.loss_mask, k, out.row)
                 samples += 1
@@ -119,13 +150,10 @@ def run_prepare(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                 loss_tokens += int(out.loss_mask.sum())
                 truncated += out.truncated
             log(f"[prepare] {path}: {records} records -> {samples} samples; skipped: {_counts(file_skipped)}")
-            if samples == 0:
-                raise ValueError(
-                    f"{path}: no usable record ({records} read; skipped: {_counts(file_skipped)}); "
-                    f"the reasons per row are in {ctx.out_dir / SKIPPED}"
-                )
-            skipped += file_skipped
             files.append({"path": str(path), "records": records, "samples": samples, "skipped": dict(file_skipped)})
+    empty = [f for f in files if f["samples"] == 0]
+    if empty:
+        raise _no_sample_error(empty, ctx.out_dir / SKIPPED)
     index = writer.close()
 
     n_skipped = sum(skipped.values())

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError, TargetSection
+from ..config import ConfigError, PrepareSection, TargetSection
+from ..errors import InputError
 from ..formats.datasets import RecordError, normalize_record
-from .load import hub_kwargs
+from .load import hub_kwargs, target_source
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -65,7 +66,7 @@ def load_tokenizer(target: TargetSection) -> Any:
     """The target's tokenizer (from `target.tokenizer`, else `target.path`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(target.tokenizer or target.path, **hub_kwargs(target))
+    return AutoTokenizer.from_pretrained(target_source(target, "tokenizer"), **hub_kwargs(target))
 
 
 def resolve_chat_template(tokenizer: Any, target: TargetSection) -> str:
@@ -73,7 +74,8 @@ def resolve_chat_template(tokenizer: Any, target: TargetSection) -> str:
     if target.chat_template:
         path = Path(target.chat_template)
         if not path.is_file():
-            raise FileNotFoundError(f"target.chat_template: file not found: {path}")
+            raise InputError(f"target.chat_template: file not found: {path}",
+                             fix="correct the path (a relative one is taken against the config file's folder)")
         return path.read_text()
     try:
         return tokenizer.get_chat_template()
@@ -196,6 +198,12 @@ class Settings:
     max_length: int
     overflow: str
     min_loss_tokens: int
+    multimodal: str = "drop"
+
+    @classmethod
+    def of(cls, p: PrepareSection, chat_template: str) -> "Settings":
+        """The settings of the prepare section `p`, with the template in use."""
+        return cls(p.format, chat_template, p.max_length, p.overflow, p.min_loss_tokens, p.multimodal)
 
 
 @dataclass
@@ -215,7 +223,7 @@ def process_record(row: int, item: dict[str, Any] | RecordError, tokenizer: Any,
     if isinstance(item, RecordError):
         return Outcome(row, reason=item.reason, detail=item.detail)
     try:
-        messages = normalize_record(item, s.fmt)
+        messages = normalize_record(item, s.fmt, s.multimodal)
         ids, mask = render_with_mask(tokenizer, messages, s.chat_template)
     except RecordError as e:
         return Outcome(row, reason=e.reason, detail=e.detail)

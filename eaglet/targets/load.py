@@ -1,6 +1,8 @@
 """Loading the target model and finding the parts extraction hooks into.
 
-`load_target` turns the `target` config section into a transformers model in eval mode.
+`load_target` turns the `target` config section into a transformers model in eval mode;
+`target_source` is what every read of the target's files (config, tokenizer, weights) is
+given: an existing folder or a hub id in the local cache, else one line naming the key.
 `TargetParts` names the pieces of a causal LM that the rest of eaglet uses: the decoder
 stack (the base model without the LM head), its layer list, the final norm, the LM head
 and the token embedding, and what the family's embedding and head compute besides a lookup
@@ -16,12 +18,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import TargetSection
+from ..config import HUB_ID, ConfigError, TargetSection
+from ..errors import InputError
 from ..distributed import resolve_device
 from ..utils import DTYPES
 from .families import find_parts
@@ -50,6 +54,39 @@ def build_meta_model(hf_config: Any, trust_remote_code: bool = False) -> nn.Modu
         return model_from_config(hf_config, trust_remote_code=trust_remote_code)
 
 
+def target_source(tcfg: TargetSection, key: str = "path") -> str:
+    """The folder or cached hub id that target.`key` names ('path', or 'tokenizer', which falls
+    back to path), checked before transformers sees it (which would say "Repo id must be in
+    the form ..." for a missing folder). ConfigError when unset, InputError when not found."""
+    if key == "tokenizer" and not tcfg.tokenizer:
+        key = "path"
+    name, value = f"target.{key}", getattr(tcfg, key) or ""
+    if not value:
+        raise ConfigError(f"{name} is not set", fix="set it to a local Hugging Face model folder, or a hub id already "
+                          "in the local cache")
+    if Path(value).is_dir():
+        return value
+    if Path(value).exists():
+        raise InputError(f"{name}: {value} is a file, not a model folder",
+                         fix=f"set {name} to the folder that holds it" + (" (and target.gguf_file to its name)"
+                                                                         if value.endswith(".gguf") else ""))
+    if HUB_ID.fullmatch(value) and _in_hub_cache(value, tcfg.revision):
+        return value
+    raise InputError(f"{name}: folder not found: {value} (a local model folder, or a hub id already in the local cache)",
+                     fix=f"correct {name}; a relative path in a config file is taken against the file's folder")
+
+
+def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
+    """Whether the local hub cache holds a snapshot of `repo_id` at `revision` (no network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, or not a valid id: either way not there
+        return False
+    return True
+
+
 def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
     """The from_pretrained options every read of the target's files shares (config,
     tokenizer, weights): remote code only when opted in, a revision, a GGUF file."""
@@ -75,8 +112,7 @@ def load_target(tcfg: TargetSection, tp_plan: str | None = None) -> tuple[nn.Mod
     """
     from transformers import AutoModelForCausalLM
 
-    if not tcfg.path:
-        raise ValueError("target.path is empty: set it to a local Hugging Face model folder")
+    source = target_source(tcfg)
     kwargs: dict[str, Any] = {"dtype": "auto" if tcfg.dtype == "auto" else DTYPES[tcfg.dtype], **hub_kwargs(tcfg)}
     if tcfg.attn_implementation is not None:
         kwargs["attn_implementation"] = tcfg.attn_implementation
@@ -103,7 +139,7 @@ def load_target(tcfg: TargetSection, tp_plan: str | None = None) -> tuple[nn.Mod
         move_after = device.type != "cpu"
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(tcfg.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except ValueError as e:
         if not _is_unmapped_config(e):
             raise
@@ -111,7 +147,7 @@ def load_target(tcfg: TargetSection, tp_plan: str | None = None) -> tuple[nn.Mod
         # its image-text-to-text class holds the same text decoder and LM head.
         from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText.from_pretrained(tcfg.path, **kwargs)
+        model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
     if move_after:
         model = model.to(device)
     model.eval()
