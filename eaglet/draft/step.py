@@ -185,14 +185,42 @@ def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim
     return lr
 
 
-def lr_lambda(tc: TrainSection, total_steps: int):
-    def f(step: int) -> float:
+def lr_lambda(tc: TrainSection, total_steps: int, segments: list[dict[str, Any]] | None = None):
+    """The learning rate of step `step` (0-based) as a fraction of `train.lr`: linear warmup over
+    `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`.
+
+    `segments`: the schedule of a run lengthened by `eaglet train --extend` (kept in its
+    checkpoints), in order: the first {"start": 0, "total": T0} is the schedule above for T0
+    steps; each later {"start": S, "total": T, "from_ratio": r} holds from step S on, decaying
+    with the same cosine from r, the ratio of step S-1 (the last one run before the extension),
+    to min_lr_ratio at T: the steps already run keep their rate, and the rate never rises again.
+    A segment without from_ratio (an extension before the warmup ended) is the first kind for T."""
+    def base(step: int, total: int) -> float:
         if step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
-        span = max(total_steps - tc.warmup_steps, 1)
+        span = max(total - tc.warmup_steps, 1)
         progress = min((step - tc.warmup_steps) / span, 1.0)
         return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    segs = segments or [{"start": 0, "total": total_steps}]
+
+    def f(step: int) -> float:
+        seg = next((s for s in reversed(segs) if s["start"] <= step), segs[0])
+        if seg.get("from_ratio") is None:
+            return base(step, seg["total"])
+        before = seg["start"] - 1  # the step whose rate the segment starts from
+        progress = min((step - before) / max(seg["total"] - before, 1), 1.0)
+        return tc.min_lr_ratio + (seg["from_ratio"] - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
+
+
+def extend_schedule(tc: TrainSection, segments: list[dict[str, Any]], step: int, total_steps: int
+                    ) -> list[dict[str, Any]]:
+    """`segments` (see lr_lambda) lengthened at `step` (the steps run so far) to `total_steps`."""
+    if step <= tc.warmup_steps:  # the decay has not begun: the schedule of the new total, as a fresh run has
+        return [*segments, {"start": step, "total": total_steps}]
+    ratio = lr_lambda(tc, segments[-1]["total"], segments)(step - 1)
+    return [*segments, {"start": step, "total": total_steps, "from_ratio": ratio}]
 
 
 class Sums:

@@ -4,11 +4,16 @@
         model.safetensors    the trained weights, full (unsharded), without the frozen embedding
         optimizer.pt         torch.save of the optimizer's state dict (read back with weights_only=True)
         rng.safetensors      torch_cpu, torch_cuda_{i}: the RNG states
-        state.json           step, epoch, micro (the next micro-batch of the epoch plan),
-                             fingerprint, world_size, parallel, scheduler
+        state.json           format, step, epoch, micro (the next micro-batch of the epoch plan),
+                             fingerprint, settings, schedule, world_size, parallel, scheduler
+        checksums.json       sha256 and size of each of the four files above
 
-A checkpoint is written into a temporary folder, fsynced and renamed, so a kill leaves the
-newest complete one; `keep_last` of them are kept.
+A checkpoint is written into a temporary folder, checksummed, fsynced and renamed, so a kill
+leaves the newest complete one; `keep_last` of them (at least one) are kept. Reading verifies
+the checksums and that every weight and optimizer value is finite: a checkpoint that fails is
+named with the reason (CorruptCheckpointError) and `newest_intact` goes on to the one before.
+A checkpoint written before checksums (no checksums.json, no `format` in state.json) is read
+unverified; `Checkpoint.verified` says so.
 """
 
 from __future__ import annotations
@@ -16,18 +21,50 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..utils import atomic_write_json, fsync_dir
+from ..errors import CorruptDataError
+from ..utils import atomic_write_json, fsync_dir, sha256_file
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"
+CHECKSUM_FILE = "checksums.json"
+CHECKSUMMED = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
+FORMAT = 2  # state.json's `format`: 2 has checksums.json (a state.json without `format` came before it)
+
+
+class CorruptCheckpointError(CorruptDataError):
+    """A checkpoint that fails its checksums, cannot be read, or holds non-finite values."""
+
+    def __init__(self, folder: Path, reason: str):
+        self.folder, self.reason = folder, reason
+        super().__init__(f"checkpoint {folder.name} is corrupt ({reason})")
+
+    def __reduce__(self):  # raised across ranks: rebuilt from its own arguments
+        return type(self), (self.folder, self.reason)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: its state.json, and its weights and optimizer state when asked for."""
+
+    folder: Path
+    state: dict[str, Any]
+    verified: bool  # its checksums matched (False: written before checkpoints had them)
+    model: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -51,10 +88,19 @@ def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in state.items() if k != "embed_tokens.weight"}
 
 
+def _checksums(folder: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """{name: {"sha256", "bytes"}} of files in `folder`, hashed on one thread each (hashlib
+    releases the GIL: a large optimizer.pt and model.safetensors are read side by side)."""
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        digests = list(pool.map(lambda n: sha256_file(folder / n), names))
+    return {n: {"sha256": d, "bytes": (folder / n).stat().st_size} for n, d in zip(names, digests)}
+
+
 def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
                     sched: torch.optim.lr_scheduler.LRScheduler, state: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint `step` atomically (a temporary folder renamed), keep the last `keep_last`.
-    `model_state` and `optim_state` are full (unsharded): see Parallel.full_state."""
+    """Write checkpoint `step` atomically (a temporary folder, checksummed, renamed), keep the
+    last `keep_last` (at least this one). `model_state` and `optim_state` are full (unsharded):
+    see Parallel.full_state."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step:07d}"
     tmp = folder / f".tmp-step-{step:07d}"
@@ -63,7 +109,8 @@ def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor
     save_file(trainable_state(model_state), str(tmp / MODEL_FILE))
     torch.save(optim_state, tmp / OPTIMIZER_FILE)
     save_file(_rng_state(), str(tmp / RNG_FILE))
-    atomic_write_json(tmp / STATE_FILE, {**state, "step": step, "scheduler": sched.state_dict()})
+    atomic_write_json(tmp / STATE_FILE, {**state, "format": FORMAT, "step": step, "scheduler": sched.state_dict()})
+    atomic_write_json(tmp / CHECKSUM_FILE, {"files": _checksums(tmp, CHECKSUMMED)})
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -71,26 +118,104 @@ def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     fsync_dir(folder)
-    for old in sorted(p for p in folder.glob("step-*") if p.is_dir())[:-keep_last or None]:
+    for old in checkpoints(folder)[max(keep_last, 1):]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    done = sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file())
-    return done[-1] if done else None
+def checkpoints(folder: Path) -> list[Path]:
+    """The `step-*` checkpoint folders in `folder`, newest first (unfinished ones are `.tmp-*`)."""
+    return sorted((p for p in folder.glob("step-*") if p.is_dir()), reverse=True)
 
 
-def read_state(folder: Path) -> dict[str, Any]:
-    """A checkpoint's state.json."""
-    return json.loads((folder / STATE_FILE).read_text())
+def verify(folder: Path) -> bool:
+    """Check checkpoint `folder`'s files against its checksums.json: True when they match,
+    False for a checkpoint written before checksums; raises CorruptCheckpointError otherwise."""
+    sums_path, state_path = folder / CHECKSUM_FILE, folder / STATE_FILE
+    if not sums_path.is_file():
+        try:
+            legacy = "format" not in json.loads(state_path.read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
+        if legacy:
+            return False
+        raise CorruptCheckpointError(folder, f"{CHECKSUM_FILE}: missing")
+    try:
+        want = json.loads(sums_path.read_text())["files"]
+        want = {n: (want[n]["sha256"], int(want[n]["bytes"])) for n in CHECKSUMMED}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(folder, f"{CHECKSUM_FILE}: unreadable ({type(e).__name__})") from e
+    present = []
+    for name, (_, size) in want.items():
+        path = folder / name
+        if not path.is_file():
+            raise CorruptCheckpointError(folder, f"{name}: missing")
+        if path.stat().st_size != size:
+            raise CorruptCheckpointError(folder, f"{name}: {path.stat().st_size} bytes, {size} written")
+        present.append(name)
+    got = _checksums(folder, tuple(present))
+    for name in present:
+        if got[name]["sha256"] != want[name][0]:
+            raise CorruptCheckpointError(folder, f"{name}: sha256 mismatch")
+    return True
 
 
-def read_weights(folder: Path, device: torch.device | str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(trained weights, optimizer state dict) of a checkpoint, on `device`."""
-    model_state = load_file(str(folder / MODEL_FILE), device=str(device))
-    optim_state = torch.load(folder / OPTIMIZER_FILE, map_location=device, weights_only=True)
-    return model_state, optim_state
+def _first_nonfinite(obj: Any, where: str = "") -> str | None:
+    """The name of the first floating tensor in `obj` (nested dicts and lists) with a NaN or inf."""
+    if isinstance(obj, torch.Tensor):
+        return where if obj.is_floating_point() and not bool(torch.isfinite(obj).all()) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        bad = _first_nonfinite(v, f"{where}.{k}" if where else str(k))
+        if bad is not None:
+            return bad
+    return None
+
+
+def read_checkpoint(folder: Path, device: torch.device | str | None = None, check: bool = True) -> Checkpoint:
+    """Checkpoint `folder`: its state, and with `device` its weights and optimizer state there.
+    `check`: verify the checksums and that every weight and optimizer value is finite first (the
+    rank that picked the checkpoint does; the others read what it checked). Raises
+    CorruptCheckpointError naming the file and what is wrong."""
+    verified = verify(folder) if check else True
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
+    ckpt = Checkpoint(folder, state, verified)
+    if device is None:
+        return ckpt
+    reads = [(MODEL_FILE, lambda p: load_file(str(p), device=str(device))),
+             (OPTIMIZER_FILE, lambda p: torch.load(p, map_location=device, weights_only=True))]
+    if check:
+        reads.append((RNG_FILE, lambda p: load_file(str(p))))
+    for name, read in reads:
+        try:
+            value = read(folder / name)
+        except Exception as e:  # noqa: BLE001 - any failure to read a file is the file's damage
+            raise CorruptCheckpointError(folder, f"{name}: unreadable ({type(e).__name__}: {str(e)[:120]})") from e
+        bad = _first_nonfinite(value) if check else None
+        if bad is not None:
+            raise CorruptCheckpointError(folder, f"{name}: non-finite values in {bad}")
+        if name == MODEL_FILE:
+            ckpt.model = value
+        elif name == OPTIMIZER_FILE:
+            ckpt.optimizer = value
+    return ckpt
+
+
+def newest_intact(folder: Path, device: torch.device | str | None = None
+                  ) -> tuple[Checkpoint | None, list[CorruptCheckpointError]]:
+    """(the newest checkpoint in `folder` that reads back intact, with its weights on `device`,
+    or None; the newer ones that did not, newest first)."""
+    corrupt = []
+    for path in checkpoints(folder):
+        try:
+            return read_checkpoint(path, device), corrupt
+        except CorruptCheckpointError as e:
+            corrupt.append(e)
+    return None, corrupt
 
 
 def restore_rng(folder: Path) -> None:

@@ -9,10 +9,14 @@ the target's LM head on the stored final state, restricted to the draft vocabula
 
 Everything a resume needs is in a checkpoint folder written atomically every
 `train.ckpt_every` steps: trainable weights, optimizer and scheduler state, the data
-position and the RNG states. A killed run started again continues from the last
-checkpoint and produces the same losses as an uninterrupted run. Checkpoints carry a
-fingerprint of the model, data and vocabulary; a resume whose fingerprint differs is
-refused with the keys that differ.
+position and the RNG states, with checksums (eaglet/formats/checkpoints.py). A killed run
+started again continues from the newest intact checkpoint (a corrupt one is named and passed
+over) and produces the same losses as an uninterrupted run. Checkpoints carry a fingerprint
+of everything that sets the trajectory (the model, the data, the vocabulary, run.seed and
+every train.* setting but RESUME_SAFE_KEYS); a resume whose fingerprint differs is refused
+with the keys that differ (ResumeError). `--force` starts afresh, the old run moved to
+`previous-N/`; `--extend` continues to a raised train.epochs or train.max_steps, the learning
+rate decaying on from where it was (draft/step.py `lr_lambda`).
 
 Outputs in the stage folder: `log.jsonl` (one line per logged step, eval lines with
 "split": "eval"), TensorBoard events in `tb/`, `checkpoints/step-NNNNNNN/`, and
@@ -42,14 +46,15 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ..config import Config
-from ..distributed import barrier, init_distributed, resolve_device
+from ..config import Config, TrainSection
+from ..distributed import barrier, init_distributed, resolve_device, run_on_main
 from ..draft.attention import compile_flex_attention, resolve_attn_impl
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
-from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda,
-                          micro_batch, optimizer_step, resolve_compile)
-from ..formats.checkpoints import latest_checkpoint, read_state, read_weights, restore_rng, save_checkpoint
+from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
+                          freeze_survivors, lr_lambda, micro_batch, optimizer_step, resolve_compile)
+from ..errors import CorruptDataError, ResumeError
+from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, open_verified, read_target_config
@@ -61,6 +66,8 @@ from .online import OnlineStates, is_online
 from .train_data import VocabMaskCache, epoch_plan, load_batch, pack, split_ids
 
 CKPT_DIR = "checkpoints"
+LOG_FILE = "log.jsonl"
+TB_DIR = "tb"
 
 
 # ---- the draft and its teacher -------------------------------------------------------------------
@@ -104,26 +111,91 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+# The train.* settings a resume may change. They set what is logged, evaluated and kept, or how
+# the same sums are computed: the device, the parallel strategy, compilation, the attention
+# kernel and the teacher's chunking each move the numbers by float rounding only (tests hold
+# each to its reference), where every other setting changes the trajectory itself. The
+# precision is compared as resolved (bf16 or fp32), since `auto` follows the device;
+# train.grad_accum as micro-batches per step (grad_accum x world size), which is what it sets.
+RESUME_SAFE_KEYS = ("log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
+                    "device", "parallel", "compile", "attn_impl", "teacher_chunk")
+# The trajectory settings `eaglet train --extend` may raise: a longer schedule (Trainer._pick).
+EXTEND_KEYS = ("train.epochs", "train.max_steps")
+# Fingerprint keys of checkpoints written before every trajectory setting was in the fingerprint.
+_OLD_KEYS = {"data.grad_accum": "data.micro_batches_per_step", "data.max_tokens": "train.max_tokens",
+             "data.eval_fraction": "train.eval_fraction", "data.seed": "run.seed"}
+
+
+def uses_bf16(tc: TrainSection, device: torch.device) -> bool:
+    return tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+
+
+def _jsonable(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as it reads back from state.json, so that a comparison with a checkpoint's holds."""
+    return json.loads(json.dumps(obj, default=str))
+
+
 def fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, cfg: Config,
-                world_size: int = 1) -> dict[str, Any]:
+                world_size: int = 1, device: torch.device | None = None) -> dict[str, Any]:
     """What a checkpoint may only be resumed with: the model's shape, the data (and how it is
-    cut into optimizer steps: micro-batches per step, not the world size), the vocabulary."""
+    cut into optimizer steps: micro-batches per step, not the world size), the vocabulary,
+    run.seed and every train.* setting but RESUME_SAFE_KEYS."""
     fp = {f"model.{k}": v for k, v in model.config.to_dict().items()}
     fp["data.store"] = store.meta.get("input_hash")
     fp["data.samples"] = len(store)
-    fp["data.max_tokens"] = cfg.train.max_tokens
-    fp["data.eval_fraction"] = cfg.train.eval_fraction
-    fp["data.seed"] = cfg.run.seed
     fp["data.micro_batches_per_step"] = cfg.train.grad_accum * world_size
     fp["vocab.d2t"] = _digest(d2t)
-    return fp
+    fp["run.seed"] = cfg.run.seed
+    for k, v in cfg.section("train").items():
+        if k not in RESUME_SAFE_KEYS and k != "grad_accum":
+            fp[f"train.{k}"] = v
+    fp["train.precision"] = "bf16" if uses_bf16(cfg.train, device or resolve_device(cfg.train.device)) else "fp32"
+    return _jsonable(fp)
 
 
-def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    if "data.grad_accum" in old:  # written before torchrun support, by one process
-        old = {**old, "data.micro_batches_per_step": old["data.grad_accum"]}
-        old.pop("data.grad_accum")
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+def resume_settings(cfg: Config, world_size: int = 1) -> dict[str, Any]:
+    """The settings a resume may change (RESUME_SAFE_KEYS and the world size), recorded in each
+    checkpoint so that a resume can say which changed."""
+    train = cfg.section("train")
+    return _jsonable({**{f"train.{k}": train[k] for k in RESUME_SAFE_KEYS}, "world_size": world_size})
+
+
+def old_fingerprint(fp: dict[str, Any]) -> bool:
+    """Whether `fp` was written before the fingerprint held the train.* settings."""
+    return not any(k.startswith("train.") for k in fp)
+
+
+def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (old, new)} of the keys whose values differ. An old fingerprint (`old_fingerprint`)
+    is compared on the keys it has."""
+    before = old_fingerprint(old)
+    old = {_OLD_KEYS.get(k, k): v for k, v in old.items()}
+    keys = set(old) if before else set(old) | set(new)
+    return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
+
+
+def _changes(diff: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+
+
+def previous_dir(out_dir: Path) -> Path:
+    """Where `--force` keeps the run it replaces: <train>/previous-N, N one above any there."""
+    taken = [int(p.name.split("-", 1)[1]) for p in out_dir.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
+    return out_dir / f"previous-{max(taken, default=0) + 1}"
+
+
+def set_aside(out_dir: Path) -> Path | None:
+    """`eaglet train --force`: move the run in `out_dir` (checkpoints, log, TensorBoard, final
+    draft) into previous-N/, so that training starts from step 0 and nothing is deleted."""
+    parts = [out_dir / n for n in (CKPT_DIR, LOG_FILE, TB_DIR, FINAL_DIR) if (out_dir / n).exists()]
+    if not parts:
+        return None
+    dest = previous_dir(out_dir)
+    dest.mkdir()
+    for p in parts:
+        p.rename(dest / p.name)
+    log(f"[train] --force: the previous run is kept in {dest}; training from step 0")
+    return dest
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -132,9 +204,10 @@ class MetricLog:
     """log.jsonl (+ TensorBoard when installed)."""
 
     def __init__(self, folder: Path, resume_step: int, tensorboard: bool, enabled: bool = True):
-        self.path = folder / "log.jsonl"
+        self.path = folder / LOG_FILE
         self.enabled = enabled
         self.tb = None
+        self.kept: list[dict[str, Any]] = []
         if not enabled:  # ranks other than 0
             return
         kept = []
@@ -143,11 +216,12 @@ class MetricLog:
         elif self.path.is_file():
             self.path.unlink()
         self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.kept = [json.loads(ln) for ln in kept]
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(folder / "tb"), purge_step=resume_step + 1 if resume_step else None)
+                self.tb = SummaryWriter(str(folder / TB_DIR), purge_step=resume_step + 1 if resume_step else None)
             except ImportError:
                 log("[train] tensorboard not installed: logging to log.jsonl only")
 
@@ -185,7 +259,7 @@ class Trainer:
                                compile=resolve_compile(self.tc.compile, self.device))
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
-        use_bf16 = self.tc.precision == "bf16" or (self.tc.precision == "auto" and self.device.type == "cuda")
+        use_bf16 = uses_bf16(self.tc, self.device)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         self.lengths = dict(zip(store.sample_ids.tolist(), store.lengths.tolist()))
         self.train_ids, self.eval_ids = split_ids(store.sample_ids, self.tc.eval_fraction, cfg.run.seed)
@@ -200,7 +274,9 @@ class Trainer:
         if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
             compile_flex_attention()  # flex_attention is only fast compiled (shapes vary: dynamic)
         self.opt = build_optimizer(self.model, self.tc, strategy, self.device, use_bf16, self.par.compiled)
+        self.schedule: list[dict[str, Any]] = [{"start": 0, "total": self.total_steps}]  # lr_lambda's segments
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
+        self._picked = None  # rank 0: the checkpoint _pick chose, its weights read
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
 
     def _load(self, ids: list[int]) -> Batch:
@@ -244,29 +320,97 @@ class Trainer:
         sums.all_reduce(self.tc.ttt_steps, self.device)
         return sums.metrics()
 
-    def _resume(self, last: Path, fp: dict[str, Any]) -> tuple[int, int, int]:
-        """Load checkpoint `last` (refused when the fingerprint differs); returns (step, epoch, micro)."""
-        state = read_state(last)
+    def _pick(self, ckpt_dir: Path, fp: dict[str, Any], settings: dict[str, Any], extend: bool,
+              where: torch.device | str) -> dict[str, Any] | None:
+        """Rank 0: the checkpoint to resume, the newest intact one, checked against this run (its
+        weights stay in self._picked); what every rank needs of it, or None without one."""
+        ckpt, corrupt = newest_intact(ckpt_dir, where)
+        aside = previous_dir(self.out_dir)
+        for i, e in enumerate(corrupt):
+            nxt = (f"trying {corrupt[i + 1].folder.name}" if i + 1 < len(corrupt)
+                   else f"resuming from {ckpt.folder.name}" if ckpt is not None else "no older checkpoint")
+            log(f"[train] {e.message}; {nxt}")
+        if ckpt is None:
+            if not corrupt:
+                return None
+            raise CorruptDataError(
+                f"train: no intact checkpoint in {ckpt_dir} ("
+                + ", ".join(f"{e.folder.name}: {e.reason}" for e in corrupt[:4]) + (", ..." if len(corrupt) > 4 else "")
+                + ")", fix=f"start fresh with `eaglet train CONFIG --force` (the old run is kept in {aside}/)")
+        name, state = ckpt.folder.name, ckpt.state
+        if not ckpt.verified:
+            log(f"[train] warning: checkpoint {name} has no checksums (an older eaglet wrote it): resuming it unverified")
+        if old_fingerprint(state["fingerprint"]):
+            log(f"[train] warning: checkpoint {name} records only the model, data and vocabulary: the other train "
+                "settings cannot be compared")
         diff = fingerprint_diff(state["fingerprint"], fp)
-        if diff:
-            raise RuntimeError(
-                f"train: refusing to resume from {last}: the model, data or vocabulary changed:\n  "
-                + "\n  ".join(diff) + self._world_hint(state, fp)
-                + f"\nuse a new run.dir, or delete {last.parent} to start over"
-            )
-        main_only = self.par.strategy == "fsdp" and not self.env.is_main  # fsdp: rank 0 reads, the others receive
-        model_state, optim_state = {}, {}
-        if not main_only:
-            where = "cpu" if self.par.strategy == "fsdp" else self.device
-            model_state, optim_state = read_weights(last, where)
+        other = {k: v for k, v in diff.items() if k not in EXTEND_KEYS}
+        segments = state.get("schedule") or [{"start": 0, "total": self.total_steps}]
+        old_total, step = segments[-1]["total"], ckpt.step
+        where_from = f"train: checkpoint {name} in {ckpt_dir}"
+        force = f"--force to start fresh (the old run is kept in {aside}/)"
+        if other or (diff and not extend):
+            if other:
+                fix = f"rerun with {force}, or restore the settings" + (
+                    " (--extend allows only train.epochs and train.max_steps to change)" if extend or diff != other else "")
+            elif self.total_steps > old_total:
+                fix = f"rerun with --extend to continue to the longer schedule, or {force}"
+            else:
+                fix = f"restore the settings, or rerun with {force}"
+            raise ResumeError(f"{where_from} was made with other settings ({_changes(diff)})"
+                              + self._world_hint(state, fp), fix=fix)
+        extended = self.total_steps != old_total
+        if extended:
+            if not extend or self.total_steps < step or self.total_steps < old_total:
+                raise ResumeError(f"{where_from} is of a run of {old_total} steps; train.epochs and train.max_steps "
+                                  f"give {self.total_steps} now",
+                                  fix=f"raise train.epochs or train.max_steps and rerun with --extend, or {force}")
+            segments = extend_schedule(self.tc, segments, step, self.total_steps)
+            log(f"[train] --extend: {old_total} -> {self.total_steps} steps; from step {step} the learning rate "
+                f"decays on from {self.tc.lr * lr_lambda(self.tc, old_total, segments)(step - 1):.3g}")
+        old_settings = {"world_size": state.get("world_size", 1), **state.get("settings", {})}
+        changed = {k: [old_settings[k], v] for k, v in settings.items() if k in old_settings and old_settings[k] != v}
+        if changed:
+            log("[train] resuming with changed settings that leave the trajectory as it was: "
+                + _changes({k: tuple(v) for k, v in changed.items()}))
+        self._picked = ckpt
+        return {"name": name, "state": {k: v for k, v in state.items() if k != "fingerprint"}, "segments": segments,
+                "extended": extended, "changed": changed, "verified": ckpt.verified,
+                "corrupt": {e.folder.name: e.reason for e in corrupt}}
+
+    def _resume(self, ckpt_dir: Path, fp: dict[str, Any], settings: dict[str, Any], extend: bool
+                ) -> dict[str, Any] | None:
+        """Load the newest intact checkpoint in `ckpt_dir` (refused when the fingerprint differs,
+        see _pick); returns what was resumed, with step, epoch and micro, or None without one."""
+        where = "cpu" if self.par.strategy == "fsdp" else self.device
+        picked = run_on_main(self._pick, ckpt_dir, fp, settings, extend, where)  # rank 0 reads and checks
+        if picked is None:
+            return None
+        folder, state = ckpt_dir / picked["name"], picked["state"]
+        model_state, optim_state = {}, {}  # fsdp: rank 0 reads, the others receive
+        if self.env.is_main:
+            model_state, optim_state = self._picked.model, self._picked.optimizer
+            self._picked = None
+        elif self.par.strategy != "fsdp":
+            ckpt = read_checkpoint(folder, where, check=False)
+            model_state, optim_state = ckpt.model, ckpt.optimizer
         self.par.load_full_state(self.opt, model_state, optim_state)
+        del model_state, optim_state
         self.sched.load_state_dict(state["scheduler"])
-        self.sched.lr_lambdas[0] = lr_lambda(self.tc, self.total_steps)  # state_dict drops the function
-        restore_rng(last)
+        self.schedule = picked["segments"]
+        self.sched.lr_lambdas[0] = lr_lambda(self.tc, self.total_steps, self.schedule)  # state_dict drops the function
+        if picked["extended"]:  # the next step's rate by the new schedule (the optimizer state holds the old one's)
+            lrs = [base * self.sched.lr_lambdas[0](self.sched.last_epoch) for base in self.sched.base_lrs]
+            for group, lr in zip(self.opt.param_groups, lrs):
+                group["lr"] = lr
+            self.sched._last_lr = lrs
+        restore_rng(folder)
         ws = state.get("world_size", 1)
-        log(f"[train] resumed from {last} at step {state['step']}"
+        log(f"[train] resumed from {folder} at step {state['step']}"
             + (f" (written by {ws} ranks, now {self.env.world_size})" if ws != self.env.world_size else ""))
-        return state["step"], state["epoch"], state["micro"] - 1
+        return {"from_step": state["step"], "checkpoint": picked["name"], "epoch": state["epoch"],
+                "micro": state["micro"] - 1, "changed": picked["changed"], "verified": picked["verified"],
+                "corrupt": picked["corrupt"], "schedule": self.schedule}
 
     def _world_hint(self, state: dict[str, Any], fp: dict[str, Any]) -> str:
         old = state["fingerprint"]
@@ -275,11 +419,11 @@ class Trainer:
         if old_m == new_m:
             return ""
         ws = state.get("world_size", 1)
-        hint = (f"\nthe checkpoint was written by {ws} rank(s) x train.grad_accum {old_m // ws} = {old_m} micro-batches "
-                f"per optimizer step; this run has {W} x {self.tc.grad_accum} = {new_m}. ")
+        hint = (f"; the checkpoint was written by {ws} rank(s) x train.grad_accum {old_m // ws} = {old_m} micro-batches "
+                f"per optimizer step, this run has {W} x {self.tc.grad_accum} = {new_m}: ")
         if old_m % W == 0:
-            return hint + f"To resume it on {W} rank(s), set train.grad_accum={old_m // W}."
-        return hint + f"{old_m} micro-batches do not split over {W} ranks: resume on a world size that divides {old_m}."
+            return hint + f"to resume it on {W} rank(s), set train.grad_accum={old_m // W}"
+        return hint + f"{old_m} micro-batches do not split over {W} ranks: resume on a world size that divides {old_m}"
 
     def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
         """A checkpoint, written by rank 0 (every rank gathers its part under fsdp)."""
@@ -290,14 +434,21 @@ class Trainer:
                             self.tc.keep_last)
         barrier()
 
-    def run(self, fp: dict[str, Any]) -> dict[str, Any]:
+    def run(self, fp: dict[str, Any], settings: dict[str, Any] | None = None, extend: bool = False) -> dict[str, Any]:
+        """Train to `total_steps`, resuming from the newest intact checkpoint. `settings`: this
+        run's resume_settings; `extend`: `eaglet train --extend` (a longer schedule may continue)."""
         tc, ckpt_dir, env = self.tc, self.out_dir / CKPT_DIR, self.env
+        settings = settings if settings is not None else {}
         step, epoch, micro = 0, 0, -1
-        last = latest_checkpoint(ckpt_dir)
-        if last is not None:
-            step, epoch, micro = self._resume(last, fp)
+        resumed = self._resume(ckpt_dir, fp, settings, extend)
+        if resumed is not None:
+            step, epoch, micro = resumed["from_step"], resumed["epoch"], resumed.pop("micro")
+            resumed.pop("epoch")
         first_step = step
         metrics = MetricLog(self.out_dir, step, tc.tensorboard, enabled=env.is_main)
+        if resumed is not None and step >= self.total_steps:
+            log(f"[train] {resumed['checkpoint']} is the end of the run ({step} of {self.total_steps} steps): nothing "
+                "to train" + ("; writing the manifest again with the changed settings" if resumed["changed"] else ""))
         self.model.train()
         log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
             f"per epoch; {self.total_steps} steps; device {self.device}"
@@ -309,6 +460,7 @@ class Trainer:
         t_log = time.perf_counter()
         data = self.micro_batches(epoch, micro + 1)
         last_eval = None
+        steps_run = 0  # optimizer steps this process took
         A, W = tc.grad_accum, env.world_size
         while step < self.total_steps:
             for a in range(A):
@@ -321,6 +473,7 @@ class Trainer:
                 sums.add(out, b.tokens)
             lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
+            steps_run += 1
             bar.update(1)
             ran = step - first_step  # steps this process has run (a resumed run compiles again)
             if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
@@ -342,11 +495,20 @@ class Trainer:
                     metrics.write({"split": "eval", "step": step, **last_eval})
             if step % tc.ckpt_every == 0 or step == self.total_steps:
                 # The next micro-batch is plan[micro + 1] of `epoch` (or the next epoch's first).
-                self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp})
+                self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp,
+                                           "settings": settings, "schedule": self.schedule,
+                                           "total_steps": self.total_steps})
         bar.close()
         metrics.close()
-        return {"steps": step, "total_steps": self.total_steps, "eval": last_eval, "world_size": W,
-                "parallel": self.par.strategy, "held_parameters_rank0": self.par.held_parameters()}
+        if last_eval is None and steps_run == 0:  # a finished run resumed: its last evaluation, from the log
+            last_eval = next(({k: v for k, v in r.items() if k not in ("split", "step")} for r in reversed(metrics.kept)
+                              if r.get("split") == "eval"), None)
+        stats = {"steps": step, "total_steps": self.total_steps, "started_at_step": first_step, "steps_run": steps_run,
+                 "eval": last_eval, "world_size": W, "parallel": self.par.strategy,
+                 "held_parameters_rank0": self.par.held_parameters()}
+        if resumed is not None:
+            stats["resumed"] = resumed
+        return stats
 
 
 # ---- the stage ------------------------------------------------------------------------------------
@@ -359,6 +521,8 @@ def open_store(folder: Path) -> StoreReader:
 
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     env = init_distributed(cfg.run.dist_timeout_minutes)
+    if ctx.force:
+        run_on_main(set_aside, ctx.out_dir)
     store = open_store(ctx.upstream["extract"])
     if is_online(store):  # the target runs here, beside the draft (eaglet/stages/online.py)
         store = OnlineStates(store, ctx.upstream["prepare"], cfg.target)
@@ -367,9 +531,9 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     head = store.target_head(device)
     model = build_draft(cfg, store, d2t, t2d, head)
     head.embed = None  # copied into the draft; the host copy is not needed any more
-    fp = fingerprint(model, store, d2t, cfg, env.world_size)
+    fp = fingerprint(model, store, d2t, cfg, env.world_size, device)
     trainer = Trainer(cfg, store, model, head, ctx.out_dir)
-    stats = trainer.run(fp)
+    stats = trainer.run(fp, resume_settings(cfg, env.world_size), extend=ctx.extend)
     state = trainer.par.full_state()
     if env.is_main:
         save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers)

@@ -1,0 +1,316 @@
+"""Resuming training: checkpoints checked before use, and no resume that would mix two runs.
+
+A run killed after its checkpoint of step k is simulated by a copy of an uninterrupted run
+without its later checkpoints, final/ and manifest (what the kill leaves; the log lines past
+step k are dropped by the resume). Every resumed run is held to the uninterrupted one: the
+same final weights, bit for bit (fp32 on the CPU, one thread, one process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_pipeline_upto_vocab, train_on_copy
+from eaglet import pipeline
+from eaglet.config import load_config
+from eaglet.draft.step import extend_schedule, lr_lambda
+from eaglet.errors import CorruptDataError, ResumeError
+from eaglet.formats import checkpoints as ck
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """(tmp, overrides, the uninterrupted run: one epoch of 11 steps, a checkpoint every 2)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    base = tiny_pipeline_upto_vocab(tmp, 20, 7, [
+        "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=256", "train.ttt_steps=2",
+        "train.log_every=1", "train.eval_every=0", "train.ckpt_every=2", "train.keep_last=20",
+        "train.warmup_steps=2", "train.lr=0.001", "train.min_lr_ratio=0.1", "train.tensorboard=false",
+        "train.device=cpu", "train.eval_fraction=0.1"])
+    run, _ = train_on_copy(tmp, base, "clean")
+    return tmp, base, run
+
+
+def _ckpts(run: Path) -> Path:
+    return run / "train" / "checkpoints"
+
+
+def _killed_copy(src: Path, dst: Path, after: int) -> Path:
+    """`src` as a kill just after its checkpoint of step `after` would have left it."""
+    shutil.copytree(src, dst)
+    for p in ck.checkpoints(_ckpts(dst)):
+        if int(p.name.split("-")[1]) > after:
+            shutil.rmtree(p)
+    shutil.rmtree(dst / "train" / "final")
+    (dst / "train" / "manifest.json").unlink()
+    return dst
+
+
+def _train(run: Path, base: list[str], *extra: str, **kw) -> dict:
+    cfg = load_config(None, [f"run.dir={run}", *base, *extra])
+    return pipeline.run_stage(cfg, "train", preflight=False, **kw)["stats"]
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "train" / "final" / "model.safetensors"))
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = _final(a), _final(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def _log(run: Path) -> list[dict]:
+    recs = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["split"] == "train"]
+
+
+def _total(run: Path) -> int:
+    return json.loads((run / "train" / "manifest.json").read_text())["stats"]["total_steps"]
+
+
+def _flip_exponent_bit(path: Path) -> None:
+    """Flip the top exponent bit of the first element of the first fp32 tensor of a safetensors file."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    at = 8 + n + header[name]["data_offsets"][0] + 3  # little endian: the byte of sign and top exponent bits
+    raw[at] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def _rewrite_checksums(folder: Path) -> None:
+    """checksums.json made again for the files as they are now (a damage the checksums cannot see)."""
+    files = {n: {"sha256": hashlib.sha256((folder / n).read_bytes()).hexdigest(), "bytes": (folder / n).stat().st_size}
+             for n in ck.CHECKSUMMED}
+    (folder / ck.CHECKSUM_FILE).write_text(json.dumps({"files": files}))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "flipped_bit": (lambda c: _flip_exponent_bit(c / ck.MODEL_FILE), "model.safetensors: sha256 mismatch"),
+    "truncated_optimizer": (lambda c: _truncate(c / ck.OPTIMIZER_FILE), "optimizer.pt: \\d+ bytes, \\d+ written"),
+    "missing_rng": (lambda c: (c / ck.RNG_FILE).unlink(), "rng.safetensors: missing"),
+    "unreadable_state": (lambda c: (c / ck.STATE_FILE).write_text("{\"step\": 6, "), "state.json: \\d+ bytes, \\d+ written"),
+    "missing_checksums": (lambda c: (c / ck.CHECKSUM_FILE).unlink(), "checksums.json: missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_is_named_and_training_resumes_from_the_one_before(clean, kind, tmp_path, capfd):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    damage, reason = CORRUPTIONS[kind]
+    damage(_ckpts(run) / "step-0000006")
+    stats = _train(run, base)
+    err = capfd.readouterr().err
+    assert f"[train] checkpoint step-0000006 is corrupt ({reason.split(':')[0]}" in err
+    assert "); resuming from step-0000004" in err
+    assert stats["resumed"]["from_step"] == 4 and stats["steps_run"] == _total(ref) - 4
+    import re
+
+    assert re.fullmatch(reason, stats["resumed"]["corrupt"]["step-0000006"])
+    _same_weights(run, ref)
+
+
+def test_non_finite_weights_or_optimizer_state_are_refused_like_corrupt_files(clean, tmp_path, capfd):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    six, four = _ckpts(run) / "step-0000006", _ckpts(run) / "step-0000004"
+    weights = load_file(str(six / ck.MODEL_FILE))
+    name = sorted(k for k, v in weights.items() if v.is_floating_point())[0]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(six / ck.MODEL_FILE))
+    _rewrite_checksums(six)
+    optim = torch.load(four / ck.OPTIMIZER_FILE, weights_only=True)
+    optim["state"][0]["exp_avg_sq"].view(-1)[1] = float("inf")
+    torch.save(optim, four / ck.OPTIMIZER_FILE)
+    _rewrite_checksums(four)
+    stats = _train(run, base)
+    err = capfd.readouterr().err
+    assert (f"[train] checkpoint step-0000006 is corrupt (model.safetensors: non-finite values in {name}); "
+            "trying step-0000004") in err
+    assert ("[train] checkpoint step-0000004 is corrupt (optimizer.pt: non-finite values in state.0.exp_avg_sq); "
+            "resuming from step-0000002") in err
+    assert stats["resumed"]["from_step"] == 2
+    _same_weights(run, ref)
+
+
+def test_no_intact_checkpoint_is_one_error_naming_the_folder_and_the_fix(clean, tmp_path):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=4)
+    for p in ck.checkpoints(_ckpts(run)):
+        _truncate(p / ck.MODEL_FILE)
+    with pytest.raises(CorruptDataError) as e:
+        _train(run, base)
+    line = e.value.line()
+    assert e.value.exit_code == 5 and "\n" not in str(e.value)
+    assert line.startswith(f"train: no intact checkpoint in {_ckpts(run)} (step-0000004: model.safetensors: ")
+    assert "step-0000002: model.safetensors: " in line
+    assert line.endswith(f"start fresh with `eaglet train CONFIG --force` (the old run is kept in "
+                         f"{run / 'train' / 'previous-1'}/)")
+
+
+def test_checkpoint_written_before_checksums_resumes_with_a_warning(clean, tmp_path, capfd):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    six = _ckpts(run) / "step-0000006"
+    (six / ck.CHECKSUM_FILE).unlink()
+    state = json.loads((six / ck.STATE_FILE).read_text())
+    fp = state["fingerprint"]
+    old_fp = {k: v for k, v in fp.items() if k.startswith(("model.", "vocab.", "data.store", "data.samples"))}
+    old_fp.update({"data.max_tokens": fp["train.max_tokens"], "data.eval_fraction": fp["train.eval_fraction"],
+                   "data.seed": fp["run.seed"], "data.grad_accum": 1})
+    old = {k: v for k, v in state.items() if k not in ("format", "settings", "schedule", "total_steps")}
+    (six / ck.STATE_FILE).write_text(json.dumps({**old, "fingerprint": old_fp}))
+    stats = _train(run, base)
+    err = capfd.readouterr().err
+    assert "[train] warning: checkpoint step-0000006 has no checksums (an older eaglet wrote it)" in err
+    assert "[train] warning: checkpoint step-0000006 records only the model, data and vocabulary" in err
+    assert stats["resumed"]["from_step"] == 6 and stats["resumed"]["verified"] is False
+    _same_weights(run, ref)
+
+
+def test_keep_last_below_one_still_keeps_the_newest(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model.state_dict(), opt.state_dict(), sched, {"fingerprint": {}}, 0)
+    assert [p.name for p in ck.checkpoints(tmp_path)] == ["step-0000002"]
+    assert ck.read_checkpoint(tmp_path / "step-0000002", "cpu").verified
+
+
+# ---- settings changed between the runs --------------------------------------------------------------
+
+def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    with pytest.raises(ResumeError) as e:
+        _train(run, base, "train.ttt_steps=3", "train.lr=0.003", "train.gamma=0.5", "train.log_every=2")
+    assert e.value.exit_code == 6
+    assert e.value.line() == (
+        f"train: checkpoint step-0000006 in {_ckpts(run)} was made with other settings (train.gamma: 0.8 -> 0.5, "
+        "train.lr: 0.001 -> 0.003, train.ttt_steps: 2 -> 3); rerun with --force to start fresh (the old run is kept "
+        f"in {run / 'train' / 'previous-1'}/), or restore the settings")
+    assert not (run / "train" / "final").exists()  # nothing trained
+
+
+def test_safe_settings_may_change_and_are_recorded(clean, tmp_path, capfd):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    stats = _train(run, base, "train.log_every=2", "train.ckpt_every=3", "train.attn_impl=naive")
+    assert stats["resumed"]["changed"] == {"train.log_every": [1, 2], "train.ckpt_every": [2, 3],
+                                           "train.attn_impl": ["auto", "naive"]}
+    assert ("[train] resuming with changed settings that leave the trajectory as it was: train.log_every: 1 -> 2"
+            in capfd.readouterr().err)
+    assert stats["started_at_step"] == 6 and stats["steps_run"] == _total(ref) - 6
+    wa, wb = _final(run), _final(ref)  # the naive attention: the same sums in another order
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    state = ck.read_checkpoint(ck.checkpoints(_ckpts(run))[0]).state
+    assert state["settings"]["train.log_every"] == 2
+
+
+def test_force_keeps_the_old_run_aside_and_starts_from_step_zero(clean, tmp_path):
+    tmp, base, ref = clean
+    run = _killed_copy(ref, tmp_path / "run", after=6)
+    stats = _train(run, base, "train.lr=0.003", force=True)
+    assert "resumed" not in stats and stats["started_at_step"] == 0 and stats["steps_run"] == stats["total_steps"]
+    kept = run / "train" / "previous-1"
+    assert [p.name for p in ck.checkpoints(kept / "checkpoints")][0] == "step-0000006"
+    assert (kept / "log.jsonl").read_text().splitlines()[:6] == (ref / "train" / "log.jsonl").read_text().splitlines()[:6]
+    fresh, _ = train_on_copy(tmp, base, tmp_path / "fresh", "train.lr=0.003")
+    assert [(r["step"], r["loss"], r["lr"]) for r in _log(run)] == [(r["step"], r["loss"], r["lr"]) for r in _log(fresh)]
+    _same_weights(run, fresh)
+    _train(run, base, "train.max_steps=1", force=True)  # again: the next number, the first kept as it was
+    assert (run / "train" / "previous-2" / "final").is_dir() and (kept / "checkpoints" / "step-0000006").is_dir()
+
+
+def test_finished_run_refuses_a_changed_lr_and_takes_a_safe_change_without_training(clean, tmp_path, capfd):
+    tmp, base, ref = clean
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    total = _total(ref)
+    with pytest.raises(ResumeError, match=r"train\.lr: 0\.001 -> 0\.0003\); rerun with --force"):
+        _train(run, base, "train.lr=0.0003")
+    stats = _train(run, base, "train.eval_every=5")
+    assert stats["steps_run"] == 0 and stats["steps"] == total and stats["resumed"]["from_step"] == total
+    assert stats["resumed"]["changed"] == {"train.eval_every": [0, 5]}
+    assert stats["eval"] == json.loads((ref / "train" / "manifest.json").read_text())["stats"]["eval"]
+    assert f"is the end of the run ({total} of {total} steps): nothing to train" in capfd.readouterr().err
+    _same_weights(run, ref)
+
+
+def test_extend_continues_from_the_checkpoint_and_its_learning_rate(clean, tmp_path):
+    tmp, base, ref = clean
+    total = _total(ref)
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    with pytest.raises(ResumeError, match=r"train\.epochs: 1 -> 2\); rerun with --extend to continue to the longer "
+                                          r"schedule, or --force to start fresh"):
+        _train(run, base, "train.epochs=2")
+    stats = _train(run, base, "train.epochs=2", extend=True)
+    assert stats["resumed"]["from_step"] == total and stats["steps_run"] == stats["total_steps"] - total > total // 2
+    log = _log(run)
+    assert [r["step"] for r in log] == list(range(1, stats["total_steps"] + 1))  # the step count continues
+    assert [r["loss"] for r in log[:total]] == [r["loss"] for r in _log(ref)]
+    lrs = [r["lr"] for r in log]
+    at = lrs[total - 1]  # the checkpoint's last step
+    after = lrs[total:]
+    assert all(b <= a for a, b in zip([at, *after], after))  # no jump back up: it decays on from there
+    floor = 0.1 * 0.001  # train.min_lr_ratio x train.lr: where the longer schedule ends
+    assert 0.9 * at < after[0] <= at and floor <= after[-1] < floor + 0.05 * (at - floor)
+
+    # Killed during the extension, then resumed (the same command or plain): the same run.
+    cut = 2 * ((total + 4) // 2)  # a checkpoint of the extension (one every 2 steps)
+    for name, kw in (("killed_extend", {"extend": True}), ("killed_plain", {})):
+        killed = _killed_copy(run, tmp_path / name, after=cut)
+        again = _train(killed, base, "train.epochs=2", **kw)
+        assert again["resumed"]["from_step"] == cut and again["steps_run"] == stats["total_steps"] - cut
+        assert [r["lr"] for r in _log(killed)] == lrs
+        _same_weights(killed, run)
+
+
+def test_extend_refuses_any_other_change(clean, tmp_path):
+    tmp, base, ref = clean
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    with pytest.raises(ResumeError, match=r"train\.epochs: 1 -> 2, train\.ttt_steps: 2 -> 3\); rerun with --force "
+                                          r".*or restore the settings \(--extend allows only train\.epochs and "
+                                          r"train\.max_steps to change\)"):
+        _train(run, base, "train.epochs=2", "train.ttt_steps=3", extend=True)
+    with pytest.raises(ResumeError, match=r"is of a run of \d+ steps; train\.epochs and train\.max_steps give 3 now"):
+        _train(run, base, "train.max_steps=3", extend=True)
+
+
+def test_extended_schedule():
+    tc = load_config(None, ["train.warmup_steps=4", "train.min_lr_ratio=0.1"]).train
+    old = lr_lambda(tc, 20)
+    seg = extend_schedule(tc, [{"start": 0, "total": 20}], 12, 40)
+    f = lr_lambda(tc, 40, seg)
+    assert [f(s) for s in range(12)] == [old(s) for s in range(12)]  # the steps run keep their rates
+    assert seg[-1]["from_ratio"] == old(11)
+    assert old(11) > f(12) > f(25) > f(39) > 0.1 and f(40) == pytest.approx(0.1)
+    early = lr_lambda(tc, 40, extend_schedule(tc, [{"start": 0, "total": 20}], 3, 40))
+    fresh = lr_lambda(tc, 40)
+    assert [early(s) for s in range(41)] == [fresh(s) for s in range(41)]  # still warming up: the new total's
+    twice = extend_schedule(tc, seg, 30, 60)
+    g = lr_lambda(tc, 60, twice)
+    assert [g(s) for s in range(30)] == [f(s) for s in range(30)] and g(30) < f(29)
