@@ -59,6 +59,36 @@ def test_a_folder_given_as_a_data_file(tmp_path, capsys, target):
     _one_line(line, 4, rc, "prepare.data", "folder", str(tmp_path / "data"))
 
 
+@pytest.mark.parametrize("content, named", [
+    ("", "no record"),
+    ("\n\n  \n", "no record"),
+    ('{"conversations": [{"from": "human", "value": ""}]}\n{"nothing": 1}\n', "no usable record"),
+])
+def test_data_files_without_a_usable_record(tmp_path, capsys, target, content, named):
+    data = tmp_path / "d.jsonl"
+    data.write_text(content)
+    cfg = _config(tmp_path, target={"path": str(target)}, prepare={"data": [str(data)]})
+    rc, line, _ = _run(capsys, "prepare", cfg)
+    _one_line(line, 4, rc, "d.jsonl", named)
+
+
+@pytest.mark.parametrize("command", ["prepare", "run"])
+def test_a_missing_target_folder(tmp_path, capsys, command):
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(2))
+    cfg = _config(tmp_path, target={"path": str(tmp_path / "gone")}, prepare={"data": [str(data)]})
+    rc, line, out = _run(capsys, command, cfg)
+    _one_line(line, 4, rc, "target.path", "not found", str(tmp_path / "gone"))
+    assert "Repo id" not in out
+
+
+def test_the_doctor_on_a_missing_target_folder(tmp_path, capsys):
+    cfg = _config(tmp_path, target={"path": str(tmp_path / "gone")})
+    rc = cli.main(["doctor", cfg])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in out + err and "Repo id" not in out + err
+    assert any("FAIL" in ln and "target.path" in ln and "not found" in ln for ln in out.splitlines()), out
+
+
 def test_config_errors_name_the_key(tmp_path, capsys):
     cfg = _config(tmp_path, train={"ttt_stesp": 3})
     rc, line, _ = _run(capsys, "train", cfg)
