@@ -41,13 +41,18 @@ def _prepare(folder, lengths, seed=0, poison=None):
     return folder
 
 
-def _run(tmp_path, target, prep, name="extract", input_hash="h1", **extract):
+def _run_config(target):
     cfg = Config()
     cfg.target.path = str(target)
     cfg.target.dtype = "float32"
     cfg.target.device = "cpu"  # the references below run on the CPU; bitwise equality needs the same device
     cfg.extract.store_dtype = "float32"
     cfg.extract.fsync = False
+    return cfg
+
+
+def _run(tmp_path, target, prep, name="extract", input_hash="h1", **extract):
+    cfg = _run_config(target)
     for k, v in extract.items():
         setattr(cfg.extract, k, v)
     out = tmp_path / name
@@ -222,6 +227,56 @@ def test_resume_after_crash(tmp_path, targets, monkeypatch):
     # a rerun with everything done does no forward and keeps the store
     stats2, _ = _run(tmp_path, targets["llama"], prep, name="store", **opts)
     assert stats2["resumed_samples"] == len(lengths) and stats2["new_tokens"] == 0
+
+
+def test_killed_at_random_points_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Killed after k batches (10 k at random), the rerun's store equals an uninterrupted run's
+    bit for bit: it recomputes whole batches of the uninterrupted plan, not a new plan over the
+    samples left. bf16 states of padded batches of changing size: a sample's bits depend on its
+    batch mates, so any other batching shows."""
+    target = save_target(tmp_path / "qwen3-4", family="qwen3", num_hidden_layers=4)  # small: 21 runs
+    lengths = [int(n) for n in np.random.default_rng(11).integers(2, 48, 40)]
+    prep = _prepare(tmp_path / "prep", lengths, seed=11)
+    opts = dict(batch_tokens=96, max_batch_size=6, shard_mb=0.03, store_dtype="bfloat16", layers=[1, 2, 3],
+                selfcheck_samples=0)
+    plan = plan_batches(lengths, 96, 6)
+    assert len(plan) > 12 and len({len(b) for b in plan}) > 2
+    loaded = extract_mod.load_target(_run_config(target).target)  # loaded once
+    monkeypatch.setattr(extract_mod, "load_target", lambda tcfg, **kw: loaded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; and every run with the reference's kernels
+    try:
+        _, ref = _run(tmp_path, target, prep, name="ref", **opts)
+        a = StoreReader(ref)
+        real_capture = extract_mod.capture
+        differ = {}
+        for k in sorted(np.random.default_rng(5).choice(np.arange(2, len(plan)), 10, replace=False).tolist()):
+            calls = []
+
+            def crashing_capture(*args, calls=calls, k=k, **kwargs):
+                calls.append(1)
+                if len(calls) > k:
+                    raise RuntimeError("killed (injected)")
+                return real_capture(*args, **kwargs)
+
+            monkeypatch.setattr(extract_mod, "capture", crashing_capture)
+            with pytest.raises(RuntimeError, match="injected"):
+                _run(tmp_path, target, prep, name=f"killed-{k}", **opts)
+            monkeypatch.setattr(extract_mod, "capture", real_capture)
+            out = tmp_path / f"killed-{k}"
+            kept = {p.name: p.read_bytes() for p in out.glob("shard-r0-*")}
+            done = sum(json.loads(p.read_text())["samples"] for p in out.glob("shard-r0-*.json"))
+            assert 0 < done < len(lengths), k
+            stats, _ = _run(tmp_path, target, prep, name=f"killed-{k}", **opts)
+            assert stats["resumed_samples"] == done and stats["samples"] == len(lengths), k
+            assert all((out / name).read_bytes() == data for name, data in kept.items()), k  # finished shards kept
+            b = StoreReader(out)
+            assert b.sample_ids.tolist() == a.sample_ids.tolist()
+            differ[k] = [sid for sid in a.sample_ids.tolist()
+                         if not all(torch.equal(a.get(sid)[key], b.get(sid)[key]) for key in ("aux", "final"))]
+    finally:
+        torch.set_num_threads(threads)
+    assert differ == {k: [] for k in differ}  # every resumed store bit for bit the uninterrupted one's
 
 
 def test_multimodal_wrapper(tmp_path):
