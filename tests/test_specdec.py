@@ -5,7 +5,8 @@
   a plain chain run along each path; the target's tree-verified logits against a plain
   forward of each branch (also after gathering the accepted path in the KV cache);
 - lossless greedy decoding (chain and tree, full and subset draft vocabularies), and with an
-  oracle draft that proposes the target's own tokens: tau must hit its ceiling;
+  oracle draft that proposes the target's own tokens (in draft ids of a subset vocabulary too,
+  which only the d2t mapping turns back into the target's): tau must hit its ceiling;
 - rejection sampling: exact enumeration of the output distribution, and an end-to-end
   sampling run whose 3-token distribution matches the target's exact one;
 - the cache-keyword detection (`cache` vs `past_key_values`).
@@ -277,6 +278,69 @@ def test_oracle_draft_reaches_tau_ceiling(target, settings):
     assert g.accepted == [settings.num_positions] * len(g.accepted)
     assert acceptance_stats(g.accepted, settings.num_positions)["tau"] == ceiling
     assert g.verify_forwards == math.ceil((n - 1) / ceiling)
+
+
+class SubsetOracleDraft(Eagle3Draft):
+    """A draft over a subset of the target's vocabulary whose top token at every row is the
+    target's greedy token there, in draft ids: the row at position p boosts draft id
+    to_draft[oracle[p+1]] (to_draft: the test's own inverse of the subset's token list), so its
+    proposals are right only where the runner maps draft ids through d2t."""
+
+    def __init__(self, cfg: DraftConfig, oracle: list[int], to_draft: dict[int, int]):
+        super().__init__(cfg)
+        self.oracle, self.to_draft = oracle, to_draft
+
+    def forward_step(self, hidden_BTH, input_ids_BT, position_ids_BT, kv_cache=None, attn_mask_TS=None):
+        h, logits = super().forward_step(hidden_BTH, input_ids_BT, position_ids_BT, kv_cache, attn_mask_TS)
+        logits = logits.clone()
+        for r, p in enumerate(position_ids_BT[0].tolist()):
+            if p + 1 < len(self.oracle):
+                logits[0, r, self.to_draft[self.oracle[p + 1]]] += 1000.0
+        return h, logits
+
+
+def subset_oracle_draft(target, oracle: list[int], size: int = 160, seed: int = 4) -> tuple[SubsetOracleDraft, list[int]]:
+    """(the oracle draft, its sorted target token list): every oracle token plus random others,
+    none next to an oracle token (so an oracle token's offset differs from its neighbours'), with
+    d2t[i] = used[i] - i as the vocab stage writes it."""
+    V = target.config.vocab_size
+    needed = set(oracle)
+    near = needed | {t + 1 for t in needed} | {t - 1 for t in needed}
+    others = [t for t in torch.randperm(V, generator=torch.Generator().manual_seed(seed)).tolist() if t not in near]
+    used = sorted([*needed, *others[: size - len(needed)]])
+    cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=size)
+    torch.manual_seed(seed)
+    d = SubsetOracleDraft(cfg, oracle, {t: i for i, t in enumerate(used)}).eval()
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        d.d2t.copy_(torch.tensor(used) - torch.arange(size))
+        d.t2d.zero_()
+        d.t2d[used] = True
+    return d, used
+
+
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_subset_vocab_oracle_draft_reaches_tau_ceiling(target, settings):
+    """The draft proposes the target's own greedy tokens in draft ids of a subset vocabulary
+    with many different non-zero offsets: every proposal is accepted only when the runner maps
+    draft id i to target id i + d2t[i] (ignored, inverted or shifted by one, tau falls to about
+    1 while verification keeps the output lossless)."""
+    tr = TargetRunner(target, AUX)
+    n = settings.max_new_tokens
+    greedy = plain_generate(tr, PROMPT, n + settings.num_positions + 2).tokens
+    draft, used = subset_oracle_draft(target, PROMPT + greedy)
+    d2t = draft.d2t.tolist()
+    assert sum(o != 0 for o in d2t) > 0.9 * len(d2t)
+    for t in set(greedy):  # a mapping that ignores d2t, or reads a neighbour's offset, gets this token wrong
+        i = used.index(t)
+        assert d2t[i] >= 2 and d2t[i] not in (d2t[i - 1], d2t[(i + 1) % len(d2t)]), (t, i)
+    g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings)
+    assert g.tokens == greedy[:n]
+    ceiling = settings.num_positions + 1
+    assert g.accepted == [settings.num_positions] * len(g.accepted)
+    assert acceptance_stats(g.accepted, settings.num_positions)["tau"] == ceiling
+    assert g.verify_forwards == math.ceil((n - 1) / ceiling)
+    assert DraftRunner(draft).draft_to_target.tolist() == used
 
 
 class NoisyOracleDraft(OracleDraft):
