@@ -15,7 +15,7 @@ import torch
 from ..config import Config
 from ..formats.prepared import PreparedData
 from ..formats.vocab import save_vocab
-from ..targets.load import hub_kwargs
+from ..targets.load import hub_kwargs, target_source
 from ..utils import log
 from .context import StageContext
 
@@ -58,7 +58,7 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
 def target_vocab_size(cfg: Config) -> int:
     from transformers import AutoConfig
 
-    tc = AutoConfig.from_pretrained(cfg.target.path, **hub_kwargs(cfg.target))
+    tc = AutoConfig.from_pretrained(target_source(cfg.target), **hub_kwargs(cfg.target))
     return int(tc.get_text_config().vocab_size)
 
 

@@ -18,17 +18,11 @@ import torch
 from safetensors import safe_open
 
 from ..config import TargetSection
-from ..errors import InputError
-from .identity import model_folder
-from .load import TargetParts, build_meta_model, hub_kwargs, norm_eps
+from .load import TargetParts, build_meta_model, hub_kwargs, local_folder, norm_eps, target_source
 
 
 def checkpoint_folder(tcfg: TargetSection) -> Path:
-    folder = model_folder(tcfg.path, tcfg.revision)
-    if folder is None:
-        raise InputError(f"target.path: folder not found: {tcfg.path}",
-                         fix="give a local model folder, or a hub id already in the local cache")
-    return folder
+    return local_folder(target_source(tcfg), tcfg.revision)
 
 
 def _checkpoint_keys(folder: Path) -> dict[str, Path]:
@@ -101,7 +95,7 @@ def read_checkpoint_head(tcfg: TargetSection) -> CheckpointHead:
 
     if tcfg.gguf_file:
         raise ValueError("extract.backend vllm reads safetensors checkpoints; target.gguf_file needs backend hf")
-    hf_config = AutoConfig.from_pretrained(tcfg.path, **hub_kwargs(tcfg))
+    hf_config = AutoConfig.from_pretrained(target_source(tcfg), **hub_kwargs(tcfg))
     model = build_meta_model(hf_config, tcfg.trust_remote_code)
     parts = TargetParts.of(model)
     names = {id(m): n for n, m in model.named_modules()}

@@ -21,27 +21,13 @@ from typing import Any
 
 from ..config import TargetSection
 from ..utils import file_fingerprint
+from .load import local_folder
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
 MODEL_NAMES = ("config.json", "generation_config.json")
 SAMPLE_BYTES = 64 * 1024
-
-
-def model_folder(path: str, revision: str | None = None) -> Path | None:
-    """The local folder of a target: `path` itself, or a hub id's snapshot in the local
-    cache; None when neither exists."""
-    if not path:
-        return None
-    if Path(path).is_dir():
-        return Path(path)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(path, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not a cached hub id (or not a valid one): no folder
-        return None
 
 
 def sampled_digest(path: Path, sample: int = SAMPLE_BYTES) -> str:
@@ -66,7 +52,7 @@ def _files(folder: Path, cache: Path | None, names: tuple[str, ...], suffixes: t
 def tokenizer_identity(tcfg: TargetSection, cache: Path | None = None) -> dict[str, Any]:
     """The tokenizer files prepare renders with (the target's own, or target.tokenizer's)."""
     where = tcfg.tokenizer or tcfg.path
-    folder = model_folder(where, tcfg.revision)
+    folder = local_folder(where, tcfg.revision)
     if folder is None:
         return {"path": where, "found": False}
     return {"files": _files(folder, cache, TOKENIZER_NAMES, (".model",))}
@@ -75,7 +61,7 @@ def tokenizer_identity(tcfg: TargetSection, cache: Path | None = None) -> dict[s
 def model_identity(tcfg: TargetSection, cache: Path | None = None) -> dict[str, Any]:
     """The target's config, remote code, weight index, and its weight files' names, sizes and
     sampled bytes."""
-    folder = model_folder(tcfg.path, tcfg.revision)
+    folder = local_folder(tcfg.path, tcfg.revision)
     if folder is None:
         return {"path": tcfg.path, "found": False}
     weights = {}

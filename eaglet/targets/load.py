@@ -70,21 +70,27 @@ def target_source(tcfg: TargetSection, key: str = "path") -> str:
         raise InputError(f"{name}: {value} is a file, not a model folder",
                          fix=f"set {name} to the folder that holds it" + (" (and target.gguf_file to its name)"
                                                                          if value.endswith(".gguf") else ""))
-    if HUB_ID.fullmatch(value) and _in_hub_cache(value, tcfg.revision):
+    if local_folder(value, tcfg.revision) is not None:
         return value
     raise InputError(f"{name}: folder not found: {value} (a local model folder, or a hub id already in the local cache)",
                      fix=f"correct {name}; a relative path in a config file is taken against the file's folder")
 
 
-def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
-    """Whether the local hub cache holds a snapshot of `repo_id` at `revision` (no network)."""
+def local_folder(value: str, revision: str | None = None) -> Path | None:
+    """The local folder `value` names: itself when it is a folder, else a hub id's snapshot in
+    the local hub cache at `revision` (no network); None when neither exists."""
+    if not value:
+        return None
+    if Path(value).is_dir():
+        return Path(value)
+    if not HUB_ID.fullmatch(value):
+        return None
     from huggingface_hub import snapshot_download
 
     try:
-        snapshot_download(repo_id, revision=revision, local_files_only=True)
+        return Path(snapshot_download(value, revision=revision, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached, or not a valid id: either way not there
-        return False
-    return True
+        return None
 
 
 def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
