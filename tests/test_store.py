@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 
 import pytest
 import torch
 
-from eaglet.formats.store import INDEX, CorruptShardError, StoreReader, StoreWriter, write_safetensors
+import eaglet.formats.store as store_mod
+from eaglet.formats.store import (INDEX, CorruptShardError, StoreReader, StoreWriter, open_verified, resume_folder,
+                                  write_safetensors)
 
 H, N_AUX = 8, 3
 
@@ -202,3 +206,74 @@ def test_streamed_shard_is_byte_identical_to_safetensors_save(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left
     with pytest.raises(ValueError, match="aux"):
         write_safetensors(tmp_path / "y.safetensors", {"aux": (aux, [9, 6])}, {}, fsync=False)
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x01  # one bit of the states, the size unchanged
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_every_bad_shard_and_the_repair_command(tmp_path, monkeypatch):
+    _write(tmp_path, _samples(25))
+    shards = StoreReader(tmp_path).shards
+    a, b = shards[1], shards[3]
+    _flip(tmp_path / a["file"])
+    (tmp_path / b["file"]).write_bytes((tmp_path / b["file"]).read_bytes()[:100])
+    with pytest.raises(CorruptShardError) as info:
+        open_verified(tmp_path, threads=3)
+    assert info.value.exit_code == 5
+    assert info.value.line() == (
+        f"store {tmp_path}: 2 of {len(shards)} shards corrupt ({a['file']}: sha256 mismatch, {b['file']}: 100 bytes, "
+        f"sidecar says {b['bytes']} (truncated or overwritten)); repair it with `eaglet extract CONFIG --force` "
+        f"(re-extracts their {a['samples'] + b['samples']} samples)")
+
+
+def test_verified_store_is_hashed_once_on_several_threads(tmp_path, monkeypatch):
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    hashed = []
+    real = store_mod.sha256_file
+
+    def counting(path, *args):
+        hashed.append((path.name, threading.current_thread().name))
+        time.sleep(0.02)  # long enough that the pool's threads overlap
+        return real(path, *args)
+
+    monkeypatch.setattr(store_mod, "sha256_file", counting)
+    reader = open_verified(tmp_path, threads=4)
+    files = sorted(s["file"] for s in reader.shards)
+    assert sorted(name for name, _ in hashed) == files  # every shard, once
+    assert len({thread for _, thread in hashed}) > 1
+    _assert_same(reader, samples)  # reading every sample hashes nothing again
+    assert len(hashed) == len(files)
+    lazy = StoreReader(tmp_path)  # without the check up front: each shard on its first read
+    _assert_same(lazy, samples)
+    assert len(hashed) == 2 * len(files)
+
+
+def test_resume_folder_deletes_bad_shards_and_names_missing_ones(tmp_path):
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    shards = StoreReader(tmp_path).shards
+    bad, gone, orphan = shards[0], shards[2], shards[4]
+    _flip(tmp_path / bad["file"])
+    for f in (gone["file"], gone["file"].replace(".safetensors", ".json"), orphan["file"]):
+        (tmp_path / f).unlink()
+    check = resume_folder(tmp_path, _meta(), fsync=False, threads=2)
+    assert [b["file"] for b in check.bad] == [bad["file"]] and check.bad[0]["error"] == "sha256 mismatch"
+    assert [m["file"] for m in check.missing] == [gone["file"], orphan["file"]]
+    assert check.intact == len(shards) - 3 and check.redo_samples == bad["samples"] + gone["samples"] + orphan["samples"]
+    assert check.summary() == (f"store verified: {len(shards) - 3} of {len(shards)} shards intact; re-extracting the "
+                               f"{check.redo_samples} samples of 1 bad and 2 missing shards")
+    assert not (tmp_path / bad["file"]).exists() and not (tmp_path / bad["file"]).with_suffix(".json").exists()
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=4000, fsync=False, prepare=False)
+    lost = set(bad["sample_ids"]) | set(gone["sample_ids"]) | set(orphan["sample_ids"])
+    assert w.done_ids() == set(samples) - lost
+    for sid in sorted(lost):
+        s = samples[sid]
+        w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    w.close()
+    _assert_same(open_verified(tmp_path), samples)
+    again = resume_folder(tmp_path, _meta(), fsync=False)
+    assert again.bad == again.missing == [] and again.summary().endswith("shards intact")
