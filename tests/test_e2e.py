@@ -1,10 +1,12 @@
-"""`eaglet run` end to end on a tiny target: every stage, skip on rerun, and training that
-starts from an exported EAGLE-3 checkpoint of either format."""
+"""`eaglet run` end to end on a tiny target: every stage, skip on rerun, the vocab stage's maps
+in both exports as the engines read them, and training that starts from an exported EAGLE-3
+checkpoint of either format."""
 
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from eaglet import cli
 from eaglet import pipeline
@@ -42,6 +44,21 @@ def test_every_stage_has_a_manifest_and_reruns_are_skipped(finished_run):
     assert cli.main(["run", str(cfg_path), *sum((["--set", s] for s in sets), [])]) == 0
     for name in pipeline.STAGE_NAMES:
         assert json.loads((root / "run" / name / "manifest.json").read_text())["started"] == started[name]
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_exports_hold_the_vocab_stages_maps_as_the_engines_read_them(finished_run, fmt):
+    """vLLM maps draft id i to target id i + d2t[i]; SGLang's hot token ids are d2t + arange;
+    t2d marks the draft's target ids. The export's files (read raw) hold the vocab stage's maps,
+    through train and its final draft, and the two agree."""
+    root, _, _ = finished_run
+    d2t, t2d = load_vocab(root / "run" / "vocab")
+    assert d2t.numel() == 200 < t2d.numel() and int((d2t != 0).sum()) > 100  # a subset, mostly non-zero offsets
+    with safe_open(str(root / "run" / "export" / fmt / "model.safetensors"), "pt") as f:
+        got_d2t, got_t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert got_d2t.dtype == torch.int64 and got_t2d.dtype == torch.bool
+    assert torch.equal(got_d2t, d2t) and torch.equal(got_t2d, t2d)
+    assert torch.equal(torch.arange(got_d2t.numel()) + got_d2t, got_t2d.nonzero().flatten())
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
