@@ -10,8 +10,9 @@ inspect the exact classes whose signatures eaglet's hooks rely on (eaglet/checks
 Each finding is one line: status (ok, info, warn, FAIL), what was expected, what was found
 and, when it is not ok, how to fix it. Any FAIL makes the exit code 1.
 
-`extract` and `train` run their share of these checks (`preflight`) before loading weights
-and stop on a FAIL; `--skip-preflight` turns that off.
+Every stage that loads a model or renders templates (prepare, extract, train, eval,
+regenerate) runs its share of these checks (`preflight`, the stages of CHECKS) before
+loading weights and stops on a FAIL; `--skip-preflight` turns that off.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import Any, Callable
 from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
-from ..errors import PreflightError
+from ..errors import EagletError, PreflightError
 from ..formats.datasets import check_data_file, iter_records
-from ..formats.store import TARGET_CONFIG, read_target_config
+from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
 from ..targets.chat import (
     Settings,
     check_fast_tokenizer,
@@ -37,9 +38,9 @@ from ..targets.chat import (
     resolve_chat_template,
 )
 from ..targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported, text_config_from_dict
-from ..targets.load import TargetParts, build_meta_model, hub_kwargs
+from ..targets.load import TargetParts, build_meta_model, hub_kwargs, target_source
 from ..utils import log
-from .contracts import CONTRACTS, check_contracts, describe
+from .contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .findings import Finding, Probe, Report
 from .selfcheck import REF_MAX_TOKENS
 from .vllm import check_vllm
@@ -94,17 +95,19 @@ def check_api_contracts(p: Probe) -> None:
         stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages else set())
     else:
         stages.discard("extract-vllm")
-    results = check_contracts(roles, stages, vllm=p.vllm_ready)
+    results = check_contracts(roles, stages, vllm=p.vllm_ready, cfg=p.cfg)
+    off = select_contracts(stages, p.vllm_ready, p.cfg)[1]
     for r in results:
         if r.ok:
             continue
-        p.add("FAIL", f"API {r.target}", f"{describe(r.contract.params)} (for {r.contract.why})",
+        p.add("FAIL", f"API {r.target}", f"{describe(r.contract.params, r.contract.passes)} (for {r.contract.why})",
               f"{r.problem}: {r.found}", r.contract.fix)
     n_ok = sum(r.ok for r in results)
-    skipped = [k for k in ("decoder_layer", "base_model", "causal_lm") if k not in roles and "extract" in stages]
+    skipped = [k for k in ("decoder_layer", "base_model", "causal_lm") if k not in roles and stages & {"extract", "eval"}]
     p.add("ok" if n_ok == len(results) else "info", "API contracts", f"{len(results)} signatures as eaglet calls them",
-          f"{n_ok} of {len(results)} match" + (f" (target classes not checked: {', '.join(skipped)})"
-                                               if skipped and p.stage != "train" else ""))
+          f"{n_ok} of {len(results)} match" + (f" (target classes not checked: {', '.join(skipped)})" if skipped else "")
+          + (f"; {len(off)} not on this config's code path ({', '.join(sorted({c.where.split(':')[-1] for c in off}))})"
+             if off else ""))
 
 
 # ---- the target -------------------------------------------------------------------------------------
@@ -117,10 +120,38 @@ def _raw_config(path: str) -> dict[str, Any]:
         return {}
 
 
+# The config's paths (item by item for lists), printed by the doctor as eaglet reads them.
+PATH_KEYS = ("run.dir", "target.path", "target.tokenizer", "target.chat_template", "prepare.data", "train.init_from",
+             "regenerate.out")
+_WRITTEN = ("run.dir", "regenerate.out")  # made by eaglet when missing
+
+
+def check_paths(p: Probe) -> None:
+    """Each path of the config, resolved (a relative one in a config file is taken against the
+    file's folder when the config is read), and whether it is there."""
+    shown = []
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(p.cfg, section), name)
+        for i, v in enumerate(value if isinstance(value, list) else [value]):
+            if not v:
+                continue
+            label = f"{key}[{i}]" if isinstance(value, list) else key
+            path = Path(v).expanduser()
+            if path.exists():
+                shown.append(f"{label}={path.resolve()}")
+            else:
+                shown.append(f"{label}={path.resolve()} (to be made)" if key in _WRITTEN else f"{label}={v} (not found)")
+    p.add("info", "paths", "each path of the config as eaglet reads it", "; ".join(shown) or "none set")
+
+
 def check_target_config(p: Probe) -> None:
     t = p.cfg.target
-    if not t.path:
-        p.add("FAIL", "target", "target.path set", "empty", "set target.path to the model folder (or cached hub id)")
+    try:
+        target_source(t)
+    except EagletError as e:  # not set, or a folder not found: one line, not transformers' hub-id error
+        p.add("FAIL", "target config", "target.path: a model folder (or a hub id in the local cache)", e.message,
+              e.fix or "", error=e)
         return
     raw = _raw_config(t.path)
     auto_map = raw.get("auto_map") or {}
@@ -167,6 +198,11 @@ def check_tokenizer(p: Probe) -> None:
     t = p.cfg.target
     try:
         p.tokenizer = load_tokenizer(t)
+    except EagletError as e:
+        if not t.tokenizer and any(f.check == "target config" and f.error is not None for f in p.findings):
+            return  # target.path, already a FAIL
+        p.add("FAIL", "tokenizer", f"a tokenizer at {t.tokenizer or t.path}", e.message, e.fix or "", error=e)
+        return
     except Exception as e:  # noqa: BLE001
         p.add("FAIL", "tokenizer", f"a tokenizer at {t.tokenizer or t.path}", f"{type(e).__name__}: {str(e)[:300]}",
               "set target.tokenizer to the target's tokenizer folder")
@@ -181,7 +217,7 @@ def check_tokenizer(p: Probe) -> None:
         p.template = resolve_chat_template(p.tokenizer, t)
     except Exception as e:  # noqa: BLE001
         p.add("FAIL", "chat template", "a chat template (the tokenizer's or target.chat_template)", str(e)[:300],
-              "set target.chat_template to a Jinja template file")
+              "set target.chat_template to a Jinja template file", error=e if isinstance(e, EagletError) else None)
         return
     p.add("ok", "tokenizer", "fast, with a chat template",
           f"{type(p.tokenizer).__name__}, {len(p.tokenizer)} tokens; template from "
@@ -272,12 +308,13 @@ def check_records(p: Probe) -> None:
         return
     if p.tokenizer is None or p.template is None:
         return
-    settings = Settings(pc.format, p.template, pc.max_length, pc.overflow, pc.min_loss_tokens)
+    settings = Settings.of(pc, p.template)
     for f in pc.data:
         try:
             path = check_data_file(f)
         except Exception as e:  # noqa: BLE001
-            p.add("FAIL", f"data {f}", "a readable .jsonl/.json/.parquet file", str(e), "fix prepare.data")
+            p.add("FAIL", f"data {f}", "a readable .jsonl/.json/.parquet file", str(e), "fix prepare.data",
+                  error=e if isinstance(e, EagletError) else None)
             continue
         reasons: Counter = Counter()
         read = ok = tokens = loss = nbytes = max_id = 0
@@ -307,11 +344,16 @@ def check_records(p: Probe) -> None:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items()))
         if ok == 0:
             template_reasons = {"no_assistant_tokens", "mask_mismatch", "template_error", "chat_error"}
+            by_template = bool(template_reasons & set(reasons))
             fix = ("the chat template yields no assistant tokens for these records: check target.chat_template "
                    "renders assistant turns, as prefixes of the whole conversation"
-                   if template_reasons & set(reasons) else
+                   if by_template else
                    "check prepare.format and the record layout (ShareGPT conversations or OpenAI messages)")
-            p.add("FAIL", f"loss mask {path.name}", f"assistant tokens in the first {read} records",
+            # A template (or the library rendering it) that fails every record stops prepare before
+            # it renders the whole file; records that are bad as data are prepare's to count and
+            # report over the whole file (it refuses a file without one usable record).
+            status = "FAIL" if by_template or p.stage != "prepare" else "warn"
+            p.add(status, f"loss mask {path.name}", f"assistant tokens in the first {read} records",
                   f"none: every record skipped ({skipped or 'no records'})", fix)
         elif reasons:
             p.add("warn", f"loss mask {path.name}", f"assistant tokens in all of the first {read} records",
@@ -356,6 +398,17 @@ def _hidden_and_aux(p: Probe) -> tuple[int | None, int]:
     return H, n_aux
 
 
+def _head_bytes(p: Probe, H: int) -> tuple[int, int]:
+    """(head.safetensors, target_config.json) as extract writes them (formats.store.write_target_head):
+    embed_tokens [V, H], lm_head [V, H] (two copies also for a tied target) and norm [H] in the
+    target's dtype; the text config as JSON."""
+    V = getattr(p.text_config, "vocab_size", None) or 0
+    rows = (int(p.parts.embed_tokens.weight.shape[0]) + int(p.parts.lm_head.weight.shape[0]) if p.parts is not None
+            else 2 * V)
+    config = len(json.dumps(p.text_config.to_dict(), indent=1, default=str)) if p.text_config is not None else 0
+    return (rows * H + H) * _target_dtype_bytes(p), config
+
+
 def check_disk(p: Probe) -> None:
     H, n_aux = _hidden_and_aux(p)
     tokens, source = _estimate_tokens(p)
@@ -364,25 +417,29 @@ def check_disk(p: Probe) -> None:
         return
     store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
     per_token = (n_aux + 1) * H * store_bytes + 4 + 1  # states + int32 id + uint8 mask
-    need = tokens * per_token
-    if p.cfg.extract.mode == "online":
-        p.add("ok", "disk", "online mode stores no states (the target runs in training)",
-              f"an offline store would take ~{_gib(need)} ({tokens:,} tokens x {per_token:,} B; tokens {source})")
-        return
+    states = tokens * per_token
+    head, config = _head_bytes(p, H)
+    online = p.cfg.extract.mode == "online"  # the head only: training runs the target for the states
     store = p.cfg.run_dir / "extract"
-    have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() else 0
-    need = max(need - have, 0)
+    have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() and not online else 0
+    have_head = sum(f.stat().st_size for f in (store / HEAD_FILE, store / TARGET_CONFIG) if f.is_file())
+    need = (0 if online else max(states - have, 0)) + max(head + config - have_head, 0)
     where = p.cfg.run_dir.resolve()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    found = (f"~{_gib(need)} to write ({tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x "
-             f"{p.cfg.extract.store_dtype}; tokens {source})" + (f", {_gib(have)} already stored" if have else "")
+    head_part = (f"{HEAD_FILE} ~{_gib(head)} (embedding and LM head, {_target_dtype_bytes(p)} B a value) + "
+                 f"{TARGET_CONFIG} {config / 1024:.1f} KiB")
+    states_part = f"{tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x {p.cfg.extract.store_dtype}; tokens {source}"
+    found = (f"~{_gib(need)} to write: "
+             + (f"{head_part}; online mode stores no states (an offline store would add ~{_gib(states)}: {states_part})"
+                if online else f"states ~{_gib(states)} ({states_part}) + {head_part}")
+             + (f"; {_gib(have + have_head)} already stored" if have + have_head else "")
              + f"; {_gib(free)} free on {where}")
     fix = ("free space or set run.dir on a larger disk; or extract.mode: online (no store, for a target that fits "
            "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16)")
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
-    p.add(status, "disk", "the hidden-state store fits on run.dir's disk", found, fix)
+    p.add(status, "disk", "the hidden-state store and the target head fit on run.dir's disk", found, fix)
 
 
 # ---- GPU memory -------------------------------------------------------------------------------------
@@ -534,17 +591,22 @@ def check_train_memory(p: Probe) -> None:
 
 # ---- running the checks -------------------------------------------------------------------------------
 
-# (check, stages whose preflight runs it); the doctor runs every check, in this order.
+# (check, stages whose preflight runs it); the doctor runs every check, in this order. Each
+# stage that loads a model or renders templates checks what it reads and its own contracts:
+# prepare the tokenizer, its template and the first records; eval and regenerate the target as
+# they load it (eval its skeleton's classes too, for the KV-cache and hook contracts).
+_TARGET = ("prepare", "extract", "eval", "regenerate")
 CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
-    (check_versions, ("extract", "train")),
-    (check_target_config, ("extract",)),
-    (check_tokenizer, ("extract",)),
-    (check_architecture, ("extract",)),
-    (check_layers, ("extract",)),
+    (check_versions, ("prepare", "extract", "train", "eval", "regenerate")),
+    (check_paths, ()),
+    (check_target_config, _TARGET),
+    (check_tokenizer, _TARGET),
+    (check_architecture, ("extract", "eval")),
+    (check_layers, ("extract", "eval")),
     (check_vocab, ("extract",)),
-    (check_records, ()),
+    (check_records, ("prepare",)),
     (check_vllm, ("extract",)),
-    (check_api_contracts, ("extract", "train")),
+    (check_api_contracts, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_disk, ("extract",)),
     (check_extract_memory, ("extract",)),
     (check_train_memory, ("train",)),
@@ -566,7 +628,9 @@ def diagnose(cfg: Config, stage: str | None = None) -> Probe:
 
 
 def preflight(cfg: Config, stage: str) -> list[Finding]:
-    """The cheap checks before `stage` loads weights; raises PreflightError on any FAIL."""
+    """The cheap checks before `stage` loads weights; raises PreflightError on any FAIL, or, when
+    every FAIL is the user's own input (a folder not found), the first of those errors as the
+    stage itself would raise it (its message and exit code)."""
     t0 = time.time()
     findings = diagnose(cfg, stage).findings
     bad = [f for f in findings if f.status in ("warn", "FAIL")]
@@ -574,6 +638,8 @@ def preflight(cfg: Config, stage: str) -> list[Finding]:
         log(f"[{stage}] preflight {f.line()}")
     fails = [f for f in findings if f.status == "FAIL"]
     log(f"[{stage}] preflight: {len(findings)} checks in {time.time() - t0:.1f}s, {len(fails)} failed")
+    if fails and all(f.error is not None for f in fails):
+        raise fails[0].error  # type: ignore[misc]
     if fails:
         raise PreflightError(
             f"preflight of `{stage}` failed ({len(fails)} of {len(findings)} checks):\n"

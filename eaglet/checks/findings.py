@@ -2,7 +2,7 @@
 
 The doctor (eaglet/checks/doctor.py) and its vLLM checks (eaglet/checks/vllm.py) add a
 `Finding` per check to a `Probe`; a stage's preflight raises `PreflightError` with the FAIL
-lines.
+lines, or, when every FAIL is the user's own input error (a folder not found), that error.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import Config
+from ..errors import EagletError
 
 # (status, check, expected, found, fix): one finding of a further check, printed as it comes
 Report = Callable[[str, str, str, str, str], None]
@@ -23,6 +24,9 @@ class Finding:
     expected: str
     found: str
     fix: str = ""
+    # The user's own error behind a FAIL (a missing file or folder, a bad value), as the stage
+    # itself would raise it: the preflight raises it as it is (its message, its exit code).
+    error: EagletError | None = None
 
     def line(self) -> str:
         text = f"{self.status:<4}  {self.check}: expected {self.expected}; found {self.found}"
@@ -47,5 +51,6 @@ class Probe:
     vllm_ready: bool = False  # backend vllm: a vLLM new enough is importable here (its contracts are checked)
     vllm_roles: dict[str, list[type]] = field(default_factory=dict)  # {vllm_model}: the target's vLLM class
 
-    def add(self, status: str, check: str, expected: str, found: str, fix: str = "") -> None:
-        self.findings.append(Finding(status, check, expected, found, fix))
+    def add(self, status: str, check: str, expected: str, found: str, fix: str = "",
+            error: EagletError | None = None) -> None:
+        self.findings.append(Finding(status, check, expected, found, fix, error))

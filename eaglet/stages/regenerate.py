@@ -300,8 +300,8 @@ def run_regenerate(cfg: Config, out: str | Path | None = None, preflight: bool =
     rc = dataclasses.replace(cfg.regenerate, **settings, **({"out": str(out)} if out is not None else {}))
     if not rc.out:
         raise ConfigError("regenerate.out: no output file given (set regenerate.out, or --out)")
-    if preflight:
-        run_preflight(cfg, "regenerate")
+    if preflight:  # with the section as this call runs it (--engine, --kv-cache pick the contracts)
+        run_preflight(dataclasses.replace(cfg, regenerate=rc), "regenerate")
     batch_size, max_new_tokens, temperature, engine = rc.batch_size, rc.max_new_tokens, rc.temperature, rc.engine
     generate_batch, max_turns, kv_cache, shard = rc.generate_batch, rc.max_turns, rc.kv_cache, rc.shard
     rank, world = resolve_shard(shard)
