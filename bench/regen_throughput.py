@@ -38,7 +38,7 @@ def first_turn_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
         if isinstance(item, RecordError):  # a record prepare would report: not a prompt here
             continue
         try:
-            msgs = normalize_record(item, cfg.prepare.format)
+            msgs = normalize_record(item, cfg.prepare.format, cfg.prepare.multimodal)
         except RecordError:
             continue
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)

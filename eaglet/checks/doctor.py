@@ -120,28 +120,19 @@ def _raw_config(path: str) -> dict[str, Any]:
         return {}
 
 
-# The config's paths (item by item for lists), printed by the doctor as eaglet reads them.
-PATH_KEYS = ("run.dir", "target.path", "target.tokenizer", "target.chat_template", "prepare.data", "train.init_from",
-             "regenerate.out")
-_WRITTEN = ("run.dir", "regenerate.out")  # made by eaglet when missing
+_WRITTEN = ("run.dir", "regenerate.out", "extract.vllm_storage")  # made by eaglet when missing
 
 
 def check_paths(p: Probe) -> None:
-    """Each path of the config, resolved (a relative one in a config file is taken against the
-    file's folder when the config is read), and whether it is there."""
+    """Each path of the config (`Config.paths`: a relative one in a config file is taken
+    against the file's folder when the config is read), and whether it is there."""
     shown = []
-    for key in PATH_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(p.cfg, section), name)
-        for i, v in enumerate(value if isinstance(value, list) else [value]):
-            if not v:
-                continue
-            label = f"{key}[{i}]" if isinstance(value, list) else key
-            path = Path(v).expanduser()
-            if path.exists():
-                shown.append(f"{label}={path.resolve()}")
-            else:
-                shown.append(f"{label}={path.resolve()} (to be made)" if key in _WRITTEN else f"{label}={v} (not found)")
+    for label, v in p.cfg.paths():
+        path = Path(v).expanduser()
+        if path.exists():
+            shown.append(f"{label}={path.resolve()}")
+        else:
+            shown.append(f"{label}={path.resolve()} (to be made)" if label in _WRITTEN else f"{label}={v} (not found)")
     p.add("info", "paths", "each path of the config as eaglet reads it", "; ".join(shown) or "none set")
 
 

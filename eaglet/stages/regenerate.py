@@ -430,7 +430,7 @@ def run_regenerate(cfg: Config, out: str | Path | None = None, preflight: bool =
             try:
                 if isinstance(item, RecordError):
                     raise item
-                msgs = normalize_record(item, cfg.prepare.format)
+                msgs = normalize_record(item, cfg.prepare.format, cfg.prepare.multimodal)
             except RecordError as e:
                 skipped.write(json.dumps({"source": {"file": file, "row": row}, "reason": e.reason, "detail": e.detail}) + "\n")
                 stats["skipped"] += 1
