@@ -9,7 +9,8 @@ this process with one rank:
   grad_accum 2 (the same micro-batches in the same steps); FSDP2 too, and it holds the frozen
   embedding and teacher head sharded;
 - checkpoints resume on two ranks and in one process, under DDP, FSDP2 or neither, with the
-  same micro-batches per step, and are refused, naming the grad_accum to use, with another;
+  same micro-batches per step (the resumed process runs only the steps after the checkpoint),
+  and are refused, naming the grad_accum to use, with another;
 - tensor-parallel extraction (transformers' tp_plan) matches one rank;
 - bench/scaling.py runs.
 """
@@ -32,6 +33,7 @@ from eaglet.testing import tiny
 from eaglet.config import load_config
 from eaglet.distributed import DistEnv
 from eaglet.draft.parallelize import resolve_strategy
+from eaglet.errors import ResumeError
 from eaglet.formats.store import StoreReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -97,7 +99,7 @@ def runs(tmp_path_factory):
                                            "shard-r0-000002.safetensors"))],
         ["extract", str(cfgs["killed"]), "--skip-preflight"],
         # The same two ranks resume the DDP checkpoint of step 4, under FSDP2, to step 6.
-        ["train", str(cfgs["killed"]), "--skip-preflight", "--set", "train.max_steps=6", "--set",
+        ["train", str(cfgs["killed"]), "--skip-preflight", "--extend", "--set", "train.max_steps=6", "--set",
          "train.parallel=fsdp"],
         ["train", str(cfgs["fsdp"]), "--skip-preflight"],
         ["extract", str(cfgs["tp"]), "--skip-preflight"],
@@ -110,6 +112,16 @@ def runs(tmp_path_factory):
 def _log(run: Path, split: str = "train") -> list[dict]:
     lines = [json.loads(ln) for ln in (run / "train" / "log.jsonl").read_text().splitlines()]
     return [r for r in lines if r["split"] == split]
+
+
+def _stats(run: Path) -> dict:
+    return json.loads((run / "train" / "manifest.json").read_text())["stats"]
+
+
+def _ran_after(stats: dict, step: int, steps: int) -> None:
+    """The run resumed the checkpoint of `step` and took `steps` optimizer steps itself."""
+    assert stats["resumed"]["from_step"] == stats["started_at_step"] == step
+    assert stats["steps_run"] == steps and stats["steps"] == step + steps
 
 
 def _same_losses(got: list[dict], want: list[dict], rel: float, acc: float = 1e-9) -> None:
@@ -194,7 +206,9 @@ def test_two_rank_checkpoint_resumes_in_one_process_with_the_same_global_batch(r
     root, cfgs = runs
     shutil.copytree(root / "ddp", tmp_path / "ddp")
     cfg = load_config(cfgs["ddp"], [f"run.dir={tmp_path / 'ddp'}", "train.grad_accum=2", "train.max_steps=8"])
-    pipeline.run_stage(cfg, "train", preflight=False)
+    stats = pipeline.run_stage(cfg, "train", preflight=False, extend=True)["stats"]
+    _ran_after(stats, 4, 4)
+    assert stats["resumed"]["changed"] == {"world_size": [2, 1]}
     _same_losses(_log(tmp_path / "ddp"), _log(root / "one"), rel=1e-6)  # steps 1-4 on 2 ranks, 5-8 on one
 
 
@@ -204,9 +218,11 @@ def test_checkpoints_move_between_strategies_and_world_sizes(runs, tmp_path):
     root, cfgs = runs
     two = _log(root / "killed")
     assert [r["step"] for r in two] == list(range(1, 7))
+    _ran_after(_stats(root / "killed"), 4, 2)
+    assert _stats(root / "killed")["resumed"]["changed"] == {"train.parallel": ["auto", "fsdp"]}
     shutil.copytree(root / "killed", tmp_path / "killed")
     cfg = load_config(cfgs["killed"], [f"run.dir={tmp_path / 'killed'}", "train.grad_accum=2", "train.max_steps=8"])
-    pipeline.run_stage(cfg, "train", preflight=False)
+    _ran_after(pipeline.run_stage(cfg, "train", preflight=False, extend=True)["stats"], 6, 2)
     _same_losses(_log(tmp_path / "killed"), _log(root / "one"), rel=1e-5, acc=0.02)
 
 
@@ -214,9 +230,9 @@ def test_resume_on_another_global_batch_is_refused_with_the_grad_accum_to_use(ru
     root, cfgs = runs
     shutil.copytree(root / "ddp", tmp_path / "ddp")
     cfg = load_config(cfgs["ddp"], [f"run.dir={tmp_path / 'ddp'}", "train.max_steps=6"])
-    with pytest.raises(RuntimeError, match=r"(?s)micro_batches_per_step: 2 -> 1.*written by 2 rank.*"
-                                           r"set train\.grad_accum=2"):
-        pipeline.run_stage(cfg, "train", preflight=False)
+    with pytest.raises(ResumeError, match=r"micro_batches_per_step: 2 -> 1, train\.max_steps: 4 -> 6\); the "
+                                          r"checkpoint was written by 2 rank.*set train\.grad_accum=2"):
+        pipeline.run_stage(cfg, "train", preflight=False, extend=True)
 
 
 def test_tensor_parallel_extraction_matches_one_rank(runs):
