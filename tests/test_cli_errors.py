@@ -132,3 +132,44 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in p.stderr + p.stdout, p.stderr
     last = p.stderr.strip().splitlines()[-1]
     _one_line(last, 4, p.returncode, "target.path", "not found", "no-such-model")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run trained 4 steps (a checkpoint every 2), and the --set flags it was made with."""
+    from conftest import tiny_pipeline_upto_vocab, train_on_copy
+
+    tmp = tmp_path_factory.mktemp("cli")
+    base = tiny_pipeline_upto_vocab(tmp, 12, 3, [
+        "vocab.size=128", "train.max_tokens=256", "train.ttt_steps=2", "train.max_steps=4", "train.ckpt_every=2",
+        "train.eval_every=0", "train.tensorboard=false", "train.device=cpu"])
+    run, _ = train_on_copy(tmp, base, "trained")
+    return run, base
+
+
+def _flags(run, base, *extra):
+    return [a for s in [f"run.dir={run}", *base, *extra] for a in ("--set", s)]
+
+
+def test_a_refused_resume(tmp_path, capsys, trained):
+    import shutil
+
+    run, base = trained
+    shutil.copytree(run, tmp_path / "run")
+    cfg = _config(tmp_path)
+    rc, line, _ = _run(capsys, "train", cfg, *_flags(tmp_path / "run", base, "train.ttt_steps=3"))
+    _one_line(line, 6, rc, "train.ttt_steps: 2 -> 3", "--force")
+
+
+def test_a_corrupt_shard(tmp_path, capsys, trained):
+    import shutil
+
+    run, base = trained
+    shutil.copytree(run, tmp_path / "run")
+    shard = sorted((tmp_path / "run" / "extract").glob("shard-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    cfg = _config(tmp_path)
+    rc, line, _ = _run(capsys, "train", cfg, *_flags(tmp_path / "run", base), "--force")
+    _one_line(line, 5, rc, shard.name, "eaglet extract CONFIG --force")
