@@ -1,9 +1,11 @@
 """The performance benchmarks at tiny shapes on the CPU: bench/perf.sh running bench/train_throughput.py
 (eaglet's step with its per-phase breakdown, profile and compiled-vs-eager check; speculators'
 step when .venv-speculators exists) and writing its summary; bench/extract_throughput.py; the
-FLOP count against the anchor script's; the synthetic batches they train on (eaglet.testing.
-synthetic). EAGLET_PERF_FULL=1 also runs speculators' side (15 s more). The bench scripts run as
-scripts (`bench/x.py ... --out FILE`, in this process: conftest.run_script), their JSON read back."""
+FLOP count against the anchor script's (skipped, saying so, without ../shared/anchors beside the
+checkout); the synthetic batches they train on (eaglet.testing.synthetic). EAGLET_PERF_FULL=1 with
+.venv-speculators also runs speculators' side of the driver (15 s more; skipped, saying so,
+otherwise). The bench scripts run as scripts (`bench/x.py ... --out FILE`, in this process:
+conftest.run_script), their JSON read back."""
 
 import ast
 import json
@@ -36,23 +38,33 @@ def run_bench(script: Path, args: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_flop_count_is_the_anchors(tmp_path):
-    # the bench's own figures, nothing built: the preset's, and every real preset's at 2048 and 4096
-    got = run_bench(TRAIN_BENCH, ["--flops-only", "--preset", "llama3-8b", "--tokens", "2048", "--doc-tokens", "2048",
-                                  "--ttt-steps", "7"], tmp_path / "flops.json")
+def flop_figures(tmp_path: Path) -> dict:
+    """The bench's own FLOP figures, nothing built: the preset's, and every real preset's at 2048 and 4096."""
+    return run_bench(TRAIN_BENCH, ["--flops-only", "--preset", "llama3-8b", "--tokens", "2048", "--doc-tokens", "2048",
+                                   "--ttt-steps", "7"], tmp_path / "flops.json")
+
+
+def test_flop_count(tmp_path):
+    got = flop_figures(tmp_path)
     assert got["gflop_per_token"] == pytest.approx(16.64, abs=0.01)
     assert got["presets"]["llama3-8b"]["2048"] == got["flop_per_token"]
-    if ANCHOR.exists():  # the function itself, from the anchor script (which needs speculators to import)
-        tree = ast.parse(ANCHOR.read_text())
-        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_flops_per_token")
-        ns: dict = {}
-        exec(compile(ast.Module([fn], []), str(ANCHOR), "exec"), ns)
-        for seq in (2048, 4096):
-            for preset in ("llama3-8b", "kimi-k2"):  # the anchor's FLOPs of the preset's anchor dims
-                dims = {k: v for k, v in zip(("hidden", "heads", "kv", "inter", "vocab", "draft_vocab"), (
-                    PRESETS[preset][k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                 "intermediate_size", "vocab_size", "draft_vocab_size")))}
-                assert ns["train_flops_per_token"](dims, seq, 7) == got["presets"][preset][str(seq)]
+
+
+@pytest.mark.skipif(not ANCHOR.exists(), reason=f"no anchor script {ANCHOR} (the shared/anchors folder beside the "
+                                                "checkout): the FLOP count is not compared with the anchor's")
+def test_flop_count_is_the_anchors(tmp_path):
+    got = flop_figures(tmp_path)
+    # the function itself, from the anchor script (which needs speculators to import)
+    tree = ast.parse(ANCHOR.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_flops_per_token")
+    ns: dict = {}
+    exec(compile(ast.Module([fn], []), str(ANCHOR), "exec"), ns)
+    for seq in (2048, 4096):
+        for preset in ("llama3-8b", "kimi-k2"):  # the anchor's FLOPs of the preset's anchor dims
+            dims = {k: v for k, v in zip(("hidden", "heads", "kv", "inter", "vocab", "draft_vocab"), (
+                PRESETS[preset][k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                             "intermediate_size", "vocab_size", "draft_vocab_size")))}
+            assert ns["train_flops_per_token"](dims, seq, 7) == got["presets"][preset][str(seq)]
 
 
 def test_synthetic_batch_trains_on_the_loss_share_asked_for():
@@ -130,40 +142,66 @@ def test_extract_bench(tmp_path):
     assert not list(tmp_path.glob("eaglet-extract-bench-*"))  # the stores are deleted
 
 
-def test_perf_sh_tiny(tmp_path):
-    """The driver end to end on eaglet's packed part (breakdown, profile, compiled-vs-eager
-    check: dynamo's capture, eager backend) and speculators' (run with EAGLET_PERF_FULL=1 and
-    .venv-speculators, else skipped as without wheels), and the summary with both columns."""
+def run_perf_sh(out: Path, spec_python: Path | None) -> list[dict]:
+    """bench/perf.sh at tiny shapes (PERF_TINY) on eaglet's packed part and speculators' (with
+    `spec_python`; else skipped as without wheels); its train.json."""
     env = {**os.environ, "PERF_TINY": "1", "PY": sys.executable, "STEPS": "1", "WARMUP": "1",
-           "WHL": str(tmp_path / "no-wheels"), "OMP_NUM_THREADS": "1"}
-    have_spec = SPECULATORS_PYTHON.exists() and bool(os.environ.get("EAGLET_PERF_FULL"))  # +15 s: its import
-    if have_spec:
-        env["SPEC_PY"] = str(SPECULATORS_PYTHON)
-    out = tmp_path / "out"
+           "WHL": str(out.parent / "no-wheels"), "OMP_NUM_THREADS": "1"}
+    env.pop("SPEC_PY", None)
+    if spec_python is not None:
+        env["SPEC_PY"] = str(spec_python)
     p = subprocess.run(["bash", str(REPO / "bench" / "perf.sh"), str(out), "e8p,s8p"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(f.name for f in out.iterdir()) == ["perf.log", "profile.txt", "summary.md", "train.json"]
-    train = json.loads((out / "train.json").read_text())
-    assert [r["part"] for r in train] == (["e8p", "s8p"] if have_spec else ["e8p"])
+    return json.loads((out / "train.json").read_text())
+
+
+def summary_row(out: Path) -> list[str]:
+    summary = (out / "summary.md").read_text()
+    return next(line for line in summary.splitlines()
+                if line.startswith("| Llama-3.1-8B draft dims, 4 x 2048 packed")).split("|")
+
+
+def test_perf_sh_tiny(tmp_path):
+    """The driver end to end on eaglet's packed part (breakdown, profile, compiled-vs-eager
+    check: dynamo's capture, eager backend), speculators' part skipped as without wheels, and
+    the summary."""
+    out = tmp_path / "out"
+    train = run_perf_sh(out, None)
+    assert [r["part"] for r in train] == ["e8p"]
     e = train[0]
     assert e["system"] == "eaglet" and e["docs"] == 4 and e["compile"] and e["attn_impl"] == "chunked"
     # forward_loss runs the draft's forward (all steps), then the loss of each step
     phases = (["teacher"] + [f"step{j}_forward" for j in range(7)] + [f"step{j}_loss" for j in range(7)]
               + ["backward", "optimizer"])
     assert list(e["breakdown_ms"]) == phases
-    assert sum(e["breakdown_ms"].values()) == pytest.approx(e["step_ms"], rel=0.5)  # the phases cover the step
+    # The phases tile the step: on the CPU each runs from the previous wall-clock mark to its own,
+    # from the step's first mark to its last, inside the timed step. What they leave out is the
+    # step call's own entry and return (measured: 0.8-1.0 ms of 163-230 ms steps, phases 99.5% of
+    # the step in 3 runs on a shared 2-core CPU); 3% allows six times that.
+    covered = sum(e["breakdown_ms"].values())
+    assert 0.97 * e["step_ms"] <= covered <= e["step_ms"], (covered, e["step_ms"])
     assert e["check"]["max_rel_diff"] < 1e-5  # the compiled pieces give the eager losses
     assert len(e["profile"]["top"]) == 25 and "aten::" in (out / "profile.txt").read_text()
+    row = summary_row(out)
+    assert "tok/s" in row[2] and "no speculators wheels" in row[3]
     summary = (out / "summary.md").read_text()
-    row = next(line for line in summary.splitlines() if line.startswith("| Llama-3.1-8B draft dims, 4 x 2048 packed"))
-    assert "tok/s" in row.split("|")[2]
     assert "- e8p (" in summary and "max relative difference" in summary
-    if have_spec:
-        assert "tok/s" in row.split("|")[3] and "x" in row.split("|")[4]
-        assert train[1]["system"] == "speculators" and train[1]["speculators_version"] == "0.9.0"
-    else:
-        assert "no speculators wheels" in row
+
+
+@pytest.mark.skipif(not (SPECULATORS_PYTHON.exists() and os.environ.get("EAGLET_PERF_FULL")),
+                    reason="speculators' side of bench/perf.sh needs EAGLET_PERF_FULL=1 (15 s more: its import) and "
+                           ".venv-speculators (`bash scripts/speculators_venv.sh`)")
+def test_perf_sh_tiny_beside_speculators(tmp_path):
+    """The driver with speculators 0.9.0 at the same tiny shape: both columns of the summary and
+    their ratio."""
+    out = tmp_path / "out"
+    train = run_perf_sh(out, SPECULATORS_PYTHON)
+    assert [r["part"] for r in train] == ["e8p", "s8p"]
+    assert train[1]["system"] == "speculators" and train[1]["speculators_version"] == "0.9.0"
+    row = summary_row(out)
+    assert "tok/s" in row[2] and "tok/s" in row[3] and "x" in row[4]
 
 
 def test_extract_loop_reports_where_the_host_waited(tmp_path):
