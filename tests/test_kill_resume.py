@@ -164,8 +164,8 @@ def test_resume_refused_when_model_or_vocab_changes(tmp_path, assets):
     target, data = assets
     path = _write_config(tmp_path, target, data, train={"max_steps": 2, "ckpt_every": 1})
     pipeline.run_all(load_config(path), upto="train")
-    with pytest.raises(ResumeError, match=r"checkpoint step-0000002 in .* was made with other settings "
-                                          r"\(model\.num_layers: 1 -> 2, train\.draft_layers: 1 -> 2\); rerun with --force"):
+    with pytest.raises(ResumeError, match=r"checkpoint step-0000002 in .* was made with other settings \(model\."
+                                          r"num_layers: 1 -> 2, train\.draft_layers: 1 -> 2\); rerun with --force"):
         pipeline.run_all(load_config(path, ["train.draft_layers=2"]), upto="train")
     with pytest.raises(ResumeError, match=r"vocab\.d2t"):
         pipeline.run_all(load_config(path, ["vocab.size=100"]), upto="train")

@@ -339,7 +339,8 @@ class Trainer:
                 + ")", fix=f"start fresh with `eaglet train CONFIG --force` (the old run is kept in {aside}/)")
         name, state = ckpt.folder.name, ckpt.state
         if not ckpt.verified:
-            log(f"[train] warning: checkpoint {name} has no checksums (an older eaglet wrote it): resuming it unverified")
+            log(f"[train] warning: checkpoint {name} has no checksums (an older eaglet wrote it): resuming it "
+                "unverified")
         if old_fingerprint(state["fingerprint"]):
             log(f"[train] warning: checkpoint {name} records only the model, data and vocabulary: the other train "
                 "settings cannot be compared")
@@ -351,8 +352,8 @@ class Trainer:
         force = f"--force to start fresh (the old run is kept in {aside}/)"
         if other or (diff and not extend):
             if other:
-                fix = f"rerun with {force}, or restore the settings" + (
-                    " (--extend allows only train.epochs and train.max_steps to change)" if extend or diff != other else "")
+                only = " (--extend allows only train.epochs and train.max_steps to change)"
+                fix = f"rerun with {force}, or restore the settings" + (only if extend or diff != other else "")
             elif self.total_steps > old_total:
                 fix = f"rerun with --extend to continue to the longer schedule, or {force}"
             else:
@@ -419,8 +420,8 @@ class Trainer:
         if old_m == new_m:
             return ""
         ws = state.get("world_size", 1)
-        hint = (f"; the checkpoint was written by {ws} rank(s) x train.grad_accum {old_m // ws} = {old_m} micro-batches "
-                f"per optimizer step, this run has {W} x {self.tc.grad_accum} = {new_m}: ")
+        hint = (f"; the checkpoint was written by {ws} rank(s) x train.grad_accum {old_m // ws} = {old_m} "
+                f"micro-batches per optimizer step, this run has {W} x {self.tc.grad_accum} = {new_m}: ")
         if old_m % W == 0:
             return hint + f"to resume it on {W} rank(s), set train.grad_accum={old_m // W}"
         return hint + f"{old_m} micro-batches do not split over {W} ranks: resume on a world size that divides {old_m}"
