@@ -2,6 +2,7 @@
 given the same gradients as fp32 .grad; and the unroll's use of the persistent copies."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -162,7 +163,11 @@ def test_trainer_with_unroll_adamw_trains_as_with_adamw(store_run, monkeypatch):
             torch.testing.assert_close(w_fast[k], w, rtol=0, atol=2e-3 * w.abs().max().item(), msg=k)
         else:  # the vocabulary maps
             assert torch.equal(w_fast[k], w)
-    _train(tmp, base, "resumed", monkeypatch, "train.max_steps=3", "train.ckpt_every=3")
+    _train(tmp, base, "resumed", monkeypatch, *six)  # then what a kill just after the checkpoint of step 3 leaves:
+    train = tmp / "resumed" / "train"
+    shutil.rmtree(train / "checkpoints" / "step-0000006")
+    shutil.rmtree(train / "final")
+    (train / "manifest.json").unlink()
     both, n_rest, w_rest = _train(tmp, base, "resumed", monkeypatch, *six, fresh=False)  # the log holds both runs
     assert n_rest == 3 and [r["step"] for r in both] == list(range(1, 7))
     assert [r["loss"] for r in both] == [r["loss"] for r in fast]
