@@ -59,6 +59,12 @@ def _add_skip_preflight(p: argparse.ArgumentParser) -> None:
                    help="Do not run the doctor's cheap checks of the stage's library APIs and inputs first.")
 
 
+def _add_extend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extend", action="store_true",
+                   help="train: continue a finished or stopped run to a longer schedule (train.epochs or "
+                        "train.max_steps raised); see docs/stages.md.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models for Hugging Face targets.")
     ap.add_argument("--debug", action="store_true", help="Print the traceback of an error (also EAGLET_DEBUG=1).")
@@ -68,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--until", choices=STAGE_NAMES, help="Stop after this stage.")
     p.add_argument("--force", action="store_true", help="Rerun every stage even if up to date.")
+    _add_extend(p)
     _add_skip_preflight(p)
 
     for name in STAGE_NAMES:
@@ -77,9 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in PREFLIGHT_STAGES:
             _add_skip_preflight(p)
         if name == "train":
-            p.add_argument("--extend", action="store_true",
-                           help="Continue a finished or stopped run to a longer schedule (train.epochs or train.max_steps "
-                                "raised); see docs/stages.md.")
+            _add_extend(p)
         if name == "export":
             p.add_argument("--format", dest="formats", action="append", choices=["vllm", "sglang"],
                            help="Format to write (repeatable); default: export.formats.")
@@ -162,7 +167,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         return run_doctor(cfg, more=shadow_findings if args.shadow else None)
     if args.command == "run":
-        run_all(cfg, upto=args.until, force=args.force, preflight=preflight)
+        run_all(cfg, upto=args.until, force=args.force, preflight=preflight, extend=args.extend)
     else:
         run_stage(cfg, args.command, force=args.force, preflight=preflight, extend=getattr(args, "extend", False))
     return 0

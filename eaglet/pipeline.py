@@ -28,7 +28,7 @@ from typing import Any, Callable
 from .checks.doctor import preflight as run_preflight
 from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
-from .errors import InputError
+from .errors import InputError, ResumeError
 from .stages.context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
@@ -203,17 +203,25 @@ def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream
         log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")
         return manifest
 
-    if stage.distributed:
-        stats = stage.function()(cfg, ctx)
-        return run_on_main(finish, stats)
-    return run_on_main(lambda: finish(stage.function()(cfg, ctx)))
+    try:
+        if stage.distributed:
+            stats = stage.function()(cfg, ctx)
+            return run_on_main(finish, stats)
+        return run_on_main(lambda: finish(stage.function()(cfg, ctx)))
+    except ResumeError:
+        # Refused before the stage changed anything: its outputs are still those the old
+        # manifest describes, so the stages after it stay usable.
+        if old is not None and old.get("status") == "complete":
+            run_on_main(atomic_write_text, out_dir / MANIFEST, json.dumps(old, indent=2, default=str))
+        raise
 
 
-def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight: bool = True) -> list[dict[str, Any]]:
-    """`eaglet run`: every stage in order, skipping those up to date."""
+def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight: bool = True,
+            extend: bool = False) -> list[dict[str, Any]]:
+    """`eaglet run`: every stage in order, skipping those up to date (`extend`: train's --extend)."""
     init_distributed(cfg.run.dist_timeout_minutes)
     manifests, upstream = [], {}
     for stage, h, inputs in _stage_plan(cfg, upto or STAGE_NAMES[-1]):
-        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight))
+        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight, extend))
         upstream[stage.name] = cfg.run_dir / stage.name
     return manifests

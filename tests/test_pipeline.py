@@ -6,7 +6,7 @@ import pytest
 
 from eaglet import pipeline
 from eaglet.config import load_config
-from eaglet.errors import InputError
+from eaglet.errors import InputError, ResumeError
 
 CALLS: list[str] = []
 
@@ -16,6 +16,8 @@ def _stage(name):
         CALLS.append(name)
         if name == "b" and cfg.extract.batch_tokens == 13:
             raise RuntimeError("planted failure")
+        if name == "b" and cfg.extract.batch_tokens == 14:
+            raise ResumeError("planted refusal")
         (ctx.out_dir / "out.txt").write_text(name)
         return {"upstream": sorted(ctx.upstream)}
     return fn
@@ -72,6 +74,20 @@ def test_failed_stage_leaves_no_manifest_and_is_rerun(stages):
     CALLS.clear()
     pipeline.run_all(_cfg(tmp_path, data))
     assert CALLS == ["b", "c"]
+
+
+def test_a_refused_resume_leaves_the_stage_as_it_was(stages):
+    """A stage that refuses to resume changed nothing: its manifest stays, so with the old
+    settings back every stage is up to date again."""
+    tmp_path, data = stages
+    pipeline.run_all(_cfg(tmp_path, data))
+    before = (tmp_path / "run" / "b" / "manifest.json").read_text()
+    with pytest.raises(ResumeError):
+        pipeline.run_all(_cfg(tmp_path, data, "extract.batch_tokens=14"))
+    assert (tmp_path / "run" / "b" / "manifest.json").read_text() == before
+    CALLS.clear()
+    pipeline.run_all(_cfg(tmp_path, data))
+    assert CALLS == []
 
 
 def test_single_stage_needs_its_upstream(stages):
