@@ -9,7 +9,7 @@
 
 Every error ends in one line, `eaglet: <what>, <where>; <how to fix>`, with the exit code
 eaglet/errors.py lists (0 done, 1 the doctor found a FAIL, 2 config, 3 preflight, 4 input,
-5 corrupt data, 6 resume refused, 70 a bug, 130 interrupted). `--debug` (or EAGLET_DEBUG=1)
+5 corrupt data, 6 resume refused, 7 a verification failed, 70 a bug, 130 interrupted). `--debug` (or EAGLET_DEBUG=1)
 prints the traceback as well.
 """
 

@@ -13,6 +13,8 @@ change eaglet did not foresee: one line too (exit 70), the traceback only with `
     4    InputError          an input file, folder or record; a stage run before the one it needs
     5    CorruptDataError    a file eaglet wrote is damaged (a store shard, a checkpoint)
     6    ResumeError         resuming would mix two runs
+    7    VerificationError   eaglet's own check of a result failed: the extraction self-check
+                             (stored states against the model's forward), eval's lossless check
     70   any other exception (a bug: report it)
     130  interrupted (Ctrl-C): rerun the same command to resume
 """
@@ -65,6 +67,13 @@ class ResumeError(EagletError, RuntimeError):
     """Resuming would mix two runs (settings or inputs changed since the checkpoint)."""
 
     exit_code = 6
+
+
+class VerificationError(EagletError, RuntimeError):
+    """A result disagrees with its reference (states with the model's own forward, speculative
+    output with the target's greedy output): nothing downstream may use it."""
+
+    exit_code = 7
 
 
 def one_line(text: str) -> str:

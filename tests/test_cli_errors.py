@@ -42,7 +42,7 @@ def _one_line(line, code, rc, *named):
 def test_exit_codes_are_the_documented_ones():
     assert (ConfigError.exit_code, InputError.exit_code, CorruptDataError.exit_code, ResumeError.exit_code) == (2, 4, 5, 6)
     doc = cli.__doc__ + sys.modules["eaglet.errors"].__doc__
-    for code in ("0", "1", "2", "3", "4", "5", "6", "70", "130"):
+    for code in ("0", "1", "2", "3", "4", "5", "6", "7", "70", "130"):
         assert f" {code} " in doc.replace("\n", " ")
 
 

@@ -18,6 +18,7 @@ from eaglet.stages.extract import run_extract
 from eaglet.stages.context import StageContext
 from eaglet.formats.prepared import PreparedWriter
 from eaglet.checks.selfcheck import SelfCheckError, pick_samples
+from eaglet.errors import InputError
 
 LENGTHS = [23, 9, 31, 17, 5, 28, 12, 20]
 
@@ -141,7 +142,7 @@ def test_failed_selfcheck_leaves_no_manifest_so_train_cannot_run(tmp_path, targe
         pipeline.run_stage(cfg, "extract", preflight=False)
     assert (tmp_path / "run" / "extract" / "index.json").is_file()  # the store is kept ...
     assert not (tmp_path / "run" / "extract" / "manifest.json").exists()  # ... but not handed on
-    with pytest.raises(RuntimeError, match="needs stage 'extract' up to date"):
+    with pytest.raises(InputError, match="stage train needs stage extract, which has not run"):
         pipeline.run_stage(cfg, "train", preflight=False)
 
 

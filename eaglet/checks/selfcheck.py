@@ -41,6 +41,7 @@ import torch
 
 from ..draft.loss import teacher_targets
 from ..draft.model import is_moe_config
+from ..errors import VerificationError
 from ..formats.store import StoreReader
 from ..targets.load import TargetParts
 
@@ -48,7 +49,7 @@ REF_MAX_TOKENS = 1024
 TIE_NATS = 0.05  # against vLLM: eaglet's top token counts as agreeing when vLLM scores it this close to its own
 
 
-class SelfCheckError(RuntimeError):
+class SelfCheckError(VerificationError):
     """Stored states disagree with the model's own; the message names the state and the error."""
 
 

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import Config
+from ..errors import VerificationError
 
 METHOD = "extract_hidden_states"
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -43,7 +44,7 @@ MANAGED_ARGS = ("model", "tokenizer", "dtype", "trust_remote_code", "revision", 
 DEFAULT_ARGS = {"enable_prefix_caching": False}
 MAX_HTTP_THREADS = 64
 
-class TokenMismatch(ValueError):
+class TokenMismatch(VerificationError, ValueError):
     """vLLM computed the states of other token ids than prepare produced for the sample."""
 
 

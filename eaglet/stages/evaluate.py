@@ -46,6 +46,7 @@ from ..engines.specdec import (
     plain_generate,
     speculative_generate,
 )
+from ..errors import VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
 from ..targets.chat import load_tokenizer
@@ -59,7 +60,7 @@ EVAL_JSON = "eval.json"
 EVAL_PNG = "eval.png"
 
 
-class LosslessError(RuntimeError):
+class LosslessError(VerificationError):
     """Greedy speculative decoding produced a token the target's own greedy decoding did not."""
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import InputError
+
 ADD_FAMILY = "eaglet/targets/families.py"
 
 # Where decoders sit: a CausalLM, transformers' multimodal classes, remote-code wrappers.
@@ -48,7 +50,7 @@ TINY_BASE: dict[str, Any] = dict(
 )
 
 
-class UnsupportedFamily(ValueError):
+class UnsupportedFamily(InputError, ValueError):
     """The target's architecture has no adapter (or its parts are not where the adapter says).
     `reason`: the short form, without the list of families."""
 
