@@ -161,7 +161,10 @@ class ExtractSection:
         256.0, "Target size of one store shard in MiB. What is still unwritten when the last forward ends is "
         "written after it; smaller shards spread that over the writer threads (on an H200, 256 against 1024 "
         "cut it from 1.6 s to 0.5 s).", _gt(0))
-    store_dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the stored hidden states.")
+    store_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = _f(
+        "bfloat16", "Dtype of the stored hidden states. float8_e4m3fn: half of bfloat16's bytes, each token's state "
+        "scaled by its largest magnitude (one float32 scale per token and state), quantized on the GPU in "
+        "extraction and dequantized on the training device.")
     writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.", _ge(1))
     writer_threads: int = _f(
         4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).", _ge(1))

@@ -14,7 +14,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # config names
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}  # config names
 
 
 def log(msg: str, all_ranks: bool = False) -> None:

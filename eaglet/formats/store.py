@@ -12,6 +12,8 @@ A store folder holds
                                     or before it ("pre_norm", the vLLM backend: training applies it)
         input_ids  [N]           int32
         loss_mask  [N]           uint8
+        aux_scale  [N, n_aux]    float32      (float8_e4m3fn stores only) each token's scale per state:
+        final_scale [N, 1]       float32      state = fp8 value x scale (`quantize_states`)
         offsets    [S+1]         int64        sample s is rows offsets[s]:offsets[s+1]
         sample_id  [S]           int64        prepared-data sample ids
     shard-r{rank}-{k:06d}.json      sidecar: file, sha256, samples, tokens, sample_ids, lengths, bytes
@@ -108,8 +110,30 @@ def _is_store_file(name: str) -> bool:
                                       or name.startswith(f".{STORE_META}."))
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_states(x: torch.Tensor, n_states: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """States [..., n_states*H] as float8_e4m3fn with one float32 scale per token and state
+    ([..., n_states]): each token's state is divided by its largest magnitude / 448, so every
+    state uses e4m3's whole range (3 mantissa bits: a relative error under 1/16 per value).
+    Runs where `x` is (on the GPU in extraction)."""
+    lead = x.shape[:-1]
+    v = x.float().reshape(*lead, n_states, -1)
+    scale = v.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    q = (v / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(*lead, -1), scale
+
+
+def dequantize_states(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`quantize_states` undone: [..., n_states*H] in `dtype`, where `q` is."""
+    lead, n = scale.shape[:-1], scale.shape[-1]
+    v = q.reshape(*lead, n, -1).to(torch.float32) * scale.to(q.device, torch.float32)[..., None]
+    return v.reshape(*lead, -1).to(dtype)
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tensor], list[int]]],
@@ -231,6 +255,8 @@ class _Piece:
     final: torch.Tensor  # [T, H]
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # uint8 [T]
+    aux_scale: torch.Tensor | None = None  # float32 [T, n_aux] (fp8 stores)
+    final_scale: torch.Tensor | None = None  # float32 [T, 1]
 
 
 @dataclass
@@ -469,7 +495,8 @@ class StoreWriter:
         self.meta = {"format": FORMAT, **meta}
         self.dtype = DTYPES[self.meta["dtype"]]
         self.hidden = int(self.meta["hidden_size"])
-        self.aux_width = int(self.meta["n_aux"]) * self.hidden
+        self.n_aux = int(self.meta["n_aux"])
+        self.aux_width = self.n_aux * self.hidden
         self.shard_bytes = max(1, int(shard_bytes))
         self.fsync = fsync
         self.rank = rank
@@ -507,8 +534,11 @@ class StoreWriter:
 
     # ---- adding ------------------------------------------------------------------------------
     def add(self, sample_id: int, aux: torch.Tensor, final: torch.Tensor,
-            input_ids: torch.Tensor | np.ndarray, loss_mask: torch.Tensor | np.ndarray) -> None:
-        """Buffer one sample (CPU tensors: aux [T, n_aux*H], final [T, H] in the store dtype)."""
+            input_ids: torch.Tensor | np.ndarray, loss_mask: torch.Tensor | np.ndarray,
+            aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None) -> None:
+        """Buffer one sample (CPU tensors: aux [T, n_aux*H], final [T, H] in the store dtype).
+        An fp8 store takes them quantized with their scales (`quantize_states`, done on the GPU
+        by extraction), or in a wider dtype, and then quantizes them here."""
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError("StoreWriter is closed")
@@ -523,13 +553,21 @@ class StoreWriter:
                 f"sample {sample_id}: shapes aux {tuple(aux.shape)}, final {tuple(final.shape)}, ids {n}, "
                 f"mask {mask.shape[0]} do not match T={n}, n_aux*H={self.aux_width}, H={self.hidden}"
             )
+        if self.dtype == FP8 and aux.dtype != FP8 and final.dtype != FP8:
+            (aux, aux_scale), (final, final_scale) = quantize_states(aux, self.n_aux), quantize_states(final, 1)
         if aux.dtype != self.dtype or final.dtype != self.dtype:
             raise ValueError(f"sample {sample_id}: states are {aux.dtype}/{final.dtype}, the store holds {self.dtype}")
+        if self.dtype == FP8 and (aux_scale is None or final_scale is None or tuple(aux_scale.shape) != (n, self.n_aux)
+                                  or tuple(final_scale.shape) != (n, 1)):
+            raise ValueError(f"sample {sample_id}: fp8 states need their scales, aux_scale [{n}, {self.n_aux}] and "
+                             f"final_scale [{n}, 1]")
         if aux.device.type != "cpu" or final.device.type != "cpu":
             raise ValueError(f"sample {sample_id}: states must be on the CPU")
+        if self.dtype == FP8:
+            aux_scale, final_scale = aux_scale.to(torch.float32).contiguous(), final_scale.to(torch.float32).contiguous()
         self._done.add(sample_id)
-        self._buf.append(_Piece(sample_id, aux, final, ids, mask))
-        self._buf_bytes += aux.nbytes + final.nbytes + 5 * n
+        self._buf.append(_Piece(sample_id, aux, final, ids, mask, aux_scale, final_scale))
+        self._buf_bytes += aux.nbytes + final.nbytes + 5 * n + (4 * n * (self.n_aux + 1) if self.dtype == FP8 else 0)
         if self._buf_bytes >= self.shard_bytes:
             self._flush()
 
@@ -581,6 +619,9 @@ class StoreWriter:
             "offsets": ([torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)], [len(pieces) + 1]),
             "sample_id": ([torch.tensor([p.sample_id for p in pieces], dtype=torch.int64)], [len(pieces)]),
         }
+        if self.dtype == FP8:
+            parts["aux_scale"] = ([p.aux_scale for p in pieces], [tokens, self.n_aux])
+            parts["final_scale"] = ([p.final_scale for p in pieces], [tokens, 1])
         stem = shard_stem(self.rank, k)
         name = f"{stem}.safetensors"
         digest, size = write_safetensors(self.folder / name, parts, {"format": FORMAT}, fsync=self.fsync)
@@ -697,15 +738,27 @@ class StoreReader:
         i = int(np.searchsorted(self.sample_ids, sample_id))
         return i < len(self) and int(self.sample_ids[i]) == int(sample_id)
 
-    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
-        """aux [T, n_aux*H], final [T, H] (store dtype), input_ids int32 [T], loss_mask uint8 [T]."""
+    @property
+    def scaled(self) -> bool:
+        """Whether the states are fp8 with per-token scales (`quantize_states`)."""
+        return self.dtype == FP8
+
+    def get(self, sample_id: int, raw: bool = False) -> dict[str, torch.Tensor]:
+        """aux [T, n_aux*H], final [T, H] (store dtype), input_ids int32 [T], loss_mask uint8 [T].
+        An fp8 store's states come dequantized to bfloat16, or with `raw` as stored, fp8 with
+        aux_scale [T, n_aux] and final_scale [T, 1] (training dequantizes them on its device)."""
         i = int(np.searchsorted(self.sample_ids, sample_id))
         if i >= len(self) or int(self.sample_ids[i]) != int(sample_id):
             raise KeyError(f"sample {sample_id} is not in the store {self.folder}")
         k, j = int(self._shard_of[i]), int(self._row[i])
         handle = self._open(k)
         a, b = int(self._offsets[k][j]), int(self._offsets[k][j + 1])
-        return {name: handle.get_slice(name)[a:b] for name in ("aux", "final", "input_ids", "loss_mask")}
+        names = ("aux", "final", "input_ids", "loss_mask") + (("aux_scale", "final_scale") if self.scaled else ())
+        out = {name: handle.get_slice(name)[a:b] for name in names}
+        if self.scaled and not raw:
+            out["aux"] = dequantize_states(out["aux"], out.pop("aux_scale"), torch.bfloat16)
+            out["final"] = dequantize_states(out["final"], out.pop("final_scale"), torch.bfloat16)
+        return out
 
     def _open(self, k: int) -> Any:
         if k not in self._handles:

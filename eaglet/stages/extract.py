@@ -43,8 +43,8 @@ from ..config import Config
 from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed
 from ..engines.hf import capture, nonfinite_rows, pad_batch, to_host
 from ..formats.prepared import PreparedData
-from ..formats.store import (POST_NORM, StoreReader, StoreWriter, finished_shards, resume_folder, store_meta,
-                             write_index, write_target_head)
+from ..formats.store import (FP8, POST_NORM, StoreReader, StoreWriter, finished_shards, resume_folder, store_meta,
+                             quantize_states, write_index, write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.load import TargetParts, load_target, norm_eps
 from ..utils import DTYPES, log
@@ -76,6 +76,8 @@ class _InFlight:
     final: torch.Tensor  # host [B, T, H]
     bad: torch.Tensor  # host bool [B]
     events: list = field(default_factory=list)
+    aux_scale: torch.Tensor | None = None  # host [B, T, n_aux] (fp8 stores)
+    final_scale: torch.Tensor | None = None  # host [B, T, 1]
     keep: tuple = ()  # device tensors that must live until the copies finish
 
 
@@ -292,7 +294,8 @@ def extract_samples(data: PreparedData, wanted: list[int], parts: TargetParts, l
                 writer.set_aside(s.sample_id, "nonfinite")
                 stored["set_aside"] += 1
                 continue
-            writer.add(s.sample_id, f.aux[b, :n], f.final[b, :n], s.input_ids, s.loss_mask)
+            scales = {} if f.aux_scale is None else {"aux_scale": f.aux_scale[b, :n], "final_scale": f.final_scale[b, :n]}
+            writer.add(s.sample_id, f.aux[b, :n], f.final[b, :n], s.input_ids, s.loss_mask, **scales)
             stored["samples"] += 1
         waits["writer_wait_s"] += time.perf_counter() - t1
         bar.update(sum(f.lengths))
@@ -305,15 +308,21 @@ def extract_samples(data: PreparedData, wanted: list[int], parts: TargetParts, l
                 rows = [todo[p] for p in batch]
                 ids, mask = pad_batch([data[i].input_ids for i in rows])
                 ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
-                aux, final = capture(parts, layers, ids, mask, dtype)
+                aux, final = capture(parts, layers, ids, mask, torch.bfloat16 if dtype == FP8 else dtype)
                 if isinstance(writer, _Discard):
                     bar.update(sum(lengths[p] for p in batch))
                     continue  # a tensor-parallel rank other than 0: rank 0 stores these states
                 bad = nonfinite_rows(aux, final, mask)
                 events: list = []
+                scales: dict[str, torch.Tensor] = {}
+                if dtype == FP8:  # quantized here on the device: half the bytes over the bus and to disk
+                    aux, aux_scale = quantize_states(aux, len(layers))
+                    final, final_scale = quantize_states(final, 1)
+                    scales = {"aux_scale": to_host(aux_scale, events, waits),
+                              "final_scale": to_host(final_scale, events, waits)}
                 flight = _InFlight(rows, [lengths[p] for p in batch], to_host(aux, events, waits),
                                    to_host(final, events, waits), to_host(bad, events, waits), events,
-                                   keep=(aux, final, bad))
+                                   keep=(aux, final, bad, *scales.values()), **scales)
                 if pending is not None:
                     finish(pending)  # the previous batch's rows, while this batch's copies run
                 pending = flight

@@ -13,7 +13,7 @@ import torch
 
 from ..distributed import all_gather_object, dist_env
 from ..draft.step import Batch, device_head_rows
-from ..formats.store import StoreReader
+from ..formats.store import StoreReader, dequantize_states
 from ..utils import to_device
 from .online import OnlineStates
 
@@ -123,6 +123,8 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
     ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
     if isinstance(store, OnlineStates):
         parts = store.get_many(ids, max_tokens)  # one forward of the target for the whole micro-batch
+    elif getattr(store, "scaled", False):  # an fp8 store's states as stored, dequantized on `device` below
+        parts = [store.get(i, raw=True) for i in ids]
     else:
         parts = [store.get(i) for i in ids]
     cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
@@ -151,7 +153,12 @@ def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: in
     if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
         host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in cut])
         rows, active = device_head_rows(host_mask.bool(), docs, ttt_steps, device)
-    return Batch(stored("aux", torch.float32), stored("final"), stored("input_ids", torch.int64), send(mask, torch.bool),
+    if "aux_scale" in cut[0]:  # fp8 over the bus (half of bf16's bytes), dequantized on the device
+        aux = dequantize_states(stored("aux"), stored("aux_scale"), torch.float32)
+        final = dequantize_states(stored("final"), stored("final_scale"), torch.bfloat16)
+    else:
+        aux, final = stored("aux", torch.float32), stored("final")
+    return Batch(aux, final, stored("input_ids", torch.int64), send(mask, torch.bool),
                  send(cat([torch.arange(n) for n in lens])), send(docs), sum(lens),
                  sample_ids=tuple(int(i) for i in ids), lens=tuple(lens), head_rows=rows,
                  active_rows=active)

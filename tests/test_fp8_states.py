@@ -1,0 +1,140 @@
+"""fp8 states (extract.store_dtype: float8_e4m3fn): e4m3 with a float32 scale per token and
+state, written by the store, dequantized by the reader or on the training device, produced
+on the device by extraction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglet.formats.store import FP8, StoreReader, StoreWriter, dequantize_states, quantize_states
+from eaglet.stages.train_data import load_batch
+
+H, N_AUX = 64, 3
+
+
+def _meta(dtype: str) -> dict:
+    return {"input_hash": "h", "hidden_size": H, "n_aux": N_AUX, "layers": [1, 2, 3], "dtype": dtype,
+            "final_state": "post_norm"}
+
+
+def _samples(n: int, seed: int = 0) -> dict[int, dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k in range(n):
+        T = int(torch.randint(2, 40, (1,), generator=g))
+        # states of very different sizes per token and per state: one scale for all would lose the small ones
+        size = torch.logspace(-3, 3, T)[torch.randperm(T, generator=g)][:, None]
+        out[2 * k + 1] = {
+            "aux": (torch.randn(T, N_AUX * H, generator=g) * size).to(torch.bfloat16),
+            "final": (torch.randn(T, H, generator=g) * size).to(torch.bfloat16),
+            "input_ids": torch.randint(0, 500, (T,), generator=g, dtype=torch.int32),
+            "loss_mask": torch.randint(0, 2, (T,), generator=g, dtype=torch.uint8),
+        }
+    return out
+
+
+def _write(folder, samples, dtype: str) -> None:
+    w = StoreWriter(folder, _meta(dtype), shard_bytes=20000, queue_size=1, fsync=False)
+    for sid, s in samples.items():
+        w.add(sid, s["aux"], s["final"], s["input_ids"], s["loss_mask"])
+    w.close()
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float().reshape(-1, n, H), b.float().reshape(-1, n, H), dim=-1)
+
+
+def test_quantize_is_per_token_and_state_within_e4m3_rounding():
+    x = torch.randn(6, 9, N_AUX * H) * torch.logspace(-4, 4, 9)[None, :, None]
+    q, scale = quantize_states(x, N_AUX)
+    assert q.dtype == FP8 and q.shape == x.shape and scale.shape == (6, 9, N_AUX)
+    y = dequantize_states(q, scale)
+    amax = x.reshape(6, 9, N_AUX, H).abs().amax(-1, keepdim=True)
+    err = (y - x).reshape(6, 9, N_AUX, H).abs()
+    # e4m3: 3 mantissa bits (half a step: 1/16 of the value), and a subnormal floor of 2^-10 x 448 steps
+    assert (err <= x.reshape(6, 9, N_AUX, H).abs() / 16 + amax * 2 ** -9 / 448 * 448 / 448 + 1e-30).all()
+    assert _cos(x, y, N_AUX).min() > 0.999
+    # one scale for the whole tensor would flush the 1e-4-sized tokens to zero: per token it does not
+    assert (y[:, 0].abs().amax(-1) > 0).all()
+
+
+def test_fp8_store_round_trip_halves_the_bytes(tmp_path):
+    samples = _samples(12)
+    _write(tmp_path / "bf16", samples, "bfloat16")
+    _write(tmp_path / "fp8", samples, "float8_e4m3fn")
+    bf16, fp8 = StoreReader(tmp_path / "bf16"), StoreReader(tmp_path / "fp8")
+    assert fp8.scaled and not bf16.scaled
+    ratio = fp8.index["bytes"] / bf16.index["bytes"]
+    assert 0.5 < ratio < 0.6, ratio  # 1 byte a value + 4 bytes per token and state (H=64 here; 0.5 at 7168)
+    for sid, s in samples.items():
+        got, raw = fp8.get(sid), fp8.get(sid, raw=True)
+        assert got["aux"].dtype == torch.bfloat16 and raw["aux"].dtype == FP8
+        assert set(raw) == {"aux", "final", "input_ids", "loss_mask", "aux_scale", "final_scale"}
+        q, scale = quantize_states(s["aux"], N_AUX)  # what the writer stored: exactly these bits
+        assert torch.equal(raw["aux"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(raw["aux_scale"], scale)
+        assert _cos(got["aux"], s["aux"], N_AUX).min() > 0.999 and _cos(got["final"], s["final"], 1).min() > 0.999
+        assert torch.equal(got["input_ids"], s["input_ids"]) and torch.equal(got["loss_mask"], s["loss_mask"])
+    assert fp8.verify_all()["bad"] == []
+
+
+def test_training_batches_dequantize_the_raw_states_on_the_device(tmp_path):
+    samples = _samples(5)
+    _write(tmp_path / "fp8", samples, "float8_e4m3fn")
+    store = StoreReader(tmp_path / "fp8")
+    ids = sorted(samples)[:3]
+    b = load_batch(store, ids, 64, torch.device("cpu"))
+    want_aux = torch.cat([store.get(i)["aux"].float() for i in ids])
+    want_aux_exact = torch.cat([dequantize_states(store.get(i, raw=True)["aux"], store.get(i, raw=True)["aux_scale"])
+                                for i in ids])
+    assert b.aux.dtype == torch.float32 and b.final.dtype == torch.bfloat16
+    assert torch.equal(b.aux[0], want_aux_exact)  # the float32 dequantization, not bf16's rounding of it
+    torch.testing.assert_close(b.aux[0], want_aux, rtol=2 ** -7, atol=0)
+
+
+def test_fp8_states_must_come_with_their_scales(tmp_path):
+    w = StoreWriter(tmp_path, _meta("float8_e4m3fn"), shard_bytes=1 << 20, queue_size=1, fsync=False)
+    q, _ = quantize_states(torch.randn(4, N_AUX * H), N_AUX)
+    fq, _ = quantize_states(torch.randn(4, H), 1)
+    with pytest.raises(ValueError, match="fp8 states need their scales"):
+        w.add(1, q, fq, torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.uint8))
+    w.abort()
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """The tiny pipeline's extract in bfloat16 and in fp8 (train afterwards from the fp8 one)."""
+    from conftest import tiny_pipeline_upto_vocab
+
+    from eaglet import pipeline
+    from eaglet.config import load_config
+
+    tmp = tmp_path_factory.mktemp("fp8")
+    base = tiny_pipeline_upto_vocab(tmp, 12, 5, ["vocab.size=128", "extract.store_dtype=float8_e4m3fn",
+                                                 "extract.selfcheck_samples=4"])
+    bf16 = [s for s in base if not s.startswith("extract.store_dtype")] + ["extract.store_dtype=bfloat16"]
+    pipeline.run_all(load_config(None, [f"run.dir={tmp / 'bf16'}", *bf16]), upto="extract")
+    return tmp, base
+
+
+def test_extract_quantizes_on_the_device_what_bf16_extraction_stores(stores):
+    tmp, _ = stores
+    fp8, bf16 = StoreReader(tmp / "run" / "extract"), StoreReader(tmp / "bf16" / "extract")
+    assert fp8.scaled and fp8.meta["dtype"] == "float8_e4m3fn"
+    assert fp8.sample_ids.tolist() == bf16.sample_ids.tolist()
+    for sid in fp8.sample_ids.tolist():
+        raw, ref = fp8.get(int(sid), raw=True), bf16.get(int(sid))
+        for key, n in (("aux", N_AUX), ("final", 1)):
+            q, scale = quantize_states(ref[key], n)
+            assert torch.equal(raw[key].view(torch.uint8), q.view(torch.uint8)), (sid, key)
+            assert torch.equal(raw[f"{key}_scale"], scale), (sid, key)
+
+
+def test_training_runs_from_an_fp8_store(stores):
+    from conftest import train_on_copy
+
+    tmp, base = stores
+    run, log = train_on_copy(tmp, base, "train", "train.max_tokens=256", "train.ttt_steps=2", "train.max_steps=3",
+                             "train.log_every=1", "train.eval_every=0", "train.tensorboard=false", "train.device=cpu")
+    assert [r["step"] for r in log if r.get("split") == "train"] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log if r.get("split") == "train")
