@@ -431,3 +431,17 @@ def test_disk_estimate_counts_the_target_head(tmp_path, assets):
     # Within 5%: the line's 0.1 MiB rounding (1%), shard headers, index and checksum files.
     assert abs(need - written) < 0.05 * written, (need, written, est.found)
     assert abs(head - head_file) < 0.05 * 2**20 + 0.01 * head_file, (head, head_file)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_disk_estimate_of_the_states_in_each_store_dtype(tmp_path, assets, dtype):
+    """The states' estimate against a real extract's shards: fp8 states with their float32 scales."""
+    cfg = _cfg(tmp_path, assets, f"extract.store_dtype={dtype}", "extract.selfcheck_samples=0")
+    pipeline.run_stage(cfg, "prepare")
+    (est,) = [f for f in diagnose(cfg).findings if f.check == "disk"]
+    per_token = int(re.search(r"tokens x ([\d,]+) B", est.found)[1].replace(",", ""))
+    pipeline.run_stage(cfg, "extract")
+    folder = cfg.run_dir / "extract"
+    tokens = json.loads((folder / "index.json").read_text())["num_tokens"]
+    shards = sum(f.stat().st_size for f in folder.glob("shard-*.safetensors"))
+    assert abs(per_token * tokens - shards) < 0.05 * shards, (per_token, tokens, shards, est.found)

@@ -407,7 +407,8 @@ def check_disk(p: Probe) -> None:
         p.add("info", "disk", "a token count to size the store", "none (no prepare manifest and no sampled records)")
         return
     store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
-    per_token = (n_aux + 1) * H * store_bytes + 4 + 1  # states + int32 id + uint8 mask
+    fp8 = p.cfg.extract.store_dtype == "float8_e4m3fn"  # one float32 scale per token and state besides
+    per_token = (n_aux + 1) * (H * store_bytes + (4 if fp8 else 0)) + 4 + 1  # states + int32 id + uint8 mask
     states = tokens * per_token
     head, config = _head_bytes(p, H)
     online = p.cfg.extract.mode == "online"  # the head only: training runs the target for the states
@@ -421,14 +422,15 @@ def check_disk(p: Probe) -> None:
     free = shutil.disk_usage(where).free
     head_part = (f"{HEAD_FILE} ~{_gib(head)} (embedding and LM head, {_target_dtype_bytes(p)} B a value) + "
                  f"{TARGET_CONFIG} {config / 1024:.1f} KiB")
-    states_part = f"{tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x {p.cfg.extract.store_dtype}; tokens {source}"
+    states_part = (f"{tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x {p.cfg.extract.store_dtype}"
+                   + (" + a float32 scale each" if fp8 else "") + f"; tokens {source}")
     found = (f"~{_gib(need)} to write: "
              + (f"{head_part}; online mode stores no states (an offline store would add ~{_gib(states)}: {states_part})"
                 if online else f"states ~{_gib(states)} ({states_part}) + {head_part}")
              + (f"; {_gib(have + have_head)} already stored" if have + have_head else "")
              + f"; {_gib(free)} free on {where}")
     fix = ("free space or set run.dir on a larger disk; or extract.mode: online (no store, for a target that fits "
-           "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16)")
+           "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16, or float8_e4m3fn: half of it)")
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
     p.add(status, "disk", "the hidden-state store and the target head fit on run.dir's disk", found, fix)
 
