@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--writer-queue", type=int, default=ExtractSection.writer_queue)
     ap.add_argument("--shard-mb", type=float, default=ExtractSection.shard_mb)
     ap.add_argument("--parts", default="forward,extract,write", help="Which timings, comma-separated.")
+    ap.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
+                    help="extract.store_dtype of the timed extraction (float8_e4m3fn: quantized on the device).")
     ap.add_argument("--out", default=None, help="Write the result JSON here.")
     args = ap.parse_args(argv)
     args.seq = args.seq or (64 if args.preset == "tiny" else 2048)
@@ -136,13 +138,13 @@ def time_extract(parts: TargetParts, layers: list[int], data: SyntheticSamples, 
     """Seconds for eaglet's extract loop over `data` until the writer has every shard on disk,
     the bytes written, and where the loop's host thread waited (`extract_samples`'s `waits`, plus
     'close_s': from the last batch handed over to the last shard on disk)."""
-    meta = _meta(parts, layers, "bfloat16")
+    meta = _meta(parts, layers, args.store_dtype)
     writer = _writer(folder, meta, args)
     waits: dict[str, float] = {}
     _sync(parts.input_device)
     t0 = time.perf_counter()
     try:
-        tokens = extract_samples(data, list(range(len(data))), parts, layers, DTYPES["bfloat16"], writer,
+        tokens = extract_samples(data, list(range(len(data))), parts, layers, DTYPES[args.store_dtype], writer,
                                  batch_tokens=B * args.seq, max_batch_size=B, show=False, waits=waits)
         t1 = time.perf_counter()
         records = writer.close(index=False)
@@ -191,11 +193,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warm = SyntheticSamples(B, args.seq, model.config.vocab_size, seed=2)
     tokens = n * args.seq
     root = Path(tempfile.mkdtemp(prefix="eaglet-extract-bench-", dir=args.dir))
-    bytes_per_token = (len(layers) + 1) * parts.hidden_size * 2 + 5  # bf16 states + int32 id + uint8 mask
+    # states (bf16: 2 B a value; fp8: 1 B and a float32 scale per state) + int32 id + uint8 mask
+    fp8 = args.store_dtype == "float8_e4m3fn"
+    bytes_per_token = (len(layers) + 1) * (parts.hidden_size * (1 if fp8 else 2) + (4 if fp8 else 0)) + 5
     report: dict[str, Any] = {
         "preset": args.preset, "layers": parts.num_layers, "aux_layers": layers, "hidden_size": parts.hidden_size,
         "batch_size": B, "seq": args.seq, "batches": args.batches, "tokens": tokens, "dtype": str(dtype),
-        "store_bytes_per_token": bytes_per_token, "fsync": not args.no_fsync, "writer_threads": args.writer_threads,
+        "store_dtype": args.store_dtype, "store_bytes_per_token": bytes_per_token, "fsync": not args.no_fsync, "writer_threads": args.writer_threads,
         "writer_queue": args.writer_queue, "shard_mb": args.shard_mb, "build_s": build_s, "dir": str(root),
         "device": str(device), "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
