@@ -251,42 +251,11 @@ def test_lossless_with_sliding_window_layers(family, kw):
 
 class OracleDraft(Eagle3Draft):
     """A draft whose top token at every row is the target's own greedy token there: row at
-    position p predicts position p+1, so it is boosted to oracle[p+1]."""
+    position p predicts position p+1, so it is boosted to oracle[p+1], in draft ids (`to_draft`:
+    target id -> draft id, the test's own inverse of a subset vocabulary; none: the same ids),
+    so over a subset its proposals are right only where the runner maps draft ids through d2t."""
 
-    def __init__(self, cfg: DraftConfig, oracle: list[int]):
-        super().__init__(cfg)
-        self.oracle = oracle
-
-    def forward_step(self, hidden_BTH, input_ids_BT, position_ids_BT, kv_cache=None, attn_mask_TS=None):
-        h, logits = super().forward_step(hidden_BTH, input_ids_BT, position_ids_BT, kv_cache, attn_mask_TS)
-        logits = logits.clone()
-        for r, p in enumerate(position_ids_BT[0].tolist()):
-            if p + 1 < len(self.oracle):
-                logits[0, r, self.oracle[p + 1]] += 1000.0
-        return h, logits
-
-
-@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
-def test_oracle_draft_reaches_tau_ceiling(target, settings):
-    tr = TargetRunner(target, AUX)
-    n = settings.max_new_tokens
-    greedy = plain_generate(tr, PROMPT, n + settings.num_positions + 2).tokens
-    draft = make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)
-    g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings)
-    assert g.tokens == greedy[:n]
-    ceiling = settings.num_positions + 1
-    assert g.accepted == [settings.num_positions] * len(g.accepted)
-    assert acceptance_stats(g.accepted, settings.num_positions)["tau"] == ceiling
-    assert g.verify_forwards == math.ceil((n - 1) / ceiling)
-
-
-class SubsetOracleDraft(Eagle3Draft):
-    """A draft over a subset of the target's vocabulary whose top token at every row is the
-    target's greedy token there, in draft ids: the row at position p boosts draft id
-    to_draft[oracle[p+1]] (to_draft: the test's own inverse of the subset's token list), so its
-    proposals are right only where the runner maps draft ids through d2t."""
-
-    def __init__(self, cfg: DraftConfig, oracle: list[int], to_draft: dict[int, int]):
+    def __init__(self, cfg: DraftConfig, oracle: list[int], to_draft: dict[int, int] | None = None):
         super().__init__(cfg)
         self.oracle, self.to_draft = oracle, to_draft
 
@@ -295,11 +264,30 @@ class SubsetOracleDraft(Eagle3Draft):
         logits = logits.clone()
         for r, p in enumerate(position_ids_BT[0].tolist()):
             if p + 1 < len(self.oracle):
-                logits[0, r, self.to_draft[self.oracle[p + 1]]] += 1000.0
+                t = self.oracle[p + 1]
+                logits[0, r, t if self.to_draft is None else self.to_draft[t]] += 1000.0
         return h, logits
 
 
-def subset_oracle_draft(target, oracle: list[int], size: int = 160, seed: int = 4) -> tuple[SubsetOracleDraft, list[int]]:
+def _assert_at_ceiling(g, greedy: list[int], settings: SpecSettings) -> None:
+    """Lossless, and every cycle accepted all its draft positions."""
+    n, ceiling = settings.max_new_tokens, settings.num_positions + 1
+    assert g.tokens == greedy[:n]
+    assert g.accepted == [settings.num_positions] * len(g.accepted)
+    assert acceptance_stats(g.accepted, settings.num_positions)["tau"] == ceiling
+    assert g.verify_forwards == math.ceil((n - 1) / ceiling)
+
+
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_oracle_draft_reaches_tau_ceiling(target, settings):
+    tr = TargetRunner(target, AUX)
+    n = settings.max_new_tokens
+    greedy = plain_generate(tr, PROMPT, n + settings.num_positions + 2).tokens
+    draft = make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)
+    _assert_at_ceiling(speculative_generate(tr, DraftRunner(draft), PROMPT, settings), greedy, settings)
+
+
+def subset_oracle_draft(target, oracle: list[int], size: int = 160, seed: int = 4) -> tuple[OracleDraft, list[int]]:
     """(the oracle draft, its sorted target token list): every oracle token plus random others,
     none next to an oracle token (so an oracle token's offset differs from its neighbours'), with
     d2t[i] = used[i] - i as the vocab stage writes it."""
@@ -310,7 +298,7 @@ def subset_oracle_draft(target, oracle: list[int], size: int = 160, seed: int = 
     used = sorted([*needed, *others[: size - len(needed)]])
     cfg = DraftConfig.from_target_config(target.config, draft_vocab_size=size)
     torch.manual_seed(seed)
-    d = SubsetOracleDraft(cfg, oracle, {t: i for i, t in enumerate(used)}).eval()
+    d = OracleDraft(cfg, oracle, {t: i for i, t in enumerate(used)}).eval()
     with torch.no_grad():
         d.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         d.d2t.copy_(torch.tensor(used) - torch.arange(size))
@@ -334,12 +322,7 @@ def test_subset_vocab_oracle_draft_reaches_tau_ceiling(target, settings):
     for t in set(greedy):  # a mapping that ignores d2t, or reads a neighbour's offset, gets this token wrong
         i = used.index(t)
         assert d2t[i] >= 2 and d2t[i] not in (d2t[i - 1], d2t[(i + 1) % len(d2t)]), (t, i)
-    g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings)
-    assert g.tokens == greedy[:n]
-    ceiling = settings.num_positions + 1
-    assert g.accepted == [settings.num_positions] * len(g.accepted)
-    assert acceptance_stats(g.accepted, settings.num_positions)["tau"] == ceiling
-    assert g.verify_forwards == math.ceil((n - 1) / ceiling)
+    _assert_at_ceiling(speculative_generate(tr, DraftRunner(draft), PROMPT, settings), greedy, settings)
     assert DraftRunner(draft).draft_to_target.tolist() == used
 
 
