@@ -29,6 +29,7 @@ from .checks.doctor import preflight as run_preflight
 from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .errors import InputError, ResumeError
+from .formats.datasets import check_data_files
 from .stages.context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
@@ -51,7 +52,8 @@ class Stage:
 
 
 def _prepare_files(cfg: Config) -> list[tuple[str, str]]:
-    files = [("prepare.data", p) for p in cfg.prepare.data]
+    # the data files as prepare checks them (found, readable kinds, none listed twice), before any is hashed
+    files = [("prepare.data", str(p)) for p in check_data_files(cfg.prepare.data)]
     if cfg.target.chat_template:
         files.append(("target.chat_template", cfg.target.chat_template))
     return files
