@@ -514,17 +514,13 @@ class Trainer:
 
 # ---- the stage ------------------------------------------------------------------------------------
 
-def open_store(folder: Path) -> StoreReader:
-    """The store, every shard checked before the first step, on threads and split over the ranks
-    (formats.store.open_verified): a bad shard is named, with its repair command, before any step."""
-    return open_verified(folder)
-
-
 def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     env = init_distributed(cfg.run.dist_timeout_minutes)
     if ctx.force:
         run_on_main(set_aside, ctx.out_dir)
-    store = open_store(ctx.upstream["extract"])
+    # every shard checked before the first step, on threads and split over the ranks: a bad one
+    # is named, with its repair command, before any step
+    store = open_verified(ctx.upstream["extract"])
     if is_online(store):  # the target runs here, beside the draft (eaglet/stages/online.py)
         store = OnlineStates(store, ctx.upstream["prepare"], cfg.target)
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
