@@ -286,6 +286,18 @@ class StoreCheck:
                      f"shard{'s' if len(self.bad) + len(self.missing) > 1 else ''}")
         return line
 
+    def stats(self) -> dict[str, Any]:
+        """What the extract stage's manifest records of it."""
+        return {"verified_shards": self.intact + len(self.bad), "bad_shards": [b["file"] for b in self.bad],
+                "missing_shards": [m["file"] for m in self.missing], "repaired_samples": self.redo_samples}
+
+    def report(self) -> None:
+        """Its lines in the log (rank 0 prints them)."""
+        if self.removed:
+            log(f"[extract] removed {self.removed} unfinished files of an interrupted run")
+        if self.summary():
+            log(f"[extract] {self.summary()}")
+
 
 def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> StoreCheck:
     """Make `folder` ready for writers of `meta`; returns the unfinished files removed and the
@@ -426,7 +438,9 @@ def resume_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
     bad = check_shards_all_ranks(folder, sides, int(meta["n_aux"]), int(meta["hidden_size"]), threads)
     run_on_main(_delete_shards, folder, bad, found.missing)
     barrier()  # the bad shards are gone before any rank reads what is done
-    return StoreCheck(removed=found.removed, intact=len(sides) - len(bad), bad=bad, missing=found.missing)
+    check = StoreCheck(removed=found.removed, intact=len(sides) - len(bad), bad=bad, missing=found.missing)
+    check.report()
+    return check
 
 
 def _valid_sidecar(shard: Path) -> dict[str, Any] | None:

@@ -176,10 +176,6 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                              threads=ecfg.writer_threads, prepare=False)
     done = broadcast_object(writer.done_ids() if env.is_main else None)
     barrier()  # every rank has read the finished shards before any rank writes a new one
-    if env.is_main and found.removed:
-        log(f"[extract] removed {found.removed} unfinished files of an interrupted run")
-    if found.summary():
-        log(f"[extract] {found.summary()}")
     save_target_head(parts, model, ctx.out_dir, write=env.is_main)
     try:
         wanted = list(range(len(data)))
@@ -223,10 +219,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         "resumed_samples": len(done),
         "new_tokens": new_tokens,  # of the samples stored by this run
         "forward_tokens": forward_tokens,  # through the target: with the stored batch mates of resumed batches
-        "verified_shards": found.intact + len(found.bad),
-        "bad_shards": [b["file"] for b in found.bad],
-        "missing_shards": [m["file"] for m in found.missing],
-        "repaired_samples": found.redo_samples,
+        **found.stats(),
         "set_aside": index["set_aside_counts"],
         "shards": index["num_shards"],
         "bytes": index["bytes"],

@@ -81,10 +81,6 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     found = resume_folder(ctx.out_dir, meta, ecfg.fsync)  # bad shards deleted: their samples are redone
     writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
                          queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
-    if found.removed:
-        log(f"[extract] removed {found.removed} unfinished files of an interrupted run")
-    if found.summary():
-        log(f"[extract] {found.summary()}")
     write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
                       head.text_config)
     storage = Path(ecfg.vllm_storage or ctx.out_dir / "vllm-states")
@@ -137,9 +133,7 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     seconds = time.time() - t0
     return {
         "samples": index["num_samples"], "tokens": index["num_tokens"], "resumed_samples": len(done),
-        "new_tokens": stats["tokens"], "verified_shards": found.intact + len(found.bad),
-        "bad_shards": [b["file"] for b in found.bad], "missing_shards": [m["file"] for m in found.missing],
-        "repaired_samples": found.redo_samples, "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
+        "new_tokens": stats["tokens"], **found.stats(), "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
         "bytes": index["bytes"], "seconds": round(seconds, 3),
         "tokens_per_s": round(stats["tokens"] / seconds, 1) if seconds > 0 else None, "layers": layers,
         "hidden_size": H, "world_size": 1, "parallel": "vllm", "backend": "vllm", "vllm_layer_ids": ids,
