@@ -129,6 +129,11 @@ def quantize_states(x: torch.Tensor, n_states: int) -> tuple[torch.Tensor, torch
     return q.reshape(*lead, -1), scale
 
 
+def capture_dtype(store_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a store's states are taken in: its own, or bfloat16 for fp8 (then quantized)."""
+    return torch.bfloat16 if store_dtype == FP8 else store_dtype
+
+
 def dequantize_states(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`quantize_states` undone: [..., n_states*H] in `dtype`, where `q` is."""
     lead, n = scale.shape[:-1], scale.shape[-1]

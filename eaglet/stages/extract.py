@@ -43,8 +43,8 @@ from ..config import Config
 from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed
 from ..engines.hf import capture, nonfinite_rows, pad_batch, to_host
 from ..formats.prepared import PreparedData
-from ..formats.store import (FP8, POST_NORM, StoreReader, StoreWriter, finished_shards, resume_folder, store_meta,
-                             quantize_states, write_index, write_target_head)
+from ..formats.store import (FP8, POST_NORM, StoreReader, StoreWriter, capture_dtype, finished_shards, quantize_states,
+                             resume_folder, store_meta, write_index, write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.load import TargetParts, load_target, norm_eps
 from ..utils import DTYPES, log
@@ -301,7 +301,7 @@ def extract_samples(data: PreparedData, wanted: list[int], parts: TargetParts, l
                 rows = [todo[p] for p in batch]
                 ids, mask = pad_batch([data[i].input_ids for i in rows])
                 ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
-                aux, final = capture(parts, layers, ids, mask, torch.bfloat16 if dtype == FP8 else dtype)
+                aux, final = capture(parts, layers, ids, mask, capture_dtype(dtype))
                 if isinstance(writer, _Discard):
                     bar.update(sum(lengths[p] for p in batch))
                     continue  # a tensor-parallel rank other than 0: rank 0 stores these states

@@ -49,7 +49,8 @@ from ..config import Config
 from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
                             to_sample, vllm_layer_ids)
 from ..formats.prepared import PreparedData
-from ..formats.store import FP8, PRE_NORM, StoreWriter, resume_folder, store_meta, write_index, write_target_head
+from ..formats.store import (PRE_NORM, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
+                             write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.head import CheckpointHead, read_checkpoint_head
 from ..utils import DTYPES, log
@@ -74,8 +75,7 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     L, H = head.num_layers, head.hidden_size
     layers = resolve_layers(ecfg.layers, L)
     ids = vllm_layer_ids(layers, L)
-    # fp8 stores: the states are converted to bfloat16, and the store writer quantizes them
-    dtype = torch.bfloat16 if DTYPES[ecfg.store_dtype] == FP8 else DTYPES[ecfg.store_dtype]
+    dtype = capture_dtype(DTYPES[ecfg.store_dtype])  # fp8: bfloat16 states, which the store writer quantizes
     meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
                       ecfg.mode, backend="vllm", vllm_layer_ids=ids)
     found = resume_folder(ctx.out_dir, meta, ecfg.fsync)  # bad shards deleted: their samples are redone

@@ -27,7 +27,8 @@ import torch
 from ..config import TargetSection
 from ..engines.hf import capture, nonfinite_rows, pad_batch
 from ..formats.prepared import PreparedData
-from ..formats.store import FP8, StoreReader, TargetHead, dequantize_states, quantize_states, read_target_head
+from ..formats.store import (FP8, StoreReader, TargetHead, capture_dtype, dequantize_states, quantize_states,
+                             read_target_head)
 from ..targets.load import TargetParts, load_target
 from ..utils import to_device
 
@@ -97,8 +98,7 @@ class OnlineStates:
         device = self.parts.input_device
         input_ids, attn, loss_mask = (to_device(t, device) for t in (input_ids, attn, loss_mask))
         with torch.no_grad():  # not inference_mode: these tensors feed an autograd graph
-            aux, final = capture(self.parts, self.layers, input_ids, attn,
-                                 torch.bfloat16 if self.dtype == FP8 else self.dtype)
+            aux, final = capture(self.parts, self.layers, input_ids, attn, capture_dtype(self.dtype))
             if self.dtype == FP8:  # what an fp8 store would hold: quantized and back, on the device
                 aux = dequantize_states(*quantize_states(aux, len(self.layers)), torch.bfloat16)
                 final = dequantize_states(*quantize_states(final, 1), torch.bfloat16)
