@@ -461,7 +461,6 @@ class Trainer:
         t_log = time.perf_counter()
         data = self.micro_batches(epoch, micro + 1)
         last_eval = None
-        steps_run = 0  # optimizer steps this process took
         A, W = tc.grad_accum, env.world_size
         while step < self.total_steps:
             for a in range(A):
@@ -474,7 +473,6 @@ class Trainer:
                 sums.add(out, b.tokens)
             lr = optimizer_step(self.par, self.opt, self.sched, tc)
             step += 1
-            steps_run += 1
             bar.update(1)
             ran = step - first_step  # steps this process has run (a resumed run compiles again)
             if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
@@ -501,6 +499,7 @@ class Trainer:
                                            "total_steps": self.total_steps})
         bar.close()
         metrics.close()
+        steps_run = step - first_step  # optimizer steps this process took
         if last_eval is None and steps_run == 0:  # a finished run resumed: its last evaluation, from the log
             last_eval = next(({k: v for k, v in r.items() if k not in ("split", "step")} for r in reversed(metrics.kept)
                               if r.get("split") == "eval"), None)
