@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,6 +43,7 @@ from eaglet.stages.context import StageContext
 from eaglet.formats.prepared import PreparedWriter
 from eaglet.checks.selfcheck import SelfCheckError
 from eaglet.formats.store import INDEX, StoreReader
+from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 from eaglet.testing.tiny import save_target
 from eaglet.draft.step import TeacherHead
 
@@ -81,76 +81,6 @@ def prep(tmp_path_factory):
         w.add(rng.integers(1, 500, n), rng.integers(0, 2, n), 0, k)
     w.close()
     return w.folder
-
-
-class FakeVLLM:
-    """The connector's side of vLLM, computed with the HF model (see the module doc)."""
-
-    def __init__(self, model, storage: Path, layer_ids, corrupt=(), final_layer=None, unwritten=(), late_write=False):
-        self.model, self.storage, self.ids = model, Path(storage), list(layer_ids)
-        self.late_write = late_write  # as vLLM's connector: answer first, write under the held lock after
-        self.corrupt, self.final_layer, self.calls, self.n = set(corrupt), final_layer, [], 0
-        self.unwritten = set(unwritten)  # samples whose cache slots vLLM never wrote (zeros)
-        self.read, self.discard = ve.read_states, ve.remove_states
-        self.version, self.lock = "fake", threading.Lock()
-
-    @torch.inference_mode()
-    def states(self, ids: list[int]):
-        seen = []
-        h = self.model.model.norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-        try:
-            out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        finally:
-            h.remove()
-        by_id = {i: out.hidden_states[i][0] for i in self.ids if i < L}
-        by_id[L] = seen[0][0] if self.final_layer is None else out.hidden_states[self.final_layer][0]
-        return torch.stack([by_id[i] for i in sorted(self.ids)], 1), out.logits[0].log_softmax(-1)
-
-    def run(self, requests, prompt_logprobs):
-        with self.lock:  # the server test calls it from several threads
-            return self._run(requests, prompt_logprobs)
-
-    def _run(self, requests, prompt_logprobs):
-        self.calls.append(len(requests))
-        results = []
-        for sid, ids in requests:
-            ids = [int(i) for i in ids]
-            hs, logp = self.states(ids)
-            if sid in self.unwritten:
-                hs = hs.clone()
-                hs[-2:] = 0  # e.g. a batch whose drafter step vLLM skipped
-            stored = [7] + ids[:-1] if sid in self.corrupt else ids  # e.g. an engine that adds a BOS
-            path = str(self.storage / f"req-{self.n}.safetensors")
-            self.n += 1
-            self.storage.mkdir(parents=True, exist_ok=True)
-            payload = {"hidden_states": hs.contiguous(), "token_ids": torch.tensor(stored)}
-            if self.late_write:
-                fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-
-                def write(path=path, payload=payload, fd=fd):
-                    time.sleep(0.2)
-                    save_file(payload, path)
-                    os.close(fd)  # releases the lock
-
-                threading.Thread(target=write, daemon=True).start()
-            else:
-                Path(path + ".lock").touch()
-                save_file(payload, path)
-            pl = None
-            if prompt_logprobs:
-                pl = [None]
-                for t in range(1, len(ids)):
-                    top = logp[t - 1].topk(prompt_logprobs)
-                    d = {int(i): SimpleNamespace(logprob=float(v), rank=r + 1)
-                         for r, (v, i) in enumerate(zip(top.values, top.indices))}
-                    d.setdefault(ids[t], SimpleNamespace(logprob=float(logp[t - 1, ids[t]]), rank=99))
-                    pl.append(d)
-            results.append(ve.Result(sid, path, pl))
-        return results
-
-    def close(self):
-        pass
 
 
 def _cfg(target, **extract):
@@ -360,40 +290,10 @@ def test_server_mode(tmp_path, target, model, prep):
     stand-in answers once the lock file exists and writes the states 0.2 s later (found on the
     GPU: a check for the file itself failed there)."""
     fake = _engine(model, tmp_path, late_write=True)
-    seen = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self._send({"version": "0.33.0"} if self.path == "/version" else {"data": [{"id": "tiny"}]})
-
-        def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(req)
-            (res,) = fake.run([(-1, req["prompt"])], req.get("prompt_logprobs"))
-            pl = None if res.prompt_logprobs is None else [
-                None if p is None else {str(k): {"logprob": v.logprob, "rank": v.rank} for k, v in p.items()}
-                for p in res.prompt_logprobs]
-            self._send({"choices": [{"text": "", "prompt_logprobs": pl, "prompt_token_ids": req["prompt"]}],
-                        "kv_transfer_params": {"hidden_states_path": res.path}})
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        cfg = _cfg(target, vllm_server=f"http://127.0.0.1:{server.server_port}", vllm_requests=3)
+    with FakeServer(fake) as server:
+        cfg = _cfg(target, vllm_server=server.url, vllm_requests=3)
         stats, out = _extract(tmp_path, cfg, prep)
-    finally:
-        server.shutdown()
+    seen = server.requests
     assert stats["samples"] == len(LENGTHS) and stats["vllm_version"] == "0.33.0"
     assert stats["selfcheck"]["top1_agreement"] == 1.0
     assert all(r["max_tokens"] == 1 and r["model"] == "tiny" for r in seen)
