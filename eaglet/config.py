@@ -144,9 +144,18 @@ class ExtractSection:
         "of at most this many samples exist at once.", _ge(1)
     )
     mode: Literal["offline", "online"] = _f(
-        "offline", "'offline': store every sample's states on disk; 'online': store only the self-check's samples and "
-        "run the target beside the draft in training (no store; for targets that fit beside it, see docs/stages.md)."
+        "offline", "'offline': store every sample's states on disk; 'online': no store, the states of every epoch "
+        "computed anew as training goes: backend hf runs the target beside the draft (targets that fit beside it), "
+        "backend vllm streams them from the engine through a bounded buffer (see docs/streaming.md)."
     )
+    stream_buffer_gb: float = _f(
+        4.0, "mode online, backend vllm: the most the states buffer holds on disk, in GB (1e9 bytes): the micro-batches "
+        "the engine computed ahead of training and the connector files of its requests in flight. At least two "
+        "micro-batches; more absorbs the engine's pauses.", _gt(0))
+    stream_dir: str | None = _f(
+        None, "mode online, backend vllm: the buffer's folder (local disk or a RAM disk such as /dev/shm/eaglet); "
+        "default <run.dir>/train/stream. Emptied when training ends; what a killed run left is deleted on restart.",
+        path=PATH)
     tp_plan: Literal["auto"] | None = _f(
         None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
         "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."

@@ -41,11 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..checks.selfcheck import TIE_NATS, SelfCheckError, logprob_agreement, pick_samples
 from ..config import Config
+from ..distributed import run_on_main
 from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
                             to_sample, vllm_layer_ids)
 from ..formats.prepared import PreparedData
@@ -64,8 +66,8 @@ PROMPT_LOGPROBS = 5  # top tokens vLLM returns per prompt position in the self-c
 def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict[str, Any]:
     """Stage `extract` with backend vllm. `engine` (tests): anything with run/read/discard/close."""
     ecfg = cfg.extract
-    if ecfg.mode != "offline":
-        raise ValueError("extract.mode online runs the target in training with transformers: use extract.backend hf")
+    if ecfg.mode == "online":  # the states come from the stream in training: none are stored here
+        return run_on_main(_stream_store, cfg, ctx)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("extract.backend vllm runs in one process: vLLM spreads the target over GPUs itself "
                          "(extract.vllm_engine_args: tensor_parallel_size, enable_expert_parallel, ...); no torchrun")
@@ -141,14 +143,38 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     }
 
 
-def _convert(engine: Any, data: PreparedData, i: int, res: Result, ids: list[int], H: int, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """A sample's (aux, final), or the reason it is set aside. The connector file is removed."""
-    s = data[i]
+def _stream_store(cfg: Config, ctx: StageContext) -> dict[str, Any]:
+    """extract.mode online: a store without states that describes them (layers, vLLM's layer
+    ids, dtype, the pre-norm final state) beside the target's head and config; training's
+    stream (eaglet/stages/stream.py) asks the engine for each micro-batch's states and runs
+    the self-check on its first samples. No engine starts here."""
+    ecfg = cfg.extract
+    head = read_checkpoint_head(cfg.target)
+    L, H = head.num_layers, head.hidden_size
+    layers = resolve_layers(ecfg.layers, L)
+    ids = vllm_layer_ids(layers, L)
+    meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
+                      ecfg.mode, backend="vllm", vllm_layer_ids=ids)
+    resume_folder(ctx.out_dir, meta, ecfg.fsync)
+    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20), fsync=ecfg.fsync,
+                         prepare=False)
+    write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
+                      head.text_config)
+    index = write_index(ctx.out_dir, meta, writer.close(index=False), [], ecfg.fsync)
+    log(f"[extract] online through vLLM: target {head.architecture} L={L} H={H}, vLLM layer ids {ids}; no states "
+        "stored: training streams them from the engine")
+    return {"samples": index["num_samples"], "tokens": 0, "mode": "online", "backend": "vllm", "layers": layers,
+            "hidden_size": H, "vllm_layer_ids": ids, "selfcheck": "on the stream's first samples, in train"}
+
+
+def convert_result(engine: Any, res: Result, expected: np.ndarray, ids: list[int], H: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A request's (aux, final) for the token ids `expected`, or the reason its sample is set
+    aside. The connector file is removed."""
     try:
-        aux, final = to_sample(engine.read(res.path), s.input_ids, ids, H, dtype)
+        aux, final = to_sample(engine.read(res.path), expected, ids, H, dtype)
     except TokenMismatch as e:
-        log(f"[extract] sample {s.sample_id} set aside: {e}")
+        log(f"[extract] sample {res.sample_id} set aside: {e}")
         return "token_mismatch"
     finally:
         engine.discard(res.path)
@@ -166,7 +192,7 @@ def _round(engine: Any, data: PreparedData, rows: list[int], done: set[int], ids
     results = engine.run([(int(data.sample_ids[i]), data[i].input_ids) for i in rows], None)
     mismatched = 0
     for i, res in zip(rows, results):
-        got = _convert(engine, data, i, res, ids, H, dtype)
+        got = convert_result(engine, res, data[i].input_ids, ids, H, dtype)
         if res.sample_id in done:  # stored by an earlier run: sent again only with its round
             bar.update(int(data.lengths[i]))
             continue
@@ -192,38 +218,51 @@ def _selfcheck_round(engine: Any, data: PreparedData, rows: list[int], done: set
     """Run the self-check samples with prompt logprobs; stop the run on a disagreement, else
     store those not stored yet."""
     results = engine.run([(int(data.sample_ids[i]), data[i].input_ids) for i in rows], PROMPT_LOGPROBS)
-    totals = {"tokens": 0, "agree": 0, "exact": 0}
-    keep = []
+    checked, keep = [], []
     for i, res in zip(rows, results):
-        got = _convert(engine, data, i, res, ids, head.hidden_size, dtype)
+        got = convert_result(engine, res, data[i].input_ids, ids, head.hidden_size, dtype)
         if isinstance(got, str):
             if res.sample_id not in done:
                 writer.set_aside(res.sample_id, got)
                 stats["set_aside"] += 1
             continue
-        m = logprob_agreement(got[1], res.prompt_logprobs, head.tensors, True, head.norm_eps)
-        for k in totals:
-            totals[k] += m[k]
+        checked.append((got[1], res.prompt_logprobs))
         if res.sample_id not in done:
             keep.append((i, got))
-    top1 = totals["agree"] / max(totals["tokens"], 1)
-    result = {"samples": sorted(int(data.sample_ids[i]) for i in rows), "tokens": totals["tokens"],
-              "top1_agreement": top1, "exact_top1": totals["exact"] / max(totals["tokens"], 1),
-              "min_top1": ecfg.selfcheck_min_top1, "tie_nats": TIE_NATS, "reference": "vLLM prompt logprobs"}
-    if totals["tokens"] and top1 < ecfg.selfcheck_min_top1:
-        raise SelfCheckError(
-            f"extract self-check failed: the target's LM head applied to the stored final state (final norm applied: "
-            f"the state vLLM returns for layer id {ids[-1]} is pre-norm) picks vLLM's own top token (prompt logprobs) "
-            f"on {top1:.2%} of {totals['tokens']} tokens of samples {result['samples']} < extract.selfcheck_min_top1 "
-            f"{ecfg.selfcheck_min_top1:.2%}. Nothing more is extracted. Likely causes: a server started with other "
-            f"layer ids than {ids}, a vLLM model class that does not return the state after its last layer for id "
-            f"{ids[-1]}, a checkpoint whose LM head or final norm differs from what vLLM serves.")
-    log(f"[extract] self-check ok on {len(rows)} samples: LM head(stored final) matches vLLM's top token on "
-        f"{top1:.2%} of {totals['tokens']} tokens ({result['exact_top1']:.2%} exactly)")
+    result = judge_selfcheck(checked, sorted(int(data.sample_ids[i]) for i in rows), head.tensors, head.norm_eps,
+                             ids, ecfg.selfcheck_min_top1)
     for i, (aux, final) in keep:
         s = data[i]
         writer.add(s.sample_id, aux, final, s.input_ids, s.loss_mask)
         stats["samples"] += 1
         stats["tokens"] += len(s.input_ids)
     bar.update(int(sum(data.lengths[i] for i in rows)))
+    return result
+
+
+def judge_selfcheck(checked: list[tuple[torch.Tensor, Any]], samples: list[int], head: dict[str, torch.Tensor],
+                    norm_eps: float, ids: list[int], min_top1: float) -> dict[str, Any]:
+    """The self-check's verdict on (final state [T, H], vLLM's prompt logprobs) pairs: the
+    target's LM head (final norm applied: the state of vLLM's id L is pre-norm) must pick
+    vLLM's own top token on at least `min_top1` of their tokens, a near tie within TIE_NATS
+    counting as agreeing; a SelfCheckError otherwise. `samples`: their ids, for the message."""
+    totals = {"tokens": 0, "agree": 0, "exact": 0}
+    for final, logprobs in checked:
+        m = logprob_agreement(final, logprobs, head, True, norm_eps)
+        for k in totals:
+            totals[k] += m[k]
+    top1 = totals["agree"] / max(totals["tokens"], 1)
+    result = {"samples": samples, "tokens": totals["tokens"], "top1_agreement": top1,
+              "exact_top1": totals["exact"] / max(totals["tokens"], 1), "min_top1": min_top1, "tie_nats": TIE_NATS,
+              "reference": "vLLM prompt logprobs"}
+    if totals["tokens"] and top1 < min_top1:
+        raise SelfCheckError(
+            f"extract self-check failed: the target's LM head applied to the stored final state (final norm applied: "
+            f"the state vLLM returns for layer id {ids[-1]} is pre-norm) picks vLLM's own top token (prompt logprobs) "
+            f"on {top1:.2%} of {totals['tokens']} tokens of samples {samples} < extract.selfcheck_min_top1 "
+            f"{min_top1:.2%}. Nothing more is extracted. Likely causes: a server started with other "
+            f"layer ids than {ids}, a vLLM model class that does not return the state after its last layer for id "
+            f"{ids[-1]}, a checkpoint whose LM head or final norm differs from what vLLM serves.")
+    log(f"[extract] self-check ok on {len(samples)} samples: LM head(stored final) matches vLLM's top token on "
+        f"{top1:.2%} of {totals['tokens']} tokens ({result['exact_top1']:.2%} exactly)")
     return result

@@ -63,6 +63,7 @@ from ..targets.families import text_config_from_dict
 from ..utils import log
 from .context import StageContext
 from .online import OnlineStates, is_online
+from .stream import StreamedStates, buffer_folder
 from .train_data import VocabMaskCache, epoch_plan, load_batch, pack, split_ids
 
 CKPT_DIR = "checkpoints"
@@ -247,6 +248,18 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+BEHIND = 0.05  # share of a logging interval spent waiting for the stream that the log calls out
+
+
+def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
+    """Log that the engine fell behind when training waited for its states (a stream run)."""
+    if show and seconds > 0 and rec["stream_wait_s"] > BEHIND * seconds:
+        log(f"[train] step {rec['step']}: the engine is behind: training waited {rec['stream_wait_s']:.1f} s of the "
+            f"last {seconds:.1f} s for states; the engine computes {rec['engine_tokens_per_s']:.0f} tokens/s, "
+            f"training consumes {rec['tokens_per_s']:.0f} (raise the engine's share of the GPUs, or "
+            "extract.stream_buffer_gb to ride out its pauses)")
+
+
 class Trainer:
     def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
         self.cfg, self.tc, self.store, self.out_dir = cfg, cfg.train, store, out_dir
@@ -297,6 +310,29 @@ class Trainer:
                 yield epoch, i, plan[i]
             epoch, start = epoch + 1, 0
 
+    def eval_batches(self) -> list[list[int]]:
+        """This rank's held-out micro-batches at an evaluation, in order (see `evaluate`)."""
+        batches = pack(self.eval_ids, self.lengths, self.tc.max_tokens) if len(self.eval_ids) else []
+        W, r = self.env.world_size, self.env.rank
+        return [batches[min(first + r, len(batches) - 1)] for first in range(0, len(batches), W)]
+
+    def evaluates_at(self, step: int) -> bool:
+        return bool(self.tc.eval_every and step % self.tc.eval_every == 0) or step == self.total_steps
+
+    def planned_loads(self, step: int, epoch: int, start: int) -> list[list[int]]:
+        """Every micro-batch this rank loads from `step` (the next being plan[start] of `epoch`)
+        to the end, in the order `run` and `evaluate` load them: what a stream computes ahead."""
+        loads, data = [], self.micro_batches(epoch, start)
+        A, W, r = self.tc.grad_accum, self.env.world_size, self.env.rank
+        held_out = self.eval_batches()
+        while step < self.total_steps:
+            for _ in range(A):
+                loads.append([next(data) for _ in range(W)][r][2])
+            step += 1
+            if self.evaluates_at(step):
+                loads += held_out
+        return loads
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
         """Held-out metrics; rank r evaluates micro-batches r, r+W, ... and the sums are reduced."""
@@ -304,16 +340,15 @@ class Trainer:
             return None
         self.model.eval()
         sums = Sums()
-        batches = pack(self.eval_ids, self.lengths, self.tc.max_tokens)
+        n = len(pack(self.eval_ids, self.lengths, self.tc.max_tokens))
         W, r = self.env.world_size, self.env.rank
-        for first in range(0, len(batches), W):
+        for k, ids in enumerate(self.eval_batches()):
             # Under fsdp every forward is a collective: a rank past the end repeats the last
             # batch without counting it, so all ranks run as many forwards.
-            j = first + r
-            b = self._load(batches[min(j, len(batches) - 1)])
+            b = self._load(ids)
             out = forward_loss(self.par, self.model, b, self.tc, self.autocast)
             self.vocab_mask.record(b, out.in_vocab)
-            if j < len(batches):
+            if k * W + r < n:
                 sums.add(out)
             self.par.reshard_frozen()
         self.model.train()
@@ -435,32 +470,13 @@ class Trainer:
                             self.tc.keep_last)
         barrier()
 
-    def run(self, fp: dict[str, Any], settings: dict[str, Any] | None = None, extend: bool = False) -> dict[str, Any]:
-        """Train to `total_steps`, resuming from the newest intact checkpoint. `settings`: this
-        run's resume_settings; `extend`: `eaglet train --extend` (a longer schedule may continue)."""
-        tc, ckpt_dir, env = self.tc, self.out_dir / CKPT_DIR, self.env
-        settings = settings if settings is not None else {}
-        step, epoch, micro = 0, 0, -1
-        resumed = self._resume(ckpt_dir, fp, settings, extend)
-        if resumed is not None:
-            step, epoch, micro = resumed["from_step"], resumed["epoch"], resumed.pop("micro")
-            resumed.pop("epoch")
-        first_step = step
-        metrics = MetricLog(self.out_dir, step, tc.tensorboard, enabled=env.is_main)
-        if resumed is not None and step >= self.total_steps:
-            log(f"[train] {resumed['checkpoint']} is the end of the run ({step} of {self.total_steps} steps): nothing "
-                "to train" + ("; writing the manifest again with the changed settings" if resumed["changed"] else ""))
-        self.model.train()
-        log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
-            f"per epoch; {self.total_steps} steps; device {self.device}"
-            + (f"; {self.par.strategy} over {env.world_size} ranks, {self.micro_per_step} micro-batches per step; "
-               f"held per rank: {self.par.held_parameters()}" if env.active else ""))
-        bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not env.is_main)
-        sums = Sums()
-        t_log = time.perf_counter()
+    def _loop(self, step: int, epoch: int, micro: int, first_step: int, metrics: MetricLog, bar: Any,
+              fp: dict[str, Any], settings: dict[str, Any]) -> tuple[int, dict[str, float] | None]:
+        """The optimizer steps from `step` to total_steps; returns (step, the last evaluation)."""
+        tc, env, ckpt_dir = self.tc, self.env, self.out_dir / CKPT_DIR
+        stream = self.store if isinstance(self.store, StreamedStates) else None
         data = self.micro_batches(epoch, micro + 1)
-        last_eval = None
+        sums, t_log, last_eval = Sums(), time.perf_counter(), None
         A, W = tc.grad_accum, env.world_size
         while step < self.total_steps:
             for a in range(A):
@@ -484,10 +500,13 @@ class Trainer:
                 dt = time.perf_counter() - t_log
                 rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=sums.tokens / dt,
                            memory_gib=_memory_gib(self.device))
+                if stream is not None:
+                    rec.update(stream.progress())
+                    _say_if_behind(rec, dt, env.is_main)
                 metrics.write({"split": "train", **rec})
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.2f}", tau=f"{rec['sim_tau']:.2f}")
                 sums, t_log = Sums(), time.perf_counter()
-            if (tc.eval_every and step % tc.eval_every == 0) or step == self.total_steps:
+            if self.evaluates_at(step):
                 last_eval = self.evaluate()
                 freeze_survivors()
                 if last_eval is not None:
@@ -497,6 +516,38 @@ class Trainer:
                 self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp,
                                            "settings": settings, "schedule": self.schedule,
                                            "total_steps": self.total_steps})
+        return step, last_eval
+
+    def run(self, fp: dict[str, Any], settings: dict[str, Any] | None = None, extend: bool = False) -> dict[str, Any]:
+        """Train to `total_steps`, resuming from the newest intact checkpoint. `settings`: this
+        run's resume_settings; `extend`: `eaglet train --extend` (a longer schedule may continue)."""
+        tc, ckpt_dir, env = self.tc, self.out_dir / CKPT_DIR, self.env
+        settings = settings if settings is not None else {}
+        step, epoch, micro = 0, 0, -1
+        resumed = self._resume(ckpt_dir, fp, settings, extend)
+        if resumed is not None:
+            step, epoch, micro = resumed["from_step"], resumed["epoch"], resumed.pop("micro")
+            resumed.pop("epoch")
+        first_step = step
+        metrics = MetricLog(self.out_dir, step, tc.tensorboard, enabled=env.is_main)
+        if resumed is not None and step >= self.total_steps:
+            log(f"[train] {resumed['checkpoint']} is the end of the run ({step} of {self.total_steps} steps): nothing "
+                "to train" + ("; writing the manifest again with the changed settings" if resumed["changed"] else ""))
+        self.model.train()
+        log(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples; {self.steps_per_epoch} steps "
+            f"per epoch; {self.total_steps} steps; device {self.device}"
+            + (f"; {self.par.strategy} over {env.world_size} ranks, {self.micro_per_step} micro-batches per step; "
+               f"held per rank: {self.par.held_parameters()}" if env.active else ""))
+        bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not env.is_main)
+        stream = self.store if isinstance(self.store, StreamedStates) else None
+        if stream is not None:  # the engine starts computing this rank's micro-batches ahead
+            stream.start(self.planned_loads(step, epoch, micro + 1), tc.max_tokens)
+        try:
+            step, last_eval = self._loop(step, epoch, micro, first_step, metrics, bar, fp, settings)
+        finally:
+            if stream is not None:
+                stream.close()
         bar.close()
         metrics.close()
         steps_run = step - first_step  # optimizer steps this process took
@@ -504,10 +555,12 @@ class Trainer:
             last_eval = next(({k: v for k, v in r.items() if k not in ("split", "step")} for r in reversed(metrics.kept)
                               if r.get("split") == "eval"), None)
         stats = {"steps": step, "total_steps": self.total_steps, "started_at_step": first_step, "steps_run": steps_run,
-                 "eval": last_eval, "world_size": W, "parallel": self.par.strategy,
+                 "eval": last_eval, "world_size": env.world_size, "parallel": self.par.strategy,
                  "held_parameters_rank0": self.par.held_parameters()}
         if resumed is not None:
             stats["resumed"] = resumed
+        if stream is not None:
+            stats["stream"] = stream.stats()
         return stats
 
 
@@ -520,7 +573,9 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     # every shard checked before the first step, on threads and split over the ranks: a bad one
     # is named, with its repair command, before any step
     store = open_verified(ctx.upstream["extract"])
-    if is_online(store):  # the target runs here, beside the draft (eaglet/stages/online.py)
+    if is_online(store) and store.meta.get("backend") == "vllm":  # states streamed from the engine
+        store = StreamedStates(store, ctx.upstream["prepare"], cfg, buffer_folder(cfg, ctx.out_dir), env.rank)
+    elif is_online(store):  # the target runs here, beside the draft (eaglet/stages/online.py)
         store = OnlineStates(store, ctx.upstream["prepare"], cfg.target)
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
     device = resolve_device(cfg.train.device)

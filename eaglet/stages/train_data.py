@@ -16,6 +16,7 @@ from ..draft.step import Batch, device_head_rows
 from ..formats.store import StoreReader, dequantize_states
 from ..utils import to_device
 from .online import OnlineStates
+from .stream import StreamedStates
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,12 +118,12 @@ class VocabMaskCache:
         self.fresh = {}
 
 
-def load_batch(store: StoreReader | OnlineStates, ids: list[int], max_tokens: int, device: torch.device,
+def load_batch(store: StoreReader | OnlineStates | StreamedStates, ids: list[int], max_tokens: int, device: torch.device,
                ttt_steps: int = 0) -> Batch:
     """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
     ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
-    if isinstance(store, OnlineStates):
-        parts = store.get_many(ids, max_tokens)  # one forward of the target for the whole micro-batch
+    if isinstance(store, (OnlineStates, StreamedStates)):
+        parts = store.get_many(ids, max_tokens)  # one forward of the target, or one entry of the stream
     elif getattr(store, "scaled", False):  # an fp8 store's states as stored, dequantized on `device` below
         parts = [store.get(i, raw=True) for i in ids]
     else:

@@ -39,13 +39,16 @@ class FakeVLLM:
     unwritten: sample ids whose last two tokens' states stay zero (slots vLLM never wrote);
     final_layer: store this HF layer's state for id L instead of the pre-norm state;
     late_write: answer first, write under the held lock 0.2 s later (as vLLM's connector);
+    corrupt_every: every k-th request without prompt logprobs is stored that way too;
     delay: seconds each request takes (a slow engine)."""
 
     def __init__(self, model: Any, storage: str | Path, layer_ids: list[int], corrupt: Any = (),
-                 final_layer: int | None = None, unwritten: Any = (), late_write: bool = False, delay: float = 0.0):
+                 final_layer: int | None = None, unwritten: Any = (), late_write: bool = False, delay: float = 0.0,
+                 corrupt_every: int = 0):
         self.model, self.storage, self.ids = model, Path(storage), list(layer_ids)
         self.num_layers = int(model.config.num_hidden_layers)
-        self.late_write, self.delay = late_write, delay
+        self.late_write, self.delay, self.corrupt_every = late_write, delay, corrupt_every
+        self.plain = 0  # requests without prompt logprobs so far
         self.corrupt, self.final_layer, self.calls, self.n = set(corrupt), final_layer, [], 0
         self.unwritten = set(unwritten)
         self.prompts: list[list[int]] = []  # every prompt asked for, in order
@@ -81,7 +84,9 @@ class FakeVLLM:
             if sid in self.unwritten:
                 hs = hs.clone()
                 hs[-2:] = 0
-            stored = [7] + ids[:-1] if sid in self.corrupt else ids
+            self.plain += not prompt_logprobs
+            every = self.corrupt_every and not prompt_logprobs and self.plain % self.corrupt_every == 0
+            stored = [7] + ids[:-1] if sid in self.corrupt or every else ids
             path = str(self.storage / f"req-{self.n}.safetensors")
             self.n += 1
             self.storage.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,338 @@
+"""Engine-fed training: the serving engine computes each micro-batch's states ahead of the
+trainer into a bounded buffer, and nothing else of them is ever on disk.
+
+    extract: {mode: online, backend: vllm}     # in-process vLLM, or extract.vllm_server
+             stream_buffer_gb: 8               # the buffer's bound, connector files included
+             stream_dir: /dev/shm/eaglet       # where it lives (default <run.dir>/train/stream)
+
+A 1T-parameter target neither fits beside the draft nor has a store within reach (57 KB a
+token: 57 TB for 500k conversations of 2k tokens over 2-3 epochs), so its states come from
+the engine that serves it, every epoch anew. `StreamedStates` has the read interface of
+`StoreReader` that training uses. The trainer hands it, before its first step, the list of
+micro-batches this rank will load, in order (`Trainer.planned_loads`: the epoch plans from
+the resume position, and the held-out batches at each evaluation); a producer thread sends
+their samples to the engine (each cut to train.max_tokens: a causal model's prefix states do
+not depend on what follows), turns the connector's files into one buffer entry per
+micro-batch (eaglet/formats/buffer.py; quantized when extract.store_dtype is fp8) and waits
+while the bytes on disk (entries and the connector files of the requests in flight) would
+pass the bound. `get_many` takes the next entry, checks that it holds the samples asked for,
+and deletes it. So a stream run sees the same samples in the same order as an offline run
+of the same config, and a run killed at any moment resumes from its checkpoint exactly:
+what a killed run left in the buffer is deleted and asked for again.
+
+The self-check runs on this rank's first samples before the first step, with vLLM's prompt
+logprobs, as it does for a store (eaglet/stages/extract_vllm.py). A sample the engine fails on
+(other token ids, states that are not finite or never written) keeps its place with its loss
+mask cleared and is counted (`set_aside`). When the engine falls behind, the trainer logs
+the time it waited and the engine's tokens/s against training's (`progress`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from ..config import Config
+from ..engines.vllm import LocalEngine, ServerEngine, engine_args
+from ..errors import ConfigError, InputError
+from ..formats.buffer import clear_entries, folder_bytes, micro_batch_bytes, read_entry, write_entry
+from ..formats.prepared import PreparedData
+from ..formats.store import (FP8, HEAD_FILE, StoreReader, TargetHead, capture_dtype, quantize_states,
+                             read_target_head)
+from ..utils import log
+from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
+
+STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
+
+
+class StreamStopped(InputError):
+    """The engine stopped answering, or failed, before the stream's end."""
+
+
+def buffer_folder(cfg: Config, train_dir: Path) -> Path:
+    return Path(cfg.extract.stream_dir) if cfg.extract.stream_dir else train_dir / STREAM_DIR
+
+
+class StreamedStates:
+    """The `StoreReader` interface over prepared data, states from the engine through a
+    bounded buffer (see the module doc). `base` is extract's online store (its meta, layers,
+    dtype, head.safetensors and target_config.json); `engine` (tests): anything with
+    run/read/discard/close, else vLLM in process or at extract.vllm_server."""
+
+    def __init__(self, base: StoreReader, prepared_folder: str | Path, cfg: Config, folder: Path, rank: int = 0,
+                 engine: Any = None):
+        self.folder, self.meta, self.layers, self.dtype = base.folder, base.meta, base.layers, base.dtype
+        self.cfg, self.ecfg, self.rank, self.engine = cfg, cfg.extract, rank, engine
+        self.data = PreparedData(prepared_folder)
+        order = np.argsort(self.data.sample_ids, kind="stable")
+        keep = self.data.lengths[order] > 0
+        self.sample_ids = self.data.sample_ids[order][keep]
+        self.lengths = self.data.lengths[order][keep]
+        self._row = {int(s): int(i) for i, s in enumerate(self.data.sample_ids.tolist())}
+        self.ids = [int(i) for i in self.meta["vllm_layer_ids"]]
+        self.hidden = int(self.meta["hidden_size"])
+        self.buffer = Path(folder)
+        self.connector = self.buffer / f"connector-r{rank}"  # the in-process engine's files
+        self.bound = int(float(self.ecfg.stream_buffer_gb) * 1e9)
+        self.loads: list[list[int]] = []
+        self.max_tokens = 0
+        self.set_aside: Counter[str] = Counter()
+        self.selfcheck: dict[str, Any] | None = None
+        self._cond = threading.Condition()
+        self._ready: dict[int, tuple[Path, int]] = {}  # seq -> (entry, bytes)
+        self._used = 0  # bytes on disk or reserved for requests in flight
+        self._next = 0  # the seq get_many hands out next
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.peak_bytes = 0  # the largest _used seen
+        self._waited = 0.0  # seconds get_many waited since the last progress()
+        self._engine_tokens, self._engine_s = 0, 0.0
+        self._consumed_tokens = 0
+
+    # ---- the StoreReader interface ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layers)
+
+    def __contains__(self, sample_id: int) -> bool:
+        return int(sample_id) in self._row
+
+    def target_head(self, device: torch.device) -> TargetHead:
+        return read_target_head(self.folder, self.meta, device)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    def _tokens(self, sid: int) -> int:
+        return min(int(self.data.lengths[self._row[int(sid)]]), self.max_tokens)
+
+    def load_bytes(self, ids: list[int]) -> int:
+        """What micro-batch `ids` holds of the buffer at most (formats.buffer.micro_batch_bytes)."""
+        return micro_batch_bytes(sum(self._tokens(i) for i in ids), len(ids), self.n_aux, self.hidden, self.dtype)
+
+    # ---- start and stop ---------------------------------------------------------------------
+
+    def start(self, loads: list[list[int]], max_tokens: int) -> None:
+        """Begin computing `loads` (this rank's micro-batches, in the order get_many will be
+        called): the bound is checked, what a killed run left is deleted, the engine starts
+        and the self-check runs on the first samples before the producer does."""
+        self.loads, self.max_tokens = [list(map(int, x)) for x in loads], int(max_tokens)
+        if not self.loads:
+            return
+        biggest = max(self.loads, key=self.load_bytes)
+        need = self.load_bytes(biggest)
+        if need > self.bound:
+            raise ConfigError(
+                f"extract.stream_buffer_gb {self.ecfg.stream_buffer_gb} holds {self.bound / 1e9:.3f} GB, and one "
+                f"micro-batch ({sum(self._tokens(i) for i in biggest)} tokens of {len(biggest)} samples) needs "
+                f"{need / 1e9:.3f} GB of it", fix=f"set extract.stream_buffer_gb to at least {2 * need / 1e9:.3g} "
+                "(two micro-batches: one computed while the other trains), or lower train.max_tokens")
+        self.buffer.mkdir(parents=True, exist_ok=True)
+        left = clear_entries(self.buffer, self.rank)
+        if left:
+            log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
+                "computed again")
+        if self.engine is None:
+            self.engine = self._start_engine()
+        self._check_first()
+        self._thread = threading.Thread(target=self._produce, name=f"eaglet-stream-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _start_engine(self) -> Any:
+        e = self.ecfg
+        if e.vllm_server:
+            return ServerEngine(e.vllm_server, e.vllm_requests)
+        longest = max(self._tokens(i) for load in self.loads for i in load)
+        self.connector.mkdir(parents=True, exist_ok=True)
+        for f in self.connector.iterdir():  # a killed run's connector files
+            f.unlink()
+        return LocalEngine(engine_args(self.cfg, self.ids, self.connector, longest))
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self.engine is not None:
+            self.engine.close()
+        if self.loads:
+            clear_entries(self.buffer, self.rank)
+
+    # ---- the engine's side ------------------------------------------------------------------
+
+    def _requests(self, ids: list[int]) -> list[tuple[int, np.ndarray]]:
+        return [(i, np.asarray(self.data[self._row[i]].input_ids)[:self.max_tokens]) for i in ids]
+
+    def _check_first(self) -> None:
+        """The self-check on this rank's first extract.selfcheck_samples samples."""
+        n = self.ecfg.selfcheck_samples
+        first = list(dict.fromkeys(i for load in self.loads for i in load))[:n]
+        if not first:
+            return
+        requests = self._requests(first)
+        results = self.engine.run(requests, PROMPT_LOGPROBS)
+        checked, reasons = [], Counter()
+        for (sid, want), res in zip(requests, results):
+            got = convert_result(self.engine, res, want, self.ids, self.hidden, capture_dtype(self.dtype))
+            if isinstance(got, str):
+                reasons[got] += 1
+            else:
+                checked.append((got[1], res.prompt_logprobs))
+        if reasons["token_mismatch"] > len(first) // 2:
+            where = f"the vLLM server at {self.ecfg.vllm_server}" if self.ecfg.vllm_server else "vLLM"
+            raise InputError(f"stream: {where} computed other token ids than prepare produced for "
+                             f"{reasons['token_mismatch']} of the first {len(first)} samples: it serves another model "
+                             f"or tokenizer than target.path", fix="serve target.path (the doctor prints the command)")
+        self.selfcheck = judge_selfcheck(checked, sorted(first), _head_tensors(self.folder), float(self.meta["norm_eps"]),
+                                         self.ids, self.ecfg.selfcheck_min_top1)
+
+    def _rounds(self) -> Any:
+        """Consecutive loads sent together: up to extract.vllm_requests samples and half the
+        bound (the engine fills one half while training reads the other), at least one load."""
+        seq = 0
+        while seq < len(self.loads):
+            end, samples, need = seq, 0, 0
+            while end < len(self.loads):
+                b, n = self.load_bytes(self.loads[end]), len(self.loads[end])
+                if end > seq and (samples + n > self.ecfg.vllm_requests or need + b > self.bound // 2):
+                    break
+                end, samples, need = end + 1, samples + n, need + b
+            yield seq, end
+            seq = end
+
+    def _produce(self) -> None:
+        try:
+            for seq, end in self._rounds():
+                reserved = {s: self.load_bytes(self.loads[s]) for s in range(seq, end)}
+                with self._cond:
+                    while self._used + sum(reserved.values()) > self.bound and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    self._grow(sum(reserved.values()))
+                t0 = time.perf_counter()
+                flat = [i for s in range(seq, end) for i in self.loads[s]]
+                results = iter(self.engine.run(self._requests(flat), None))
+                for s in range(seq, end):
+                    path, size = self._entry(s, [next(results) for _ in self.loads[s]])
+                    with self._cond:
+                        self._used -= reserved.pop(s) - size
+                        self._ready[s] = (path, size)
+                        self._cond.notify_all()
+                self._engine_tokens += sum(self._tokens(i) for i in flat)
+                self._engine_s += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _grow(self, nbytes: int) -> None:
+        self._used += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._used)
+
+    def _entry(self, seq: int, results: list[Any]) -> tuple[Path, int]:
+        """One load's entry from its requests' connector files (which are removed)."""
+        ids, auxs, finals, tokens, masks, lens = self.loads[seq], [], [], [], [], []
+        for sid, res in zip(ids, results):
+            s = self.data[self._row[sid]]
+            want = np.asarray(s.input_ids)[:self.max_tokens]
+            mask = torch.from_numpy(np.asarray(s.loss_mask)[:self.max_tokens].astype(np.uint8))
+            got = convert_result(self.engine, res, want, self.ids, self.hidden, capture_dtype(self.dtype))
+            if isinstance(got, str):  # keeps its place in the plan, counted, with nothing to learn from
+                self.set_aside[got] += 1
+                log(f"[stream] sample {sid} ({got}): its loss mask is cleared")
+                got = (torch.zeros(len(want), self.n_aux * self.hidden, dtype=capture_dtype(self.dtype)),
+                       torch.zeros(len(want), self.hidden, dtype=capture_dtype(self.dtype)))
+                mask = torch.zeros_like(mask)
+            auxs.append(got[0])
+            finals.append(got[1])
+            tokens.append(torch.from_numpy(want.astype(np.int32)))
+            masks.append(mask)
+            lens.append(len(want))
+        aux, final = torch.cat(auxs), torch.cat(finals)
+        tensors = {"input_ids": torch.cat(tokens), "loss_mask": torch.cat(masks)}
+        if self.dtype == FP8:
+            (tensors["aux"], tensors["aux_scale"]), (tensors["final"], tensors["final_scale"]) = (
+                quantize_states(aux, self.n_aux), quantize_states(final, 1))
+        else:
+            tensors["aux"], tensors["final"] = aux.to(self.dtype), final.to(self.dtype)
+        return write_entry(self.buffer, self.rank, seq, ids, lens, tensors)
+
+    # ---- the trainer's side -----------------------------------------------------------------
+
+    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """The next micro-batch of the stream, which must be `sample_ids`: per sample aux,
+        final (raw fp8 with their scales for an fp8 stream), input_ids, loss_mask, on the host."""
+        seq = self._next
+        if seq >= len(self.loads):
+            raise RuntimeError(f"stream: micro-batch {seq} asked for, but the stream holds {len(self.loads)}")
+        t0 = time.perf_counter()
+        with self._cond:
+            while seq not in self._ready and self._error is None:
+                if not self._cond.wait(timeout=600) and self._thread is not None and not self._thread.is_alive():
+                    break
+            if seq not in self._ready:
+                raise self._stopped()
+            path, size = self._ready.pop(seq)
+        self._waited += time.perf_counter() - t0
+        ids, lens, t = read_entry(path)
+        path.unlink()
+        with self._cond:
+            self._used -= size
+            self._cond.notify_all()
+        self._next += 1
+        if ids != [int(i) for i in sample_ids]:
+            raise RuntimeError(f"stream out of step: micro-batch {seq} holds samples {ids}, training asked for "
+                               f"{list(sample_ids)}")
+        self._consumed_tokens += sum(lens)
+        cuts = np.cumsum([0, *lens]).tolist()
+        return [{k: v[a:b] for k, v in t.items()} for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
+        return self.get_many([sample_id])[0]
+
+    def _stopped(self) -> BaseException:
+        e = self._error
+        where = f"the vLLM server at {self.ecfg.vllm_server}" if self.ecfg.vllm_server else "the vLLM engine"
+        at = f"micro-batch {self._next} of {len(self.loads)} of rank {self.rank}'s stream"
+        if isinstance(e, (ConfigError, InputError)) or (e is not None and not isinstance(e, Exception)):
+            return e
+        why = f"{type(e).__name__}: {e}" if e is not None else "its producer thread ended"
+        return StreamStopped(f"stream: {where} stopped before {at} ({why})",
+                             fix="bring the engine back and rerun the same command: training resumes from its newest "
+                                 "checkpoint and asks again for what was not consumed")
+
+    def progress(self) -> dict[str, float]:
+        """Since the last call: seconds training waited for states, the engine's tokens/s
+        (over the time it computed), the buffer's peak bytes so far."""
+        out = {"stream_wait_s": round(self._waited, 3), "buffer_peak_gb": round(self.peak_bytes / 1e9, 4),
+               "engine_tokens_per_s": round(self._engine_tokens / self._engine_s, 1) if self._engine_s else 0.0}
+        self._waited = 0.0
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"micro_batches": len(self.loads), "consumed": self._next, "set_aside": dict(self.set_aside),
+                "buffer_bound_bytes": self.bound, "buffer_peak_bytes": self.peak_bytes,
+                "buffer_folder": str(self.buffer), "selfcheck": self.selfcheck,
+                "engine_tokens_per_s": round(self._engine_tokens / self._engine_s, 1) if self._engine_s else None}
+
+    def disk_bytes(self) -> int:
+        """What this rank's buffer holds on disk now (entries and the in-process engine's files)."""
+        return folder_bytes(self.buffer)
+
+
+def _head_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    t = load_file(str(Path(folder) / HEAD_FILE))
+    return {"lm_head": t["lm_head"], "norm": t["norm"], "embed_tokens": t["embed_tokens"]}

@@ -1,0 +1,286 @@
+"""Engine-fed training (extract.mode online, backend vllm): the states come from a server in
+vLLM's connector format through a bounded buffer, and training sees the same samples in the
+same order, with the same losses, as an offline vLLM store of the same config.
+
+The engine is `eaglet.testing.fake_vllm.FakeServer` (vLLM's routes and connector files,
+computed with the tiny HF target), so these run on the CPU; the real vLLM path on the GPU
+is bench/stream_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eaglet import pipeline
+from eaglet.config import dump_config, load_config
+from eaglet.errors import ConfigError, InputError
+from eaglet.formats.buffer import folder_bytes
+from eaglet.formats.store import StoreReader
+from eaglet.testing import tiny
+from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    target = tiny.save_target(root / "target", family="llama", template="llama3")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    data = tiny.write_jsonl(root / "data.jsonl", tiny.make_conversations(40, seed=3))
+    return root, target, model, data
+
+
+def _cfg(root, target, data, url, mode, name=None, extra=()):
+    return load_config(None, [
+        f"run.dir={root / (name or mode)}", "run.seed=7", f"target.path={target}", "target.dtype=float32",
+        f"prepare.data=[{data}]", "extract.backend=vllm", f"extract.vllm_server={url}", f"extract.mode={mode}",
+        "extract.store_dtype=float32", "extract.fsync=false", "extract.selfcheck_samples=3", "extract.vllm_requests=4",
+        f"extract.layers={LAYERS}", "vocab.size=200", "train.max_steps=6", "train.max_tokens=256", "train.ttt_steps=2",
+        "train.log_every=1", "train.eval_every=3", "train.warmup_steps=2", "train.lr=0.002",
+        "train.attn_impl=chunked", "train.tensorboard=false", "train.ckpt_every=2", *extra,
+    ])
+
+
+def _engine(model, root, **kw):
+    L = model.config.num_hidden_layers
+    return FakeVLLM(model, root / "vllm-states", [*LAYERS, L], **kw)
+
+
+def _log(cfg, split="train"):
+    lines = [json.loads(x) for x in (cfg.run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["split"] == split]
+
+
+def _manifest(cfg, stage="train"):
+    return json.loads((cfg.run_dir / stage / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(assets):
+    """An offline vLLM store and a stream run of the same config, against one server."""
+    root, target, model, data = assets
+    fake = _engine(model, root)
+    out = {}
+    with FakeServer(fake) as server:
+        for mode in ("offline", "online"):
+            cfg = _cfg(root, target, data, server.url, mode)
+            pipeline.run_all(cfg, upto="train")
+            out[mode] = cfg
+        out["requests"] = list(server.requests)
+    return out
+
+
+def test_stream_training_reproduces_the_offline_losses(runs):
+    off, on = runs["offline"], runs["online"]
+    assert StoreReader(on.run_dir / "extract").meta["mode"] == "online"
+    assert len(StoreReader(on.run_dir / "extract")) == 0  # no states stored
+    for split in ("train", "eval"):
+        a, b = _log(off, split), _log(on, split)
+        assert [r["step"] for r in a] == [r["step"] for r in b] and a
+        for x, y in zip(a, b):
+            for k in ("loss", "loss_0", "loss_1"):
+                assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), f"{split} step {x['step']} {k}"
+    stats = _manifest(on)["stats"]["stream"]
+    assert stats["consumed"] == stats["micro_batches"] > 6  # every planned micro-batch, evaluations included
+    assert stats["selfcheck"]["top1_agreement"] == 1.0 and len(stats["selfcheck"]["samples"]) == 3
+    assert stats["set_aside"] == {}
+    assert not any((on.run_dir / "train" / "stream").glob("mb-*"))  # the buffer is emptied at the end
+    rec = _log(on)[-1]
+    assert {"stream_wait_s", "engine_tokens_per_s", "buffer_peak_gb"} <= set(rec)
+
+
+def test_stream_asks_for_each_micro_batch_once_with_prompts_cut(runs):
+    """Apart from the self-check's samples (with prompt logprobs), every request is a sample
+    of a planned micro-batch, cut at train.max_tokens."""
+    on = runs["online"]
+    stats = _manifest(on)["stats"]["stream"]
+    n_off = _manifest(runs["offline"], "extract")["stats"]["samples"]
+    streamed = runs["requests"][n_off:]  # the offline run's requests come first
+    assert sum("prompt_logprobs" in r for r in streamed) == 3
+    assert max(len(r["prompt"]) for r in streamed) <= 256
+    assert len(streamed) - 3 >= stats["micro_batches"]
+
+
+def test_buffer_never_exceeds_its_bound(assets, tmp_path):
+    """A slow trainer and a bound of a few micro-batches: a watcher polls the bytes on disk
+    (the buffer's entries and the server's connector files) while training runs."""
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path)
+    mb = 256 * ((len(LAYERS) + 1) * 64 * 4 + 5 + (len(LAYERS) + 1) * 64 * 2 + 8) + 4096 * 8
+    bound_gb = 3.2 * mb / 1e9
+    peak = [0]
+    stop = threading.Event()
+    cfg = None
+
+    def watch():
+        while not stop.is_set():
+            seen = folder_bytes(tmp_path / "vllm-states") + (
+                folder_bytes(cfg.run_dir / "train" / "stream") if (cfg.run_dir / "train" / "stream").exists() else 0)
+            peak[0] = max(peak[0], seen)
+            time.sleep(0.002)
+
+    with FakeServer(fake) as server:
+        cfg = _cfg(root, target, data, server.url, "online", name="bounded",
+                   extra=[f"extract.stream_buffer_gb={bound_gb}", "train.max_steps=10", "train.eval_every=0"])
+        pipeline.run_all(cfg, upto="extract")
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        try:
+            pipeline.run_stage(cfg, "vocab")
+            pipeline.run_stage(cfg, "train")
+        finally:
+            stop.set()
+            t.join()
+    stats = _manifest(cfg)["stats"]["stream"]
+    assert 0 < peak[0] <= stats["buffer_bound_bytes"]
+    assert stats["buffer_peak_bytes"] <= stats["buffer_bound_bytes"]
+    assert peak[0] > mb  # more than one micro-batch was ahead at some point: the bound did the limiting
+
+
+def test_a_buffer_too_small_for_one_micro_batch_is_refused(assets, tmp_path):
+    root, target, model, data = assets
+    with FakeServer(_engine(model, tmp_path)) as server:
+        cfg = _cfg(root, target, data, server.url, "online", name="tiny-buffer",
+                   extra=["extract.stream_buffer_gb=0.00001"])
+        with pytest.raises(ConfigError, match=r"extract.stream_buffer_gb 1e-05 .* one micro-batch"):
+            pipeline.run_all(cfg, upto="vocab")  # the preflight, before any weights load
+        pipeline.run_all(cfg, upto="vocab", preflight=False)
+        with pytest.raises(ConfigError, match=r"extract.stream_buffer_gb 1e-05 .* one micro-batch"):
+            pipeline.run_stage(cfg, "train", preflight=False)  # the stream checks it too, before the engine
+        assert server.requests == []
+
+
+def test_engine_failures_are_counted_and_masked(assets, tmp_path):
+    """A sample whose states come back with other token ids keeps its place, its loss mask
+    cleared, and is counted; the run goes on."""
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path)
+    with FakeServer(fake) as server:
+        cfg = _cfg(root, target, data, server.url, "online", name="failing", extra=["train.max_steps=2"])
+        pipeline.run_all(cfg, upto="vocab")
+        fake.corrupt_every = 5
+        pipeline.run_stage(cfg, "train", preflight=False)
+    stats = _manifest(cfg)["stats"]["stream"]
+    assert stats["set_aside"].get("token_mismatch", 0) >= 1
+    assert stats["consumed"] == stats["micro_batches"]
+
+
+def test_a_server_of_another_model_is_refused_at_the_start(assets, tmp_path):
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path, corrupt=[-1])  # every request over HTTP comes as sample -1
+    with FakeServer(fake) as server:
+        cfg = _cfg(root, target, data, server.url, "online", name="other-model")
+        pipeline.run_all(cfg, upto="vocab")
+        with pytest.raises(InputError, match="serves another model or tokenizer"):
+            pipeline.run_stage(cfg, "train", preflight=False)
+
+
+def _cli(cfg_path: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "eaglet.cli", *args, str(cfg_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _write_cfg(cfg, path: Path) -> Path:
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def test_a_stream_that_stops_mid_run_is_one_line(assets, tmp_path):
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path)
+    with FakeServer(fake) as server:
+        cfg = _cfg(root, target, data, server.url, "online", name="stops", extra=["train.max_steps=8"])
+        pipeline.run_all(cfg, upto="vocab")
+        server.stop_after = len(server.requests) + 3 + 10  # the self-check, then ten more samples
+        p = _cli(_write_cfg(cfg, tmp_path / "c.yaml"), "train")
+        out, _ = p.communicate(timeout=300)
+    assert p.returncode == 4, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("eaglet: stream: the vLLM server at") and "stopped before micro-batch" in last, out
+    assert "Traceback" not in out
+
+
+def test_kill_9_resumes_exactly(assets, tmp_path):
+    """A stream run killed (SIGKILL) after its first checkpoint and started again ends with the
+    losses of an uninterrupted stream run."""
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path, delay=0.02)
+    with FakeServer(fake) as server:
+        whole = _cfg(root, target, data, server.url, "online", name="whole", extra=["train.max_steps=8"])
+        pipeline.run_all(whole, upto="train")
+        cut = _cfg(root, target, data, server.url, "online", name="killed", extra=["train.max_steps=8"])
+        pipeline.run_all(cut, upto="vocab")
+        path = _write_cfg(cut, tmp_path / "k.yaml")
+        p = _cli(path, "train")
+        ckpts = cut.run_dir / "train" / "checkpoints"
+        deadline = time.time() + 240
+        while not any(ckpts.glob("step-0000004")) and time.time() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert p.poll() is None, p.communicate()[0]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        left = list((cut.run_dir / "train" / "stream").glob("mb-*"))
+        again = _cli(path, "train")
+        out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+    assert "resumed from" in out
+    if left:
+        assert "deleted" in out and "entries a stopped run left" in out
+    a, b = _log(whole), _log(cut)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), x["step"]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_read_their_own_shares(assets, tmp_path):
+    """torchrun, two CPU ranks (gloo), grad_accum 1, against one server: the losses of one
+    process with grad_accum 2, and between them the ranks ask for every micro-batch."""
+    import shutil
+    from collections import Counter
+
+    root, target, model, data = assets
+    fake = _engine(model, tmp_path)
+    with FakeServer(fake) as server:
+        one = _cfg(root, target, data, server.url, "online", name="one-rank",
+                   extra=["train.max_steps=4", "train.grad_accum=2", "train.eval_every=0", "train.device=cpu"])
+        pipeline.run_all(one, upto="vocab", preflight=False)
+        before = len(server.requests)
+        pipeline.run_stage(one, "train", preflight=False)
+        ref = Counter(tuple(r["prompt"]) for r in server.requests[before:] if "prompt_logprobs" not in r)
+        two = _cfg(root, target, data, server.url, "online", name="two-ranks",
+                   extra=["train.max_steps=4", "train.grad_accum=1", "train.eval_every=0", "train.device=cpu"])
+        for stage in ("prepare", "extract", "vocab"):
+            shutil.copytree(one.run_dir / stage, two.run_dir / stage)
+        path = _write_cfg(two, tmp_path / "two.yaml")
+        before = len(server.requests)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "eaglet.cli", "train", str(path), "--skip-preflight"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        asked = server.requests[before:]
+    got = Counter(tuple(r["prompt"]) for r in asked if "prompt_logprobs" not in r)
+    assert sum("prompt_logprobs" in r for r in asked) == 2 * 3  # each rank's self-check
+    assert not ref - got  # every micro-batch of the one-process run was asked for
+    n_eval = sum(len(b) for b in [json.loads((one.run_dir / "train" / "manifest.json").read_text())["stats"]["eval"]
+                                  and [0]])
+    assert sum((got - ref).values()) <= max(n_eval, 8)  # only the held-out batch rank 1 repeats
+    a, b = _log(one), _log(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+    assert _manifest(two)["stats"]["world_size"] == 2
