@@ -445,3 +445,38 @@ def test_disk_estimate_of_the_states_in_each_store_dtype(tmp_path, assets, dtype
     tokens = json.loads((folder / "index.json").read_text())["num_tokens"]
     shards = sum(f.stat().st_size for f in folder.glob("shard-*.safetensors"))
     assert abs(per_token * tokens - shards) < 0.05 * shards, (per_token, tokens, shards, est.found)
+
+
+def test_engine_fed_plan_for_kimi_k25():
+    """The doctor's plan for an engine-fed run, from examples/kimi-k25 (a local config.json with
+    Kimi-K2.5's published values): the weights per GPU counted from the config (int4 experts
+    with a bf16 scale per 32, the rest bf16) against the arithmetic done here, the MLA latent
+    cache, what the engine leaves the draft, the hours, the buffer."""
+    import re
+    from pathlib import Path
+
+    from eaglet.checks.doctor import diagnose
+    from eaglet.config import load_config
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "kimi-k25" / "eaglet.yaml"
+    cfg = load_config(path, ["extract.vllm_server=null"])
+    found = {f.check: f for f in diagnose(cfg, "train").findings}
+    H, I, E, L = 7168, 2048, 384, 61
+    experts = (L - 1) * E * 3 * H * I
+    engine = found["engine memory (per GPU)"].found
+    params = float(re.search(r"\(([\d.]+)B parameters", engine).group(1)) * 1e9
+    weights = experts * (4 / 8 + 2 / 32) + (params - experts) * 2
+    got = float(re.search(r"weights ([\d.]+) GiB", engine).group(1)) * 2**30
+    assert got == pytest.approx(weights / 8, rel=0.01)
+    assert "32.9B active" in engine and "MLA latent 512+64 x 61 layers" in engine
+    assert f"{L * (512 + 64) * 2 / 1024:.1f} KiB a token" in engine
+    assert f"{4 * H * 2 / 1024:.1f} KiB a token" in engine  # 3 + 1 states of 7168 in bf16
+    assert found["stream buffer"].status == "ok"
+    assert found["draft beside the engine (per GPU)"].status in ("info", "ok", "warn")
+    assert "h with the draft on the engine's GPUs" in found["hours per 100k conversations"].found
+    squeezed = {f.check: f for f in diagnose(load_config(path, ["extract.vllm_server=null",
+                                                                "extract.vllm_engine_args={tensor_parallel_size: 8, gpu_memory_utilization: 0.95}"]),
+                                             "train").findings}
+    assert squeezed["draft beside the engine (per GPU)"].status == "FAIL"
+    tiny_buffer = {f.check: f for f in diagnose(load_config(path, ["extract.stream_buffer_gb=0.1"]), "train").findings}
+    assert tiny_buffer["stream buffer"].status == "FAIL" and tiny_buffer["stream buffer"].error is not None

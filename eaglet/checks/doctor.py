@@ -92,7 +92,7 @@ def check_api_contracts(p: Probe) -> None:
     roles.update(p.vllm_roles)
     stages = {s for c in CONTRACTS for s in c.stages} if p.stage is None else {p.stage}
     if p.cfg.extract.backend == "vllm":  # vLLM runs the target: not the HF backend's hooks, but vLLM's own APIs
-        stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages else set())
+        stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages or streaming(p.cfg) else set())
     else:
         stages.discard("extract-vllm")
     results = check_contracts(roles, stages, vllm=p.vllm_ready, cfg=p.cfg)
@@ -137,6 +137,8 @@ def check_paths(p: Probe) -> None:
 
 
 def check_target_config(p: Probe) -> None:
+    if p.stage == "train" and not streaming(p.cfg):
+        return  # train reads the target's config from the store, except when it streams
     t = p.cfg.target
     try:
         target_source(t)
@@ -216,8 +218,8 @@ def check_tokenizer(p: Probe) -> None:
 
 
 def check_architecture(p: Probe) -> None:
-    if p.hf_config is None:
-        return
+    if p.hf_config is None or (p.stage == "train" and not streaming(p.cfg)):
+        return  # train reads the target's config from the store, except when it streams
     try:
         p.model = build_meta_model(p.hf_config, p.cfg.target.trust_remote_code)
     except Exception as e:  # noqa: BLE001
@@ -245,7 +247,7 @@ def check_architecture(p: Probe) -> None:
 
 
 def check_layers(p: Probe) -> None:
-    if p.parts is None:
+    if p.parts is None or (p.stage == "train" and not streaming(p.cfg)):
         return
     L = p.parts.num_layers
     try:
@@ -536,15 +538,14 @@ def _text_config_for_train(p: Probe) -> Any:
     return text_config_from_dict(read_target_config(folder))
 
 
-def check_train_memory(p: Probe) -> None:
+def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
+    """Training's memory on one device: (bytes, breakdown, the draft's DraftConfig, trainable
+    parameters); None before the target's config is known."""
     import torch
 
-    if p.stage is None and p.parts is None:
-        return  # the doctor could not resolve the architecture (already a FAIL)
     tc = _text_config_for_train(p)
     if tc is None:
-        p.add("info", "memory (train)", "the target's config", "none yet (run extract first)")
-        return
+        return None
     t = p.cfg.train
     V = int(tc.vocab_size)
     Vd = min(p.cfg.vocab.size, V)
@@ -566,20 +567,161 @@ def check_train_memory(p: Probe) -> None:
                            + n_aux * dcfg.target_hidden_size * 4)
     teacher = t.teacher_chunk * (V if t.mask_out_of_vocab else Vd) * 4 * 2
     online = 0
-    if p.cfg.extract.mode == "online" and p.model is not None:
+    if p.cfg.extract.mode == "online" and p.cfg.extract.backend == "hf" and p.model is not None:
         # The target runs beside the draft: its weights and one micro-batch's forward.
         b = _target_dtype_bytes(p)
         online = _weight_bytes(p, b) + t.max_tokens * 10 * dcfg.target_hidden_size * b
     need = states + head + acts + teacher + online
+    breakdown = (f"draft {trainable / 1e6:.1f}M trainable params with AdamW {_gib(states)} + target LM head "
+                 f"{_gib(head)} + activations {_gib(acts)} for train.max_tokens={t.max_tokens} x "
+                 f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}"
+                 + (f" + the target beside it (extract.mode online) {_gib(online)}" if online else "") + "; rough")
+    return need, breakdown, dcfg, trainable
+
+
+def check_train_memory(p: Probe) -> None:
+    import torch
+
+    if p.stage is None and p.parts is None:
+        return  # the doctor could not resolve the architecture (already a FAIL)
+    found = _draft_need(p)
+    if found is None:
+        p.add("info", "memory (train)", "the target's config", "none yet (run extract first)")
+        return
+    need, breakdown, _, _ = found
+    t = p.cfg.train
     dev = resolve_device(t.device) if t.device != "auto" else None
     devices = [] if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda") else \
         [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
-    _memory_finding(p, "train", need,
-                    f"draft {trainable / 1e6:.1f}M trainable params with AdamW {_gib(states)} + target LM head "
-                    f"{_gib(head)} + activations {_gib(acts)} for train.max_tokens={t.max_tokens} x "
-                    f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}"
-                    + (f" + the target beside it (extract.mode online) {_gib(online)}" if online else "") + "; rough",
-                    devices, "lower train.max_tokens or train.ttt_steps")
+    if streaming(p.cfg) and devices:  # vLLM's share of the GPU is its own: check_stream_plan compares the rest
+        return
+    _memory_finding(p, "train", need, breakdown, devices, "lower train.max_tokens or train.ttt_steps")
+
+
+# ---- engine-fed runs (extract.mode online, backend vllm) -------------------------------------------
+
+# Rates measured on one H200 (bench/results/README.md), which the plan scales by FLOPs:
+# the target's forward at Llama-3-8B's dims (8.03B parameters) in bf16, batches of 8 x 2048
+# (2026-12-01-h200-fp8, bench/extract_throughput.py), and the draft's training step at
+# Kimi-K2's dims (hidden 7168, intermediate 18432, draft vocabulary 32000, kv width 1024,
+# 7 TTT steps; 2026-11-30-h200-h c7, bench/train_throughput.py --preset kimi-k2 --tokens 4096).
+FORWARD_REF = {"tokens_per_s": 34.6e3, "active_params": 8.03e9}
+TRAIN_REF = {"tokens_per_s": 18.6e3, "hidden": 7168, "inter": 18432, "draft_vocab": 32000, "kv": 1024, "ttt": 7}
+H200_BYTES = 141e9  # the GPU the plan assumes where none is visible
+
+
+def streaming(cfg: Config) -> bool:
+    return cfg.extract.mode == "online" and cfg.extract.backend == "vllm"
+
+
+def _draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
+    """Training FLOPs per token of an EAGLE-3 draft layer (attention over the sequence left out:
+    a ratio between drafts is what is used): fc over 3H, then per TTT step q/k/v from 2H, o,
+    the MLP and the LM head, forward and backward."""
+    step = 2 * H * H + 2 * 2 * H * kv + H * H + 3 * H * inter + H * vocab
+    return 6.0 * 3 * H * H + ttt * 6.0 * step
+
+
+def _mean_tokens(p: Probe) -> tuple[float, str]:
+    """Tokens per sample: the prepared data's mean when prepare has run, else prepare.max_length."""
+    from ..formats.prepared import PreparedData
+
+    folder = p.cfg.run_dir / "prepare"
+    try:
+        lengths = PreparedData(folder).lengths
+        if len(lengths):
+            return float(lengths.mean()), f"the prepared data's mean ({len(lengths)} samples)"
+    except Exception:  # noqa: BLE001 - not prepared yet
+        pass
+    return float(p.cfg.prepare.max_length), "prepare.max_length (no prepared data yet: an upper bound)"
+
+
+def check_stream_plan(p: Probe) -> None:
+    """The plan of an engine-fed run: GPU memory per rank of the engine (weights, KV cache and
+    the hidden-state cache vLLM fills for eaglet) and what it leaves the draft on the same GPUs;
+    disk; the hours per 100k conversations from the rates measured here scaled by FLOPs."""
+    import torch
+
+    if not streaming(p.cfg) or p.model is None or p.parts is None:
+        return
+    e, t = p.cfg.extract, p.cfg.train
+    args = {**e.vllm_engine_args}
+    gpus = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1)) * int(
+        args.get("data_parallel_size", 1))
+    util = float(args.get("gpu_memory_utilization", 0.9))
+    if torch.cuda.is_available():
+        mem, mem_from = float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+    else:
+        mem, mem_from = H200_BYTES, "no GPU here: an H200's 141 GB assumed"
+    tc, H = p.text_config, p.parts.hidden_size
+    _, n_aux = _hidden_and_aux(p)
+    b = _target_dtype_bytes(p)
+    params = sum(q.numel() for q in p.model.parameters())
+    experts = sum(q.numel() for n, q in p.model.named_parameters() if ".experts." in n)
+    quant = getattr(p.hf_config, "quantization_config", None) or getattr(tc, "quantization_config", None)
+    bits = _quant_bits(quant) if quant else None
+    if bits is not None and experts:  # a quantized MoE (Kimi-K2.5: int4 experts, a bf16 scale per 32 weights)
+        weights = int(experts * (bits / 8 + 2 / 32) + (params - experts) * b)
+    else:
+        weights = _weight_bytes(p, b)
+    E, k = getattr(tc, "n_routed_experts", None) or getattr(tc, "num_experts", None), getattr(
+        tc, "num_experts_per_tok", None)
+    active = params - (experts * (1 - k / E) if E and k else 0)
+    L = p.parts.num_layers
+    tp = int(args.get("tensor_parallel_size", 1))
+    if getattr(tc, "kv_lora_rank", None):  # MLA: the latent cache, whole on every tensor-parallel rank
+        kv = L * (tc.kv_lora_rank + tc.qk_rope_head_dim) * 2
+        kv_what = f"MLA latent {tc.kv_lora_rank}+{tc.qk_rope_head_dim} x {L} layers"
+    else:
+        heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        hd = getattr(tc, "head_dim", None) or H // tc.num_attention_heads
+        kv = L * 2 * max(heads // tp, 1) * hd * 2
+        kv_what = f"K and V, {max(heads // tp, 1)} heads x {hd} x {L} layers"
+    hs = (n_aux + 1) * H * 2
+    per_gpu_weights = weights / gpus
+    cache = util * mem - per_gpu_weights - 0.05 * mem  # vLLM's activations and graphs: ~5%, rough
+    mean, mean_from = _mean_tokens(p)
+    if cache <= 0:
+        p.add("FAIL", "engine memory", f"weights {_gib(per_gpu_weights)} per GPU within gpu_memory_utilization "
+              f"{util} of {_gib(mem)} ({mem_from})", f"{_gib(util * mem)}",
+              "more GPUs (tensor_parallel_size), or a higher gpu_memory_utilization")
+        return
+    tokens = cache / (kv + hs)
+    p.add("info", "engine memory (per GPU)",
+          f"vLLM on {gpus} GPU(s) at gpu_memory_utilization {util} of {_gib(mem)} ({mem_from})",
+          f"weights {_gib(per_gpu_weights)} ({params / 1e9:.1f}B parameters, {active / 1e9:.1f}B active); KV cache "
+          f"{kv / 1024:.1f} KiB a token ({kv_what}) and hidden-state cache {hs / 1024:.1f} KiB a token ({n_aux} + 1 "
+          f"states of {H}) share the other {_gib(cache)}: {tokens / 1e3:.0f}k tokens, {tokens / mean:.0f} requests of "
+          f"{mean:.0f} tokens in flight (extract.vllm_requests {e.vllm_requests}); rough")
+    found = _draft_need(p)
+    if found is not None:
+        need, breakdown, dcfg, _ = found
+        left = (1 - util) * mem
+        status = "ok" if need <= 0.9 * left else "warn" if need <= left else "FAIL"
+        if not torch.cuda.is_available():
+            status = "info" if status == "ok" else status
+        p.add(status, "draft beside the engine (per GPU)", f"~{_gib(need)} ({breakdown})",
+              f"{_gib(left)} left by gpu_memory_utilization {util} of {_gib(mem)}",
+              "lower gpu_memory_utilization in extract.vllm_engine_args, or train.max_tokens")
+        ref = _draft_flops(TRAIN_REF["hidden"], TRAIN_REF["inter"], TRAIN_REF["draft_vocab"], TRAIN_REF["kv"],
+                           TRAIN_REF["ttt"])
+        mine = _draft_flops(dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size,
+                            dcfg.num_key_value_heads * dcfg.head_dim, t.ttt_steps)
+        train_rate = TRAIN_REF["tokens_per_s"] * ref / mine
+        engine_rate = FORWARD_REF["tokens_per_s"] * FORWARD_REF["active_params"] / max(active, 1.0)
+        tokens_100k = 1e5 * mean * t.epochs
+        shared = tokens_100k * (1 / engine_rate + 1 / train_rate) / gpus / 3600
+        apart = tokens_100k * max(1 / engine_rate, 1 / train_rate) / gpus / 3600
+        p.add("info", "hours per 100k conversations",
+              f"{mean:.0f} tokens each ({mean_from}) x train.epochs {t.epochs}, on {gpus} GPU(s)",
+              f"{shared:.1f} h with the draft on the engine's GPUs (engine ~{engine_rate / 1e3:.1f}k tokens/s a GPU, "
+              f"training ~{train_rate / 1e3:.1f}k: the two take turns), {apart:.1f} h on as many GPUs again for the "
+              "draft; from rates measured on one H200 scaled by FLOPs (doctor FORWARD_REF, TRAIN_REF): an estimate")
+    ckpt = (found[3] * 16 if found else 0) * max(t.keep_last, 1)
+    p.add("info", "disk (engine-fed)", "no store: the buffer, the head and the checkpoints",
+          f"buffer <= {e.stream_buffer_gb:g} GB in {e.stream_dir or p.cfg.run_dir / 'train' / 'stream'}; "
+          f"checkpoints ~{_gib(ckpt)} (train.keep_last {t.keep_last}); an offline store would be "
+          f"{(n_aux + 1) * H * _DTYPE_BYTES.get(e.store_dtype, 2) / 1e3:.1f} KB a token")
 
 
 # ---- running the checks -------------------------------------------------------------------------------
@@ -592,17 +734,18 @@ _TARGET = ("prepare", "extract", "eval", "regenerate")
 CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_versions, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_paths, ()),
-    (check_target_config, _TARGET),
+    (check_target_config, (*_TARGET, "train")),
     (check_tokenizer, _TARGET),
-    (check_architecture, ("extract", "eval")),
-    (check_layers, ("extract", "eval")),
+    (check_architecture, ("extract", "eval", "train")),
+    (check_layers, ("extract", "eval", "train")),
     (check_vocab, ("extract",)),
     (check_records, ("prepare",)),
-    (check_vllm, ("extract",)),
+    (check_vllm, ("extract", "train")),
     (check_api_contracts, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_disk, ("extract",)),
     (check_extract_memory, ("extract",)),
     (check_train_memory, ("train",)),
+    (check_stream_plan, ("extract", "train")),
 ]
 
 

@@ -30,8 +30,8 @@ def check_vllm(p: Probe) -> None:
     """extract.backend vllm: the vLLM version (installed here, or serving), the target's vLLM
     model class, eaglet's engine arguments and layer ids. The contracts follow (check_api_contracts)."""
     e = p.cfg.extract
-    if e.backend != "vllm":
-        return
+    if e.backend != "vllm" or (p.stage == "train" and e.mode != "online"):
+        return  # train starts an engine only when it streams
     if e.mode == "online":
         check_stream(p)
     local = engine.installed_vllm_version()

@@ -1,0 +1,244 @@
+"""Engine-fed training against an offline store, and an MLA target through vLLM against the HF backend.
+
+    python bench/stream_vllm.py --out OUT                   # a GPU with vLLM (>= 0.25): both parts
+    python bench/stream_vllm.py --out OUT --engine fake     # CPU: the same steps, eaglet.testing.fake_vllm as engine
+
+Part `stream`: a target of SmolLM2-135M-Instruct's shape (30 layers, hidden 576, tied
+embeddings; random weights and eaglet's tiny tokenizer: the real checkpoint does not travel
+to the GPU machine) and tiny chat data. (a) extract an offline vLLM store and train N steps
+from it; (b) train the same N steps from the stream (in-process vLLM beside the draft on one
+GPU); (c) the stream in fp8. Reported: the largest relative loss difference of (b) and (c)
+against (a), training tokens/s (median of the logged steps after the first third, which
+compile), the engine's tokens/s, the buffer's peak bytes against its bound, the time
+training waited.
+
+Part `mla`: a DeepSeek-V3-architecture checkpoint (MLA with DeepSeek's head dims, MoE from
+layer 1, random weights, a few layers) extracted through vLLM and through the HF backend:
+the same token ids; per captured layer, the cosine of the aux states (layer 1's input is
+computed by dense layers only; later ones follow random, near-tied routers, so a share of
+tokens flips experts: reported); the teacher's top-1 agreement; then N steps trained from
+the stream against the vLLM store.
+
+Prints one table and writes OUT/stream_vllm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet import pipeline
+from eaglet.checks.selfcheck import teacher_argmax
+from eaglet.config import load_config
+from eaglet.formats.store import StoreReader
+from eaglet.testing import tiny
+from eaglet.utils import atomic_write_json, log
+
+SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, vocab_size=49152,
+               max_position_embeddings=8192)
+MLA = dict(num_hidden_layers=6, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+           num_attention_heads=8, num_key_value_heads=8, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+           qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+           n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=8192, tie_word_embeddings=False)
+MLA_LAYERS = [1, 3, 5]  # 1: after the dense layer 0 only; 3, 5: after MoE layers
+
+
+def _config(root: Path, name: str, target: Path, data: Path, args: argparse.Namespace, extra: list[str]) -> Any:
+    engine = (["extract.vllm_server=" + args.url] if args.url else
+              [f"extract.vllm_engine_args={json.dumps(args.engine_args)}"])
+    return load_config(None, [
+        f"run.dir={root / name}", "run.seed=0", f"target.path={target}", f"target.dtype={args.dtype}",
+        f"prepare.data=[{data}]", "prepare.max_length=2048", "extract.backend=vllm", "extract.fsync=false",
+        "extract.selfcheck_samples=4", f"extract.selfcheck_min_top1={args.min_top1}", *engine, "vocab.size=2048",
+        "train.mask_out_of_vocab=false",  # a random target's argmax falls anywhere in its 49k vocabulary
+        f"train.max_steps={args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
+        "train.eval_every=0", "train.ckpt_every=1000000", "train.tensorboard=false", "train.warmup_steps=5",
+        f"train.device={args.device}", *extra])
+
+
+def _log(cfg: Any) -> list[dict[str, Any]]:
+    lines = [json.loads(x) for x in (cfg.run_dir / "train" / "log.jsonl").read_text().splitlines()]
+    return [r for r in lines if r["split"] == "train"]
+
+
+def _stats(cfg: Any, stage: str) -> dict[str, Any]:
+    return json.loads((cfg.run_dir / stage / "manifest.json").read_text())["stats"]
+
+
+def _rate(rows: list[dict[str, Any]]) -> float:
+    later = rows[len(rows) // 3:] or rows
+    return float(statistics.median(r["tokens_per_s"] for r in later))
+
+
+def _loss_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    assert [r["step"] for r in a] == [r["step"] for r in b], "the runs logged other steps"
+    return max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(a, b))
+
+
+def _train(cfg: Any) -> float:
+    t0 = time.perf_counter()
+    pipeline.run_all(cfg, upto="train")
+    return time.perf_counter() - t0
+
+
+def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    target = tiny.save_target(root / "smollm2-shape", family="llama", template="chatml",
+                              tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **SMOLLM2)
+    data = tiny.write_jsonl(root / "chats.jsonl", tiny.make_conversations(args.conversations, seed=1, max_turns=8))
+    runs = {"store": [], "stream": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}"],
+            "stream_fp8": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}",
+                           "extract.store_dtype=float8_e4m3fn"]}
+    out: dict[str, Any] = {}
+    logs = {}
+    for name, extra in runs.items():
+        cfg = _config(root, name, target, data, args, extra)
+        seconds = _train(cfg)
+        logs[name] = _log(cfg)
+        st = _stats(cfg, "train")
+        out[name] = {"seconds": round(seconds, 1), "train_tokens_per_s": round(_rate(logs[name]), 1),
+                     "final_loss": logs[name][-1]["loss"], "steps": st["steps"]}
+        if name == "store":
+            ex = _stats(cfg, "extract")
+            out[name]["extract_tokens_per_s"] = ex["tokens_per_s"]
+            out[name]["extract_tokens"] = ex["tokens"]
+        else:
+            s = st["stream"]
+            out[name].update(engine_tokens_per_s=s["engine_tokens_per_s"], buffer_peak_bytes=s["buffer_peak_bytes"],
+                             buffer_bound_bytes=s["buffer_bound_bytes"], set_aside=s["set_aside"],
+                             waited_s=round(sum(r.get("stream_wait_s", 0.0) for r in logs[name]), 2),
+                             selfcheck_top1=s["selfcheck"]["top1_agreement"])
+            out[name]["loss_rel_diff_vs_store"] = _loss_gap(logs["store"], logs[name])
+            out[name]["tokens_per_s_vs_store"] = round(out[name]["train_tokens_per_s"]
+                                                       / out["store"]["train_tokens_per_s"], 3)
+    return out
+
+
+def _cosines(a: torch.Tensor, b: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Per captured layer, the cosine of each token's state ([T] each)."""
+    xs, ys = a.float().chunk(n, dim=-1), b.float().chunk(n, dim=-1)
+    return [torch.nn.functional.cosine_similarity(x, y, dim=-1) for x, y in zip(xs, ys)]
+
+
+def part_mla(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    target = tiny.save_target(root / "deepseek-v3-mla", family="deepseek_v3", template="chatml",
+                              tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **MLA)
+    data = tiny.write_jsonl(root / "mla-chats.jsonl", tiny.make_conversations(args.mla_conversations, seed=2,
+                                                                              max_turns=4))
+    layers = f"extract.layers={MLA_LAYERS}"
+    vcfg = _config(root, "mla-vllm", target, data, args, [layers])
+    pipeline.run_all(vcfg, upto="extract")
+    hcfg = _config(root, "mla-hf", target, data, args, [layers, "extract.backend=hf", "extract.selfcheck_samples=0"])
+    pipeline.run_all(hcfg, upto="extract")
+    a, b = StoreReader(vcfg.run_dir / "extract"), StoreReader(hcfg.run_dir / "extract")
+    ha, hb = (r.target_head(torch.device("cpu")) for r in (a, b))
+    heads = [{"lm_head": h.lm_head.float(), "norm": None if h.norm is None else h.norm.float()} for h in (ha, hb)]
+    same_ids, agree, total = True, 0, 0
+    cos: list[list[torch.Tensor]] = [[] for _ in MLA_LAYERS]
+    for sid in a.sample_ids.tolist():
+        x, y = a.get(sid), b.get(sid)
+        same_ids &= bool(torch.equal(x["input_ids"], y["input_ids"]))
+        for k, c in enumerate(_cosines(x["aux"], y["aux"], len(MLA_LAYERS))):
+            cos[k].append(c)
+        pa = teacher_argmax(x["final"].float(), heads[0], True, ha.norm_eps)
+        pb = teacher_argmax(y["final"].float(), heads[1], False, hb.norm_eps)
+        agree += int((pa == pb).sum())
+        total += int(pa.numel())
+    per_layer = {}
+    for layer, cs in zip(MLA_LAYERS, cos):
+        c = torch.cat(cs)
+        per_layer[str(layer)] = {"min_cosine": round(float(c.min()), 5), "mean_cosine": round(float(c.mean()), 5),
+                                 "share_below_0.99": round(float((c < 0.99).float().mean()), 4)}
+    out = {"samples": len(a), "same_token_ids": same_ids, "aux_cosine": per_layer,
+           "teacher_top1_agreement": round(agree / max(total, 1), 4),
+           "vllm_selfcheck_top1": _stats(vcfg, "extract")["selfcheck"]["top1_agreement"],
+           "vllm_version": _stats(vcfg, "extract").get("vllm_version")}
+    if args.mla_steps:
+        args_steps = args.steps
+        args.steps = args.mla_steps
+        store = _config(root, "mla-vllm", target, data, args, [layers])
+        stream = _config(root, "mla-stream", target, data, args, [layers, "extract.mode=online",
+                                                                 f"extract.stream_buffer_gb={args.buffer_gb}"])
+        _train(store)
+        _train(stream)
+        args.steps = args_steps
+        out["stream_loss_rel_diff_vs_store"] = _loss_gap(_log(store), _log(stream))
+        out["stream_selfcheck_top1"] = _stats(stream, "train")["stream"]["selfcheck"]["top1_agreement"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="stream,mla")
+    ap.add_argument("--engine", choices=["vllm", "fake"], default="vllm")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--mla-steps", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--conversations", type=int, default=1500)
+    ap.add_argument("--mla-conversations", type=int, default=64)
+    ap.add_argument("--buffer-gb", type=float, default=2.0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = args.out / "work"
+    root.mkdir(exist_ok=True)
+    args.url, server = None, None
+    cuda = torch.cuda.is_available()
+    args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    args.min_top1 = 0.9 if cuda else 0.99  # bf16 through two engines: near ties of a random model
+    args.engine_args = {"enforce_eager": True, "gpu_memory_utilization": args.gpu_memory_utilization,
+                        "skip_tokenizer_init": True, "max_num_seqs": 64}
+    result: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "max_tokens": args.max_tokens,
+                              "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    if args.engine == "fake":
+        from transformers import AutoModelForCausalLM
+
+        from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
+
+        servers = {}
+
+        def start(part: str, target: Path, layer_ids: list[int]) -> None:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+            servers[part] = FakeServer(FakeVLLM(model, root / f"{part}-states", layer_ids)).__enter__()
+            args.url = servers[part].url
+
+        if "stream" in args.parts:
+            target = tiny.save_target(root / "smollm2-shape", family="llama", template="chatml",
+                                      tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **SMOLLM2)
+            L = SMOLLM2["num_hidden_layers"]
+            start("stream", target, [2, L // 2, L - 3, L])
+        server = servers
+    t0 = time.perf_counter()
+    if "stream" in args.parts:
+        result["stream"] = part_stream(root, args)
+        log(f"[bench] stream part: {json.dumps(result['stream'])}")
+    if "mla" in args.parts and args.engine == "vllm":
+        result["mla"] = part_mla(root, args)
+        log(f"[bench] mla part: {json.dumps(result['mla'])}")
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    for s in (server or {}).values():
+        s.__exit__(None, None, None)
+    atomic_write_json(args.out / "stream_vllm.json", result)
+    if "stream" in result:
+        r = result["stream"]
+        print(f"{'run':12} {'train tok/s':>12} {'vs store':>9} {'loss diff':>10} {'engine tok/s':>13} "
+              f"{'buffer peak/bound':>18} {'waited s':>9}")
+        for name, v in r.items():
+            peak = (f"{v['buffer_peak_bytes'] / 1e9:.3f}/{v['buffer_bound_bytes'] / 1e9:.1f} GB"
+                    if "buffer_peak_bytes" in v else "")
+            print(f"{name:12} {v['train_tokens_per_s']:>12.0f} {v.get('tokens_per_s_vs_store', 1.0):>9.3f} "
+                  f"{v.get('loss_rel_diff_vs_store', 0.0):>10.2e} {v.get('engine_tokens_per_s') or 0:>13.0f} "
+                  f"{peak:>18} {v.get('waited_s', 0.0):>9}")
+    if "mla" in result:
+        print(json.dumps(result["mla"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
