@@ -28,6 +28,7 @@ from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import EagletError, PreflightError
 from ..formats.datasets import check_data_file, iter_records
+from ..formats.prepared import PreparedData
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
 from ..targets.chat import (
     Settings,
@@ -624,8 +625,6 @@ def _draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
 
 def _mean_tokens(p: Probe) -> tuple[float, str]:
     """Tokens per sample: the prepared data's mean when prepare has run, else prepare.max_length."""
-    from ..formats.prepared import PreparedData
-
     folder = p.cfg.run_dir / "prepare"
     try:
         lengths = PreparedData(folder).lengths
