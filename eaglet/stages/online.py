@@ -33,13 +33,14 @@ from ..targets.load import TargetParts, load_target
 from ..utils import to_device
 
 
-class OnlineStates:
-    """The `StoreReader` interface over prepared data, states computed by the target on demand.
+class PreparedStates:
+    """What states read from the prepared data (not a store) share with `StoreReader`: the
+    sample ids with tokens, their lengths, meta, layers, dtype and the target's head.
 
     `base` is extract's (online) store: its meta, layers and dtype, and the folder that holds
     head.safetensors and target_config.json."""
 
-    def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection):
+    def __init__(self, base: StoreReader, prepared_folder: str | Path):
         self.folder, self.meta, self.layers, self.dtype = base.folder, base.meta, base.layers, base.dtype
         self.data = PreparedData(prepared_folder)
         order = np.argsort(self.data.sample_ids, kind="stable")
@@ -47,6 +48,26 @@ class OnlineStates:
         self.sample_ids = self.data.sample_ids[order][keep]
         self.lengths = self.data.lengths[order][keep]
         self._row = {int(s): int(i) for i, s in enumerate(self.data.sample_ids.tolist())}
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layers)
+
+    def __contains__(self, sample_id: int) -> bool:
+        return int(sample_id) in self._row
+
+    def target_head(self, device: torch.device) -> TargetHead:
+        return read_target_head(self.folder, self.meta, device)
+
+
+class OnlineStates(PreparedStates):
+    """The `StoreReader` interface over prepared data, states computed by the target on demand."""
+
+    def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection):
+        super().__init__(base, prepared_folder)
         self.model, self.info = load_target(target)
         self.model.eval()
         self.parts = TargetParts.of(self.model)
@@ -61,19 +82,6 @@ class OnlineStates:
     def nonfinite(self) -> int:
         """Samples whose states were not finite (their loss mask was cleared)."""
         return int(self._nonfinite)
-
-    def __len__(self) -> int:
-        return int(self.sample_ids.shape[0])
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.layers)
-
-    def __contains__(self, sample_id: int) -> bool:
-        return int(sample_id) in self._row
-
-    def target_head(self, device: torch.device) -> TargetHead:
-        return read_target_head(self.folder, self.meta, device)
 
     def get(self, sample_id: int) -> dict[str, torch.Tensor]:
         return self.get_many([sample_id])[0]

@@ -43,11 +43,10 @@ from ..config import Config
 from ..engines.vllm import LocalEngine, ServerEngine, engine_args
 from ..errors import ConfigError, InputError
 from ..formats.buffer import clear_entries, folder_bytes, micro_batch_bytes, read_entry, write_entry
-from ..formats.prepared import PreparedData
-from ..formats.store import (FP8, HEAD_FILE, StoreReader, TargetHead, capture_dtype, quantize_states,
-                             read_target_head)
+from ..formats.store import FP8, HEAD_FILE, StoreReader, capture_dtype, quantize_states
 from ..utils import log
 from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
+from .online import PreparedStates
 
 STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
 
@@ -60,7 +59,7 @@ def buffer_folder(cfg: Config, train_dir: Path) -> Path:
     return Path(cfg.extract.stream_dir) if cfg.extract.stream_dir else train_dir / STREAM_DIR
 
 
-class StreamedStates:
+class StreamedStates(PreparedStates):
     """The `StoreReader` interface over prepared data, states from the engine through a
     bounded buffer (see the module doc). `base` is extract's online store (its meta, layers,
     dtype, head.safetensors and target_config.json); `engine` (tests): anything with
@@ -68,14 +67,8 @@ class StreamedStates:
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, cfg: Config, folder: Path, rank: int = 0,
                  engine: Any = None):
-        self.folder, self.meta, self.layers, self.dtype = base.folder, base.meta, base.layers, base.dtype
+        super().__init__(base, prepared_folder)
         self.cfg, self.ecfg, self.rank, self.engine = cfg, cfg.extract, rank, engine
-        self.data = PreparedData(prepared_folder)
-        order = np.argsort(self.data.sample_ids, kind="stable")
-        keep = self.data.lengths[order] > 0
-        self.sample_ids = self.data.sample_ids[order][keep]
-        self.lengths = self.data.lengths[order][keep]
-        self._row = {int(s): int(i) for i, s in enumerate(self.data.sample_ids.tolist())}
         self.ids = [int(i) for i in self.meta["vllm_layer_ids"]]
         self.hidden = int(self.meta["hidden_size"])
         self.buffer = Path(folder)
@@ -96,21 +89,6 @@ class StreamedStates:
         self._waited = 0.0  # seconds get_many waited since the last progress()
         self._engine_tokens, self._engine_s = 0, 0.0
         self._consumed_tokens = 0
-
-    # ---- the StoreReader interface ----------------------------------------------------------
-
-    def __len__(self) -> int:
-        return int(self.sample_ids.shape[0])
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.layers)
-
-    def __contains__(self, sample_id: int) -> bool:
-        return int(sample_id) in self._row
-
-    def target_head(self, device: torch.device) -> TargetHead:
-        return read_target_head(self.folder, self.meta, device)
 
     # ---- sizes ------------------------------------------------------------------------------
 
