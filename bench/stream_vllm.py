@@ -46,7 +46,8 @@ SMOLLM2 = dict(num_hidden_layers=30, hidden_size=576, intermediate_size=1536, nu
 MLA = dict(num_hidden_layers=6, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
            qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-           n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=8192, tie_word_embeddings=False)
+           n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=8192, tie_word_embeddings=False,
+           topk_method="noaux_tc")  # vLLM 0.25 loads e_score_correction_bias only then; MLA needs kv rank + rope = 576
 MLA_LAYERS = [1, 3, 5]  # 1: after the dense layer 0 only; 3, 5: after MoE layers
 
 
