@@ -279,6 +279,8 @@ class Trainer:
         if len(self.train_ids) == 0:
             raise ValueError("train: no training samples (is the store empty, or train.eval_fraction 1?)")
         self.eval_ids = self.eval_ids[: self.tc.eval_max_samples]
+        self.held_out = pack(self.eval_ids, self.lengths, self.tc.max_tokens)  # every evaluation's micro-batches
+        self.stream = store if isinstance(store, StreamedStates) else None
         self.micro_per_step = self.tc.grad_accum * self.env.world_size
         batches = len(epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, cfg.run.seed, 0))
         self.steps_per_epoch = max(batches // self.micro_per_step, 1)
@@ -310,27 +312,39 @@ class Trainer:
                 yield epoch, i, plan[i]
             epoch, start = epoch + 1, 0
 
-    def eval_batches(self) -> list[list[int]]:
-        """This rank's held-out micro-batches at an evaluation, in order (see `evaluate`)."""
-        batches = pack(self.eval_ids, self.lengths, self.tc.max_tokens) if len(self.eval_ids) else []
+    def rank_steps(self, step: int, epoch: int, start: int) -> Iterator[tuple[int, list[tuple[int, int, list[int]]]]]:
+        """The optimizer steps after `step` (the next micro-batch being plan[start] of `epoch`):
+        (the step's number, this rank's grad_accum micro-batches as (epoch, index in its plan,
+        sample ids)). Micro-batch j of a step (j = a*W + rank) is this rank's, and the epoch and
+        index are those of the step's last micro-batch over all ranks: where a checkpoint after
+        the step resumes."""
+        data = self.micro_batches(epoch, start)
         W, r = self.env.world_size, self.env.rank
-        return [batches[min(first + r, len(batches) - 1)] for first in range(0, len(batches), W)]
+        while step < self.total_steps:
+            mine = []
+            for _ in range(self.tc.grad_accum):
+                share = [next(data) for _ in range(W)]
+                mine.append((share[-1][0], share[-1][1], share[r][2]))
+            step += 1
+            yield step, mine
+
+    def eval_batches(self) -> list[list[int]]:
+        """This rank's held-out micro-batches at an evaluation, in order: r, r+W, ..., the last
+        repeated by a rank past the end (see `evaluate`)."""
+        n, W, r = len(self.held_out), self.env.world_size, self.env.rank
+        return [self.held_out[min(first + r, n - 1)] for first in range(0, n, W)]
 
     def evaluates_at(self, step: int) -> bool:
         return bool(self.tc.eval_every and step % self.tc.eval_every == 0) or step == self.total_steps
 
     def planned_loads(self, step: int, epoch: int, start: int) -> list[list[int]]:
-        """Every micro-batch this rank loads from `step` (the next being plan[start] of `epoch`)
-        to the end, in the order `run` and `evaluate` load them: what a stream computes ahead."""
-        loads, data = [], self.micro_batches(epoch, start)
-        A, W, r = self.tc.grad_accum, self.env.world_size, self.env.rank
-        held_out = self.eval_batches()
-        while step < self.total_steps:
-            for _ in range(A):
-                loads.append([next(data) for _ in range(W)][r][2])
-            step += 1
+        """Every micro-batch this rank loads from `step` to the end, in the order `_loop` and
+        `evaluate` load them (both follow rank_steps): what a stream computes ahead."""
+        loads, steps = [], self.rank_steps(step, epoch, start)
+        for step, mine in steps:
+            loads += [ids for _, _, ids in mine]
             if self.evaluates_at(step):
-                loads += held_out
+                loads += self.eval_batches()
         return loads
 
     @torch.no_grad()
@@ -340,7 +354,6 @@ class Trainer:
             return None
         self.model.eval()
         sums = Sums()
-        n = len(pack(self.eval_ids, self.lengths, self.tc.max_tokens))
         W, r = self.env.world_size, self.env.rank
         for k, ids in enumerate(self.eval_batches()):
             # Under fsdp every forward is a collective: a rank past the end repeats the last
@@ -348,7 +361,7 @@ class Trainer:
             b = self._load(ids)
             out = forward_loss(self.par, self.model, b, self.tc, self.autocast)
             self.vocab_mask.record(b, out.in_vocab)
-            if k * W + r < n:
+            if k * W + r < len(self.held_out):
                 sums.add(out)
             self.par.reshard_frozen()
         self.model.train()
@@ -474,21 +487,15 @@ class Trainer:
               fp: dict[str, Any], settings: dict[str, Any]) -> tuple[int, dict[str, float] | None]:
         """The optimizer steps from `step` to total_steps; returns (step, the last evaluation)."""
         tc, env, ckpt_dir = self.tc, self.env, self.out_dir / CKPT_DIR
-        stream = self.store if isinstance(self.store, StreamedStates) else None
-        data = self.micro_batches(epoch, micro + 1)
         sums, t_log, last_eval = Sums(), time.perf_counter(), None
-        A, W = tc.grad_accum, env.world_size
-        while step < self.total_steps:
-            for a in range(A):
-                # Micro-batch j of the step (j = a*W + rank) is this rank's: take W from the stream.
-                share = [next(data) for _ in range(W)]
-                epoch, micro, _ = share[-1]
-                b = self._load(share[env.rank][2])
-                out = micro_batch(self.par, b, tc, self.autocast, sync=a == A - 1)
+        steps = self.rank_steps(step, epoch, micro + 1)
+        for step, mine in steps:
+            for a, (epoch, micro, ids) in enumerate(mine):  # the last one's epoch and micro: the checkpoint's
+                b = self._load(ids)
+                out = micro_batch(self.par, b, tc, self.autocast, sync=a == len(mine) - 1)
                 self.vocab_mask.record(b, out.in_vocab)
                 sums.add(out, b.tokens)
             lr = optimizer_step(self.par, self.opt, self.sched, tc)
-            step += 1
             bar.update(1)
             ran = step - first_step  # steps this process has run (a resumed run compiles again)
             if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
@@ -500,8 +507,8 @@ class Trainer:
                 dt = time.perf_counter() - t_log
                 rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=sums.tokens / dt,
                            memory_gib=_memory_gib(self.device))
-                if stream is not None:
-                    rec.update(stream.progress())
+                if self.stream is not None:
+                    rec.update(self.stream.progress())
                     _say_if_behind(rec, dt, env.is_main)
                 metrics.write({"split": "train", **rec})
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.2f}", tau=f"{rec['sim_tau']:.2f}")
@@ -540,7 +547,7 @@ class Trainer:
                f"held per rank: {self.par.held_parameters()}" if env.active else ""))
         bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not env.is_main)
-        stream = self.store if isinstance(self.store, StreamedStates) else None
+        stream = self.stream
         if stream is not None:  # the engine starts computing this rank's micro-batches ahead
             stream.start(self.planned_loads(step, epoch, micro + 1), tc.max_tokens)
         try:
