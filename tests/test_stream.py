@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM
 from eaglet import pipeline
 from eaglet.config import dump_config, load_config
 from eaglet.errors import ConfigError, InputError
-from eaglet.formats.buffer import folder_bytes
 from eaglet.formats.store import StoreReader
 from eaglet.testing import tiny
 from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
@@ -51,6 +50,17 @@ def _cfg(root, target, data, url, mode, name=None, extra=()):
         "train.log_every=1", "train.eval_every=3", "train.warmup_steps=2", "train.lr=0.002",
         "train.attn_impl=chunked", "train.tensorboard=false", "train.ckpt_every=2", *extra,
     ])
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` now (files deleted while counted are skipped)."""
+    total = 0
+    for f in folder.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except FileNotFoundError:
+            continue
+    return total
 
 
 def _engine(model, root, **kw):

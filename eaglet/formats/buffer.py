@@ -48,13 +48,13 @@ def micro_batch_bytes(tokens: int, samples: int, n_aux: int, hidden: int, dtype:
 
 def write_entry(folder: Path, rank: int, seq: int, sample_ids: list[int], lens: list[int],
                 tensors: dict[str, torch.Tensor]) -> tuple[Path, int]:
-    """One micro-batch's entry, whole or not at all; returns (path, bytes). Not fsynced: a
-    restarted run never reads what a killed one left."""
+    """One micro-batch's entry, whole or not at all; returns (path, bytes). Neither fsynced nor
+    hashed: a restarted run never reads what a killed one left, and this run reads it once."""
     path = folder / entry_name(rank, seq)
     meta = {"format": FORMAT, "rank": str(rank), "seq": str(seq), "sample_ids": json.dumps([int(i) for i in sample_ids]),
             "lens": json.dumps([int(n) for n in lens])}
     _, size = write_safetensors(path, {k: ([v.contiguous()], list(v.shape)) for k, v in tensors.items()}, meta,
-                                fsync=False)
+                                fsync=False, digest=False)
     return path, size
 
 
@@ -82,16 +82,3 @@ def clear_entries(folder: Path, rank: int) -> int:
     for f in found:
         f.unlink(missing_ok=True)
     return len(found)
-
-
-def folder_bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` now (files that vanish while counted are skipped)."""
-    total = 0
-    for f in folder.rglob("*"):
-        try:
-            if f.is_file():
-                total += f.stat().st_size
-        except FileNotFoundError:
-            continue
-    return total
-

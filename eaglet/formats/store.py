@@ -142,8 +142,9 @@ def dequantize_states(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tensor], list[int]]],
-                      metadata: dict[str, str], fsync: bool = True) -> tuple[str, int]:
-    """Write a safetensors file atomically from tensors given in row pieces; returns (sha256, bytes).
+                      metadata: dict[str, str], fsync: bool = True, digest: bool = True) -> tuple[str | None, int]:
+    """Write a safetensors file atomically from tensors given in row pieces; returns (sha256, bytes),
+    the sha256 None when `digest` is off (a file read back once and deleted: the stream buffer).
 
     `tensors[name] = (pieces, shape)`: the pieces (CPU, one dtype) concatenated along dim 0
     make a tensor of `shape`. They are streamed to the file and the hash without being
@@ -165,18 +166,20 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tens
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    digest = hashlib.sha256()
+    sha = hashlib.sha256() if digest else None
     with atomic_writer(path, fsync) as f:
         for block in (struct.pack("<Q", len(head)), head):
-            digest.update(block)
+            if sha is not None:
+                sha.update(block)
             f.write(block)
         for name in order:
             for piece in tensors[name][0]:
                 block = memoryview(piece.contiguous().reshape(-1).view(torch.uint8).numpy())
-                digest.update(block)  # hashlib and file writes release the GIL for large blocks
+                if sha is not None:
+                    sha.update(block)  # hashlib and file writes release the GIL for large blocks
                 f.write(block)
         size = f.tell()
-    return digest.hexdigest(), size
+    return (sha.hexdigest() if sha is not None else None), size
 
 
 def _read_json(path: Path) -> Any:

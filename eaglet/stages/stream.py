@@ -37,13 +37,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from ..config import Config
 from ..engines.vllm import LocalEngine, ServerEngine, engine_args
 from ..errors import ConfigError, InputError
-from ..formats.buffer import clear_entries, folder_bytes, micro_batch_bytes, read_entry, write_entry
-from ..formats.store import FP8, HEAD_FILE, StoreReader, capture_dtype, quantize_states
+from ..formats.buffer import clear_entries, micro_batch_bytes, read_entry, write_entry
+from ..formats.store import FP8, StoreReader, capture_dtype, quantize_states
 from ..utils import log
 from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
 from .online import PreparedStates
@@ -75,6 +74,7 @@ class StreamedStates(PreparedStates):
         self.connector = self.buffer / f"connector-r{rank}"  # the in-process engine's files
         self.bound = int(float(self.ecfg.stream_buffer_gb) * 1e9)
         self.loads: list[list[int]] = []
+        self.load_sizes: list[int] = []  # load_bytes of each load
         self.max_tokens = 0
         self.set_aside: Counter[str] = Counter()
         self.selfcheck: dict[str, Any] | None = None
@@ -88,7 +88,6 @@ class StreamedStates(PreparedStates):
         self.peak_bytes = 0  # the largest _used seen
         self._waited = 0.0  # seconds get_many waited since the last progress()
         self._engine_tokens, self._engine_s = 0, 0.0
-        self._consumed_tokens = 0
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -108,8 +107,9 @@ class StreamedStates(PreparedStates):
         self.loads, self.max_tokens = [list(map(int, x)) for x in loads], int(max_tokens)
         if not self.loads:
             return
-        biggest = max(self.loads, key=self.load_bytes)
-        need = self.load_bytes(biggest)
+        self.load_sizes = [self.load_bytes(x) for x in self.loads]
+        need = max(self.load_sizes)
+        biggest = self.loads[self.load_sizes.index(need)]
         if need > self.bound:
             raise ConfigError(
                 f"extract.stream_buffer_gb {self.ecfg.stream_buffer_gb} holds {self.bound / 1e9:.3f} GB, and one "
@@ -173,8 +173,9 @@ class StreamedStates(PreparedStates):
             raise InputError(f"stream: {where} computed other token ids than prepare produced for "
                              f"{reasons['token_mismatch']} of the first {len(first)} samples: it serves another model "
                              f"or tokenizer than target.path", fix="serve target.path (the doctor prints the command)")
-        self.selfcheck = judge_selfcheck(checked, sorted(first), _head_tensors(self.folder), float(self.meta["norm_eps"]),
-                                         self.ids, self.ecfg.selfcheck_min_top1)
+        head = self.target_head(torch.device("cpu"))
+        self.selfcheck = judge_selfcheck(checked, sorted(first), {"lm_head": head.lm_head, "norm": head.norm},
+                                         head.norm_eps, self.ids, self.ecfg.selfcheck_min_top1)
 
     def _rounds(self) -> Any:
         """Consecutive loads sent together: up to extract.vllm_requests samples and half the
@@ -183,7 +184,7 @@ class StreamedStates(PreparedStates):
         while seq < len(self.loads):
             end, samples, need = seq, 0, 0
             while end < len(self.loads):
-                b, n = self.load_bytes(self.loads[end]), len(self.loads[end])
+                b, n = self.load_sizes[end], len(self.loads[end])
                 if end > seq and (samples + n > self.ecfg.vllm_requests or need + b > self.bound // 2):
                     break
                 end, samples, need = end + 1, samples + n, need + b
@@ -193,7 +194,7 @@ class StreamedStates(PreparedStates):
     def _produce(self) -> None:
         try:
             for seq, end in self._rounds():
-                reserved = {s: self.load_bytes(self.loads[s]) for s in range(seq, end)}
+                reserved = {s: self.load_sizes[s] for s in range(seq, end)}
                 with self._cond:
                     while self._used + sum(reserved.values()) > self.bound and not self._stop:
                         self._cond.wait()
@@ -274,7 +275,6 @@ class StreamedStates(PreparedStates):
         if ids != [int(i) for i in sample_ids]:
             raise RuntimeError(f"stream out of step: micro-batch {seq} holds samples {ids}, training asked for "
                                f"{list(sample_ids)}")
-        self._consumed_tokens += sum(lens)
         cuts = np.cumsum([0, *lens]).tolist()
         return [{k: v[a:b] for k, v in t.items()} for a, b in zip(cuts[:-1], cuts[1:])]
 
@@ -296,7 +296,7 @@ class StreamedStates(PreparedStates):
         """Since the last call: seconds training waited for states, the engine's tokens/s
         (over the time it computed), the buffer's peak bytes so far."""
         out = {"stream_wait_s": round(self._waited, 3), "buffer_peak_gb": round(self.peak_bytes / 1e9, 4),
-               "engine_tokens_per_s": round(self._engine_tokens / self._engine_s, 1) if self._engine_s else 0.0}
+               "engine_tokens_per_s": self.engine_rate() or 0.0}
         self._waited = 0.0
         return out
 
@@ -304,13 +304,8 @@ class StreamedStates(PreparedStates):
         return {"micro_batches": len(self.loads), "consumed": self._next, "set_aside": dict(self.set_aside),
                 "buffer_bound_bytes": self.bound, "buffer_peak_bytes": self.peak_bytes,
                 "buffer_folder": str(self.buffer), "selfcheck": self.selfcheck,
-                "engine_tokens_per_s": round(self._engine_tokens / self._engine_s, 1) if self._engine_s else None}
+                "engine_tokens_per_s": self.engine_rate()}
 
-    def disk_bytes(self) -> int:
-        """What this rank's buffer holds on disk now (entries and the in-process engine's files)."""
-        return folder_bytes(self.buffer)
-
-
-def _head_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    t = load_file(str(Path(folder) / HEAD_FILE))
-    return {"lm_head": t["lm_head"], "norm": t["norm"], "embed_tokens": t["embed_tokens"]}
+    def engine_rate(self) -> float | None:
+        """The engine's tokens/s over the time it computed (None before its first round)."""
+        return round(self._engine_tokens / self._engine_s, 1) if self._engine_s else None
