@@ -51,7 +51,7 @@ from ..distributed import run_on_main
 from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
                             to_sample, vllm_layer_ids)
 from ..formats.prepared import PreparedData
-from ..formats.store import (PRE_NORM, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
+from ..formats.store import (PRE_NORM, StoreCheck, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
                              write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.head import CheckpointHead, read_checkpoint_head
@@ -73,18 +73,9 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
                          "(extract.vllm_engine_args: tensor_parallel_size, enable_expert_parallel, ...); no torchrun")
     t0 = time.time()
     data = PreparedData(ctx.upstream["prepare"])
-    head = read_checkpoint_head(cfg.target)
+    head, layers, ids, meta, found, writer = _open_store(cfg, ctx)
     L, H = head.num_layers, head.hidden_size
-    layers = resolve_layers(ecfg.layers, L)
-    ids = vllm_layer_ids(layers, L)
     dtype = capture_dtype(DTYPES[ecfg.store_dtype])  # fp8: bfloat16 states, which the store writer quantizes
-    meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
-                      ecfg.mode, backend="vllm", vllm_layer_ids=ids)
-    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)  # bad shards deleted: their samples are redone
-    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
-                         queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
-    write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
-                      head.text_config)
     storage = Path(ecfg.vllm_storage or ctx.out_dir / "vllm-states")
     storage.mkdir(parents=True, exist_ok=True)
     if not ecfg.vllm_storage:  # eaglet's own folder: files a killed run left are not needed
@@ -143,28 +134,38 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     }
 
 
+def _open_store(cfg: Config, ctx: StageContext) -> tuple[CheckpointHead, list[int], list[int], dict[str, Any],
+                                                         StoreCheck, StoreWriter]:
+    """The store of a vLLM extraction begun: (the target's head read from its checkpoint files,
+    eaglet's layers, vLLM's layer ids, the store's meta, what was found in the folder, the
+    writer); the head and the target's config written beside it. Bad shards found are deleted,
+    so that their samples are redone."""
+    ecfg = cfg.extract
+    head = read_checkpoint_head(cfg.target)
+    layers = resolve_layers(ecfg.layers, head.num_layers)
+    ids = vllm_layer_ids(layers, head.num_layers)
+    meta = store_meta(ctx.input_hash, head.hidden_size, layers, ecfg.store_dtype, PRE_NORM, head.num_layers,
+                      head.architecture, head.norm_eps, ecfg.mode, backend="vllm", vllm_layer_ids=ids)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)
+    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
+                         queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
+    write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
+                      head.text_config)
+    return head, layers, ids, meta, found, writer
+
+
 def _stream_store(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     """extract.mode online: a store without states that describes them (layers, vLLM's layer
     ids, dtype, the pre-norm final state) beside the target's head and config; training's
     stream (eaglet/stages/stream.py) asks the engine for each micro-batch's states and runs
     the self-check on its first samples. No engine starts here."""
-    ecfg = cfg.extract
-    head = read_checkpoint_head(cfg.target)
-    L, H = head.num_layers, head.hidden_size
-    layers = resolve_layers(ecfg.layers, L)
-    ids = vllm_layer_ids(layers, L)
-    meta = store_meta(ctx.input_hash, H, layers, ecfg.store_dtype, PRE_NORM, L, head.architecture, head.norm_eps,
-                      ecfg.mode, backend="vllm", vllm_layer_ids=ids)
-    resume_folder(ctx.out_dir, meta, ecfg.fsync)
-    writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20), fsync=ecfg.fsync,
-                         prepare=False)
-    write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
-                      head.text_config)
-    index = write_index(ctx.out_dir, meta, writer.close(index=False), [], ecfg.fsync)
-    log(f"[extract] online through vLLM: target {head.architecture} L={L} H={H}, vLLM layer ids {ids}; no states "
-        "stored: training streams them from the engine")
+    head, layers, ids, meta, _, writer = _open_store(cfg, ctx)
+    index = write_index(ctx.out_dir, meta, writer.close(index=False), [], cfg.extract.fsync)
+    log(f"[extract] online through vLLM: target {head.architecture} L={head.num_layers} H={head.hidden_size}, vLLM "
+        f"layer ids {ids}; no states stored: training streams them from the engine")
     return {"samples": index["num_samples"], "tokens": 0, "mode": "online", "backend": "vllm", "layers": layers,
-            "hidden_size": H, "vllm_layer_ids": ids, "selfcheck": "on the stream's first samples, in train"}
+            "hidden_size": head.hidden_size, "vllm_layer_ids": ids,
+            "selfcheck": "on the stream's first samples, in train"}
 
 
 def convert_result(engine: Any, res: Result, expected: np.ndarray, ids: list[int], H: int, dtype: torch.dtype
