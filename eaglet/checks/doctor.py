@@ -18,6 +18,7 @@ loading weights and stops on a FAIL; `--skip-preflight` turns that off.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any, Callable
 from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
-from ..errors import EagletError, PreflightError
+from ..errors import ConfigError, EagletError, PreflightError
+from ..formats.buffer import micro_batch_bytes
 from ..formats.datasets import check_data_file, iter_records
 from ..formats.prepared import PreparedData
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
@@ -40,7 +42,7 @@ from ..targets.chat import (
 )
 from ..targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported, text_config_from_dict
 from ..targets.load import TargetParts, build_meta_model, hub_kwargs, target_source
-from ..utils import log
+from ..utils import DTYPES, log
 from .contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .findings import Finding, Probe, Report
 from .selfcheck import REF_MAX_TOKENS
@@ -594,7 +596,7 @@ def check_train_memory(p: Probe) -> None:
     dev = resolve_device(t.device) if t.device != "auto" else None
     devices = [] if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda") else \
         [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
-    if streaming(p.cfg) and devices:  # vLLM's share of the GPU is its own: check_stream_plan compares the rest
+    if streaming(p.cfg) and devices:  # vLLM's share of the GPU is its own: check_stream compares the rest
         return
     _memory_finding(p, "train", need, breakdown, devices, "lower train.max_tokens or train.ttt_steps")
 
@@ -635,13 +637,44 @@ def _mean_tokens(p: Probe) -> tuple[float, str]:
     return float(p.cfg.prepare.max_length), "prepare.max_length (no prepared data yet: an upper bound)"
 
 
-def check_stream_plan(p: Probe) -> None:
-    """The plan of an engine-fed run: GPU memory per rank of the engine (weights, KV cache and
-    the hidden-state cache vLLM fills for eaglet) and what it leaves the draft on the same GPUs;
-    disk; the hours per 100k conversations from the rates measured here scaled by FLOPs."""
+def _stream_buffer(p: Probe) -> None:
+    """The buffer must hold two micro-batches (one computed while the other trains); under
+    torchrun the in-process engine cannot serve every rank."""
+    e, tc = p.cfg.extract, p.cfg.train
+    n_aux, hidden = len(p.layers) if p.layers is not None else 3, p.parts.hidden_size
+    one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype])
+    bound = float(e.stream_buffer_gb) * 1e9
+    where = e.stream_dir or str(p.cfg.run_dir / "train" / "stream")
+    what = (f"two micro-batches of train.max_tokens {tc.max_tokens} ({n_aux} + 1 states of width {hidden}, "
+            f"{e.store_dtype}, with vLLM's connector files): {2 * one / 1e9:.3g} GB")
+    if one > bound:
+        fix = f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}, or lower train.max_tokens"
+        p.add("FAIL", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: not even one", fix,
+              error=ConfigError(f"extract.stream_buffer_gb {e.stream_buffer_gb} holds {bound / 1e9:.3g} GB, and one "
+                                f"micro-batch of train.max_tokens {tc.max_tokens} needs {one / 1e9:.3g} GB of it",
+                                fix=fix))
+    elif 2 * one > bound:
+        p.add("warn", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: one; the engine waits "
+              "for training", f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}")
+    else:
+        p.add("ok", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb} in {where}: "
+              f"{bound / one:.0f} micro-batches")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not e.vllm_server:
+        p.add("FAIL", "stream engine", "under torchrun, one vLLM server for every rank", "the in-process engine",
+              "start `vllm serve` with the command the doctor prints and set extract.vllm_server")
+
+
+def check_stream(p: Probe) -> None:
+    """An engine-fed run (extract.mode online, backend vllm): its buffer, then its plan: GPU
+    memory per rank of the engine (weights, KV cache and the hidden-state cache vLLM fills for
+    eaglet) and what it leaves the draft on the same GPUs; disk; the hours per 100k
+    conversations from the rates measured here scaled by FLOPs."""
     import torch
 
-    if not streaming(p.cfg) or p.model is None or p.parts is None:
+    if not streaming(p.cfg) or p.parts is None:
+        return
+    _stream_buffer(p)
+    if p.model is None:
         return
     e, t = p.cfg.extract, p.cfg.train
     args = {**e.vllm_engine_args}
@@ -744,7 +777,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_disk, ("extract",)),
     (check_extract_memory, ("extract",)),
     (check_train_memory, ("train",)),
-    (check_stream_plan, ("extract", "train")),
+    (check_stream, ("extract", "train")),
 ]
 
 

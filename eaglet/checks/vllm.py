@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import sys
 from typing import Any
 
 from packaging.version import Version
 
 from ..engines import vllm as engine
-from ..errors import ConfigError
-from ..formats.buffer import micro_batch_bytes
-from ..utils import DTYPES
 from .contracts import VLLM_MIN, VLLM_TESTED
 from .findings import Probe
 
@@ -32,8 +28,6 @@ def check_vllm(p: Probe) -> None:
     e = p.cfg.extract
     if e.backend != "vllm" or (p.stage == "train" and e.mode != "online"):
         return  # train starts an engine only when it streams
-    if e.mode == "online":
-        check_stream(p)
     local = engine.installed_vllm_version()
     version, where = local, f"installed in {sys.executable}"
     if e.vllm_server:
@@ -141,33 +135,3 @@ def _vllm_engine_args(p: Probe, managed: tuple[str, ...]) -> None:
         p.add("ok", "vLLM engine args", "extract.vllm_engine_args keys are vLLM EngineArgs fields",
               ", ".join(given) if given else "none given")
 
-
-def check_stream(p: Probe) -> None:
-    """extract.mode online with the vLLM backend: the buffer must hold two micro-batches (one
-    computed while the other trains); where it lives. Under torchrun the in-process engine
-    cannot serve every rank."""
-    e, tc = p.cfg.extract, p.cfg.train
-    n_aux = len(p.layers) if p.layers is not None else 3
-    hidden = p.parts.hidden_size if p.parts is not None else None
-    if hidden is None:
-        return
-    one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype])
-    bound = float(e.stream_buffer_gb) * 1e9
-    where = e.stream_dir or str(p.cfg.run_dir / "train" / "stream")
-    what = (f"two micro-batches of train.max_tokens {tc.max_tokens} ({n_aux} + 1 states of width {hidden}, "
-            f"{e.store_dtype}, with vLLM's connector files): {2 * one / 1e9:.3g} GB")
-    if one > bound:
-        fix = f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}, or lower train.max_tokens"
-        p.add("FAIL", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: not even one", fix,
-              error=ConfigError(f"extract.stream_buffer_gb {e.stream_buffer_gb} holds {bound / 1e9:.3g} GB, and one "
-                                f"micro-batch of train.max_tokens {tc.max_tokens} needs {one / 1e9:.3g} GB of it",
-                                fix=fix))
-    elif 2 * one > bound:
-        p.add("warn", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: one; the engine waits "
-              "for training", f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}")
-    else:
-        p.add("ok", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb} in {where}: "
-              f"{bound / one:.0f} micro-batches")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not e.vllm_server:
-        p.add("FAIL", "stream engine", "under torchrun, one vLLM server for every rank", "the in-process engine",
-              "start `vllm serve` with the command below and set extract.vllm_server")
