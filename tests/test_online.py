@@ -9,7 +9,8 @@ import torch
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import load_config
-from eaglet.stages.online import OnlineStates, open_states, split_source
+from eaglet.stages.online import OnlineStates, split_source
+from eaglet.stages.train_data import open_states
 from eaglet.formats.store import StoreReader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +58,7 @@ def test_online_store_holds_only_the_selfcheck_samples_and_passes_it(runs):
 
 def test_online_states_equal_the_offline_store(runs):
     up = {name: runs["online"].run_dir / name for name in pipeline.STAGE_NAMES}
-    states = open_states(up, runs["online"].target)
+    states = open_states(runs["online"], up, runs["online"].run_dir / "train")
     assert isinstance(states, OnlineStates)
     off = StoreReader(runs["offline"].run_dir / "extract")
     assert states.sample_ids.tolist() == off.sample_ids.tolist()

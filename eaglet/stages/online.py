@@ -9,7 +9,7 @@ beside the draft and its forward is cheap next to the draft's training step (sma
 mid-size targets), recomputing the states every epoch beats storing them.
 
 In online mode the extract stage stores only the self-check's samples (so the same check
-guards the captured states) and marks its store `mode: online`; `open_states` then gives
+guards the captured states) and marks its store `mode: online`; `train_data.open_states` then gives
 training an `OnlineStates`: the read interface of `StoreReader` (sample ids, lengths,
 meta, `get`, `get_many`) whose states come from the same capture code extract uses, one
 padded forward per packed micro-batch, on the target's device. Offline and online runs
@@ -121,16 +121,6 @@ class OnlineStates(PreparedStates):
 
 def is_online(store: StoreReader) -> bool:
     return store.meta.get("mode") == "online"  # extract.mode, as the store records it
-
-
-def open_states(upstream: dict[str, Path], target: TargetSection, verify: bool = True) -> StoreReader | OnlineStates:
-    """What training reads: the extract stage's store, or online states when extract ran online."""
-    store = StoreReader(upstream["extract"], verify=verify)
-    if not is_online(store):
-        return store
-    if "prepare" not in upstream:
-        raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
-    return OnlineStates(store, upstream["prepare"], target)
 
 
 def split_source(upstream: dict[str, Path]) -> np.ndarray:

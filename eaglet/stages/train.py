@@ -57,14 +57,14 @@ from ..errors import CorruptDataError, ResumeError
 from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.serving import load_draft
-from ..formats.store import StoreReader, TargetHead, open_verified, read_target_config
+from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..formats.vocab import load_vocab
 from ..targets.families import text_config_from_dict
 from ..utils import log
 from .context import StageContext
-from .online import OnlineStates, is_online
-from .stream import StreamedStates, buffer_folder
-from .train_data import VocabMaskCache, epoch_plan, load_batch, pack, split_ids
+from .online import OnlineStates
+from .stream import StreamedStates
+from .train_data import VocabMaskCache, epoch_plan, load_batch, open_states, pack, split_ids
 
 CKPT_DIR = "checkpoints"
 LOG_FILE = "log.jsonl"
@@ -579,11 +579,7 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         run_on_main(set_aside, ctx.out_dir)
     # every shard checked before the first step, on threads and split over the ranks: a bad one
     # is named, with its repair command, before any step
-    store = open_verified(ctx.upstream["extract"])
-    if is_online(store) and store.meta.get("backend") == "vllm":  # states streamed from the engine
-        store = StreamedStates(store, ctx.upstream["prepare"], cfg, buffer_folder(cfg, ctx.out_dir), env.rank)
-    elif is_online(store):  # the target runs here, beside the draft (eaglet/stages/online.py)
-        store = OnlineStates(store, ctx.upstream["prepare"], cfg.target)
+    store = open_states(cfg, ctx.upstream, ctx.out_dir, env.rank)
     d2t, t2d = load_vocab(ctx.upstream["vocab"])
     device = resolve_device(cfg.train.device)
     head = store.target_head(device)

@@ -1,5 +1,5 @@
 """What training reads, in which order: the held-out split, packing, the epoch plan, and the
-loading of one micro-batch from the store (or from online states).
+loading of one micro-batch from the store (or from online or streamed states; `open_states` picks).
 
 Every rank computes the same plan from the seed; the trainer (eaglet/stages/train.py) hands
 its micro-batches to the ranks. `VocabMaskCache` keeps the out-of-vocabulary mask's verdict
@@ -8,15 +8,18 @@ of every sample after its first teacher pass, so later epochs skip the full-voca
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from ..config import Config
 from ..distributed import all_gather_object, dist_env
 from ..draft.step import Batch, device_head_rows
-from ..formats.store import StoreReader, dequantize_states
+from ..formats.store import StoreReader, dequantize_states, open_verified
 from ..utils import to_device
-from .online import OnlineStates
-from .stream import StreamedStates
+from .online import OnlineStates, is_online
+from .stream import StreamedStates, buffer_folder
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,6 +119,22 @@ class VocabMaskCache:
         for got in all_gather_object(self.fresh):
             self.known.update(got)
         self.fresh = {}
+
+
+def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0
+                ) -> StoreReader | OnlineStates | StreamedStates:
+    """What training reads: extract's store, every shard checked first (`open_verified`, a
+    collective under torchrun), or, when extract ran online, states computed as training goes:
+    by the target beside the draft (backend hf, eaglet/stages/online.py) or streamed from the
+    serving engine (backend vllm, eaglet/stages/stream.py)."""
+    store = open_verified(upstream["extract"])
+    if not is_online(store):
+        return store
+    if "prepare" not in upstream:
+        raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
+    if store.meta.get("backend") == "vllm":
+        return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg, train_dir), rank)
+    return OnlineStates(store, upstream["prepare"], cfg.target)
 
 
 def load_batch(store: StoreReader | OnlineStates | StreamedStates, ids: list[int], max_tokens: int, device: torch.device,
