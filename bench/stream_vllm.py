@@ -25,6 +25,7 @@ Prints one table and writes OUT/stream_vllm.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -51,7 +52,8 @@ MLA = dict(num_hidden_layers=6, hidden_size=1024, intermediate_size=2048, moe_in
 MLA_LAYERS = [1, 3, 5]  # 1: after the dense layer 0 only; 3, 5: after MoE layers
 
 
-def _config(root: Path, name: str, target: Path, data: Path, args: argparse.Namespace, extra: list[str]) -> Any:
+def _config(root: Path, name: str, target: Path, data: Path, args: argparse.Namespace, extra: list[str],
+            steps: int | None = None) -> Any:
     engine = (["extract.vllm_server=" + args.url] if args.url else
               [f"extract.vllm_engine_args={json.dumps(args.engine_args)}"])
     return load_config(None, [
@@ -59,7 +61,7 @@ def _config(root: Path, name: str, target: Path, data: Path, args: argparse.Name
         f"prepare.data=[{data}]", "prepare.max_length=2048", "extract.backend=vllm", "extract.fsync=false",
         "extract.selfcheck_samples=4", f"extract.selfcheck_min_top1={args.min_top1}", *engine, "vocab.size=2048",
         "train.mask_out_of_vocab=false",  # a random target's argmax falls anywhere in its 49k vocabulary
-        f"train.max_steps={args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
+        f"train.max_steps={steps or args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
         "train.eval_every=0", "train.ckpt_every=1000000", "train.tensorboard=false", "train.warmup_steps=5",
         f"train.device={args.device}", *extra])
 
@@ -89,9 +91,16 @@ def _train(cfg: Any) -> float:
     return time.perf_counter() - t0
 
 
+def _target(out: Path, family: str, dims: dict[str, Any]) -> Path:
+    """A random target of `dims` with eaglet's tiny tokenizer, saved once."""
+    if (out / "config.json").is_file():
+        return out
+    return tiny.save_target(out, family=family, template="chatml",
+                            tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **dims)
+
+
 def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    target = tiny.save_target(root / "smollm2-shape", family="llama", template="chatml",
-                              tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **SMOLLM2)
+    target = _target(root / "smollm2-shape", "llama", SMOLLM2)
     data = tiny.write_jsonl(root / "chats.jsonl", tiny.make_conversations(args.conversations, seed=1, max_turns=8))
     runs = {"store": [], "stream": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}"],
             "stream_fp8": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}",
@@ -128,8 +137,7 @@ def _cosines(a: torch.Tensor, b: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 def part_mla(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    target = tiny.save_target(root / "deepseek-v3-mla", family="deepseek_v3", template="chatml",
-                              tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **MLA)
+    target = _target(root / "deepseek-v3-mla", "deepseek_v3", MLA)
     data = tiny.write_jsonl(root / "mla-chats.jsonl", tiny.make_conversations(args.mla_conversations, seed=2,
                                                                               max_turns=4))
     layers = f"extract.layers={MLA_LAYERS}"
@@ -161,14 +169,12 @@ def part_mla(root: Path, args: argparse.Namespace) -> dict[str, Any]:
            "vllm_selfcheck_top1": _stats(vcfg, "extract")["selfcheck"]["top1_agreement"],
            "vllm_version": _stats(vcfg, "extract").get("vllm_version")}
     if args.mla_steps:
-        args_steps = args.steps
-        args.steps = args.mla_steps
-        store = _config(root, "mla-vllm", target, data, args, [layers])
+        store = _config(root, "mla-vllm", target, data, args, [layers], args.mla_steps)
         stream = _config(root, "mla-stream", target, data, args, [layers, "extract.mode=online",
-                                                                 f"extract.stream_buffer_gb={args.buffer_gb}"])
+                                                                 f"extract.stream_buffer_gb={args.buffer_gb}"],
+                         args.mla_steps)
         _train(store)
         _train(stream)
-        args.steps = args_steps
         out["stream_loss_rel_diff_vs_store"] = _loss_gap(_log(store), _log(stream))
         out["stream_selfcheck_top1"] = _stats(stream, "train")["stream"]["selfcheck"]["top1_agreement"]
     return out
@@ -190,7 +196,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.out / "work"
     root.mkdir(exist_ok=True)
-    args.url, server = None, None
+    args.url = None
     cuda = torch.cuda.is_available()
     args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     args.min_top1 = 0.9 if cuda else 0.99  # bf16 through two engines: near ties of a random model
@@ -198,34 +204,24 @@ def main() -> None:
                         "skip_tokenizer_init": True, "max_num_seqs": 64}
     result: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "max_tokens": args.max_tokens,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
-    if args.engine == "fake":
-        from transformers import AutoModelForCausalLM
+    with contextlib.ExitStack() as stack:
+        if args.engine == "fake":  # the stream part against the connector-format stand-in, as a server
+            from transformers import AutoModelForCausalLM
 
-        from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
+            from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 
-        servers = {}
-
-        def start(part: str, target: Path, layer_ids: list[int]) -> None:
+            target = _target(root / "smollm2-shape", "llama", SMOLLM2)
             model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-            servers[part] = FakeServer(FakeVLLM(model, root / f"{part}-states", layer_ids)).__enter__()
-            args.url = servers[part].url
-
-        if "stream" in args.parts:
-            target = tiny.save_target(root / "smollm2-shape", family="llama", template="chatml",
-                                      tokenizer=tiny.build_tokenizer("chatml", vocab_size=2048), **SMOLLM2)
             L = SMOLLM2["num_hidden_layers"]
-            start("stream", target, [2, L // 2, L - 3, L])
-        server = servers
-    t0 = time.perf_counter()
-    if "stream" in args.parts:
-        result["stream"] = part_stream(root, args)
-        log(f"[bench] stream part: {json.dumps(result['stream'])}")
-    if "mla" in args.parts and args.engine == "vllm":
-        result["mla"] = part_mla(root, args)
-        log(f"[bench] mla part: {json.dumps(result['mla'])}")
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    for s in (server or {}).values():
-        s.__exit__(None, None, None)
+            args.url = stack.enter_context(FakeServer(FakeVLLM(model, root / "fake-states", [2, L // 2, L - 3, L]))).url
+        t0 = time.perf_counter()
+        if "stream" in args.parts:
+            result["stream"] = part_stream(root, args)
+            log(f"[bench] stream part: {json.dumps(result['stream'])}")
+        if "mla" in args.parts and args.engine == "vllm":
+            result["mla"] = part_mla(root, args)
+            log(f"[bench] mla part: {json.dumps(result['mla'])}")
+        result["seconds"] = round(time.perf_counter() - t0, 1)
     atomic_write_json(args.out / "stream_vllm.json", result)
     if "stream" in result:
         r = result["stream"]
