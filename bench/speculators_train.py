@@ -114,14 +114,15 @@ RESULT_FILE = "bench.json"
 FLEX_BLOCK = 128  # speculators' BlockMask grows by whole blocks per TTT step
 
 
-def open_states(run_dir: str | Path, target: Any = None) -> Any:
-    """The hidden-state source eaglet's trainer reads for this run: its offline store, or
-    online states (the target run in-process, `target`: the run config's target section)
-    when its extract stage ran with extract.mode: online."""
-    from eaglet.stages.online import open_states as eaglet_open_states
+def open_states(run_dir: str | Path, cfg: Any) -> Any:
+    """The hidden-state source eaglet's trainer reads for this run (its offline store, or the
+    online or streamed states when its extract stage ran with extract.mode: online), from
+    eaglet's own `open_states`; `cfg`: the run config."""
     from eaglet.pipeline import STAGE_NAMES
+    from eaglet.stages.train_data import open_states as eaglet_open_states
 
-    return eaglet_open_states({name: Path(run_dir) / name for name in STAGE_NAMES}, target)
+    run_dir = Path(run_dir)
+    return eaglet_open_states(cfg, {name: run_dir / name for name in STAGE_NAMES}, run_dir / "train")
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     """Train speculators' draft on `run_dir`'s states as eaglet's Trainer would see them, for
     `steps` optimizer steps (None: train.max_steps / train.epochs, as eaglet); save it with
     save_pretrained into out_dir (+ train_log.jsonl, bench.json). Returns the summary.
-    `states`: the hidden-state source (default open_states(run_dir)); run_dir/vocab is read.
+    `states`: the hidden-state source (default open_states(run_dir, cfg)); run_dir/vocab is read.
 
     The schedule spans eaglet's total for train.max_steps = steps: min(steps, epochs x steps
     per epoch). `device` defaults to train.device."""
@@ -295,7 +296,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     tc = cfg.train
     dev = resolve_device(device or tc.device)
-    states = states if states is not None else open_states(run_dir, cfg.target)
+    states = states if states is not None else open_states(run_dir, cfg)
     d2t, t2d = load_vocab(run_dir / "vocab")
     head_cpu = states.target_head(torch.device("cpu"))
     eaglet_draft = build_draft(cfg, states, d2t, t2d, head_cpu)
@@ -426,7 +427,7 @@ def probe_forward(cfg: Config, run_dir: str | Path, draft_dir: str | Path, probe
     pad_to = 2 * math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK
     files = {}
     for case in PROBE_CASES:
-        states = open_states(run_dir, cfg.target)
+        states = open_states(run_dir, cfg)
         if case == "pre_norm":
             states = PreNormStates(states)
         head = states.target_head(cpu)
