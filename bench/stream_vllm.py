@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
@@ -85,9 +86,15 @@ def _loss_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
     return max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(a, b))
 
 
-def _train(cfg: Any) -> float:
+def _run(cfg: Any, upto: str = "train") -> float:
+    """The stages up to `upto` in a child process, so that each run's engine and CUDA memory
+    are gone before the next starts. Returns its seconds."""
     t0 = time.perf_counter()
-    pipeline.run_all(cfg, upto="train")
+    proc = multiprocessing.get_context("spawn").Process(target=pipeline.run_all, args=(cfg,), kwargs={"upto": upto})
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise SystemExit(f"bench: the run in {cfg.run_dir} failed (exit {proc.exitcode}); its log is above")
     return time.perf_counter() - t0
 
 
@@ -109,7 +116,7 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     logs = {}
     for name, extra in runs.items():
         cfg = _config(root, name, target, data, args, extra)
-        seconds = _train(cfg)
+        seconds = _run(cfg)
         logs[name] = _log(cfg)
         st = _stats(cfg, "train")
         out[name] = {"seconds": round(seconds, 1), "train_tokens_per_s": round(_rate(logs[name]), 1),
@@ -142,9 +149,9 @@ def part_mla(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                                                                               max_turns=4))
     layers = f"extract.layers={MLA_LAYERS}"
     vcfg = _config(root, "mla-vllm", target, data, args, [layers])
-    pipeline.run_all(vcfg, upto="extract")
+    _run(vcfg, "extract")
     hcfg = _config(root, "mla-hf", target, data, args, [layers, "extract.backend=hf", "extract.selfcheck_samples=0"])
-    pipeline.run_all(hcfg, upto="extract")
+    _run(hcfg, "extract")
     a, b = StoreReader(vcfg.run_dir / "extract"), StoreReader(hcfg.run_dir / "extract")
     ha, hb = (r.target_head(torch.device("cpu")) for r in (a, b))
     heads = [{"lm_head": h.lm_head.float(), "norm": None if h.norm is None else h.norm.float()} for h in (ha, hb)]
@@ -173,8 +180,8 @@ def part_mla(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         stream = _config(root, "mla-stream", target, data, args, [layers, "extract.mode=online",
                                                                  f"extract.stream_buffer_gb={args.buffer_gb}"],
                          args.mla_steps)
-        _train(store)
-        _train(stream)
+        _run(store)
+        _run(stream)
         out["stream_loss_rel_diff_vs_store"] = _loss_gap(_log(store), _log(stream))
         out["stream_selfcheck_top1"] = _stats(stream, "train")["stream"]["selfcheck"]["top1_agreement"]
     return out

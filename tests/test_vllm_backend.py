@@ -461,6 +461,31 @@ def test_local_engine_starts_vllm_with_spawn(monkeypatch):
     assert seen == ["spawn", "fork"]
 
 
+def test_local_engine_close_stops_the_engine_core(monkeypatch):
+    """Closing the in-process engine stops vLLM's engine core at once (its workers hold the GPU
+    memory the draft trains in next, after an offline extract), and an LLM without that handle
+    (another vLLM version) still closes."""
+    stopped = []
+
+    class Core:
+        def shutdown(self):
+            stopped.append(True)
+
+    class LLM:
+        def __init__(self, **kwargs):
+            if kwargs.get("core"):
+                self.llm_engine = SimpleNamespace(engine_core=Core())
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
+    monkeypatch.setitem(sys.modules, "vllm.config", SimpleNamespace(KVTransferConfig=dict))
+    monkeypatch.setattr(ve, "_connector_helpers", lambda: (None, None))
+    engine = ve.LocalEngine({"kv_transfer_config": {}, "core": True})
+    engine.close()
+    assert stopped == [True] and not hasattr(engine, "llm")
+    ve.LocalEngine({"kv_transfer_config": {}}).close()
+    assert stopped == [True]
+
+
 def test_vllm_device_line_needs_cuda(target):
     """The in-process engine's device: CUDA passes; vLLM's CPU build (and a CUDA build without a
     GPU, whose platform has no device) FAIL before any weight loads, naming the way out."""
@@ -519,3 +544,30 @@ def test_samples_longer_than_max_model_len_are_set_aside(tmp_path, target, model
     stats, out = _extract(tmp_path, _cfg(target, vllm_engine_args={"max_model_len": 23}), prep, engine)
     assert stats["set_aside"] == {"longer_than_max_model_len": 2}  # 31 and 26; 22 + the generated token fits
     assert sorted(StoreReader(out).lengths.tolist()) == sorted(n for n in LENGTHS if n < 23)
+
+
+def test_doctor_catches_vllm_settings_that_fail_after_the_weights_load(tmp_path, target, model):
+    """Settings vLLM accepts and then fails on (or answers wrongly) only once the weights are
+    loaded, refused by the doctor from the config: a forced block size with an MLA target (the
+    hidden-states connector refuses a block the MLA backend splits), pipeline parallelism with a
+    DeepSeek-family model (the aux states of the stages before the last are dropped); a warning
+    for a server whose connector fails on a request cancelled before it is scheduled (0.25).
+    The same settings with a Llama target, and a 0.33 server, raise none of them."""
+    mla = save_target(tmp_path / "dsv3", family="deepseek_v3", num_hidden_layers=4)
+    checks = ("vLLM block size", "vLLM pipeline parallelism", "vLLM request aborts")
+
+    def findings(path, version, **args):
+        with FakeServer(FakeVLLM(model, tmp_path / "s", [2, L]), version=version) as server:
+            cfg = _cfg(path, vllm_server=server.url, vllm_engine_args=args)
+            cfg.run.dir = str(tmp_path / "run")
+            return {f.check: f for f in diagnose(cfg, "extract").findings if f.check in checks}
+
+    got = findings(mla, "0.25.0", block_size=128, pipeline_parallel_size=2, tensor_parallel_size=4)
+    assert {k: f.status for k, f in got.items()} == {"vLLM block size": "FAIL", "vLLM pipeline parallelism": "FAIL",
+                                                     "vLLM request aborts": "warn"}
+    assert "block_size 128" in got["vLLM block size"].found and "remove block_size" in got["vLLM block size"].fix
+    assert "pipeline_parallel_size 2" in got["vLLM pipeline parallelism"].found
+    assert "tensor_parallel_size" in got["vLLM pipeline parallelism"].fix
+    assert "KeyError" in got["vLLM request aborts"].found
+    assert findings(target, "0.33.0", block_size=128, pipeline_parallel_size=2) == {}
+    assert findings(mla, "0.33.0") == {}

@@ -52,6 +52,7 @@ def check_vllm(p: Probe) -> None:
     p.add("ok", "vLLM version", need, f"{version} ({where})" + (
         f"; newer than the tested {VLLM_TESTED}: the contract lines decide" if Version(version) > Version(VLLM_TESTED)
         else ""))
+    known_faults(p, version)
     if local is None:
         p.add("warn", "vLLM contracts", "the vLLM APIs eaglet uses, inspected in the vLLM installed here",
               f"vLLM is not installed in {sys.executable}: only the server's version was checked",
@@ -75,6 +76,47 @@ def check_vllm(p: Probe) -> None:
             return  # arguments eaglet sets itself: a FAIL above
         p.add("info", "vllm serve command", "for extract.vllm_server (the in-process engine uses the same arguments)",
               cmd)
+
+
+# DeepSeek-V2/V3-family classes in vLLM: MLA attention, and a model whose non-last pipeline
+# stages hand on only the residual stream (the aux states captured there are dropped).
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                   "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
+ABORT_SAFE = "0.33.0"  # the first version read whose hidden-states connector ignores a request never scheduled
+
+
+def known_faults(p: Probe, version: str) -> None:
+    """Engine settings that fail only after the weights load (minutes to hours for a large
+    target), or give wrong states, caught from the config alone:
+    - a forced block_size with an MLA target: the MLA backend may split it into kernel blocks
+      (FlashMLA's are 64) and the hidden-states connector then refuses to start
+      ("Hidden-states block-size mismatch");
+    - pipeline_parallel_size > 1 for a DeepSeek-family model: the stages before the last pass
+      on only the residual stream, so the aux states of their layers never reach the connector;
+    - a server before 0.33: a request cancelled before it is scheduled (a trainer killed with
+      requests queued) raises a KeyError in the connector, which can stop the server."""
+    args, tc = p.cfg.extract.vllm_engine_args, p.text_config
+    arch = (getattr(p.hf_config, "architectures", None) or [""])[0] if p.hf_config is not None else ""
+    mla = bool(getattr(tc, "kv_lora_rank", None)) if tc is not None else False
+    if mla and "block_size" in args:
+        p.add("FAIL", "vLLM block size", "no forced block_size with an MLA target",
+              f"block_size {args['block_size']} with {arch or 'an MLA target'} (kv_lora_rank {tc.kv_lora_rank})",
+              "remove block_size from extract.vllm_engine_args: vLLM's MLA backend then picks a block size its "
+              "kernels keep whole, which the hidden-states connector needs (it refuses a split block after the "
+              "weights load)")
+    pp = int(args.get("pipeline_parallel_size", 1))
+    if pp > 1 and (arch in DEEPSEEK_FAMILY or mla):
+        p.add("FAIL", "vLLM pipeline parallelism", "pipeline_parallel_size 1 for a DeepSeek-family target",
+              f"pipeline_parallel_size {pp} with {arch or 'an MLA target'}: vLLM's model hands only the residual "
+              "stream from one pipeline stage to the next, so the aux states of the layers before the last stage "
+              "are dropped",
+              "use tensor_parallel_size (with enable_expert_parallel) over the same GPUs instead")
+    if p.cfg.extract.vllm_server and Version(version.split("+")[0]) < Version(ABORT_SAFE):
+        p.add("warn", "vLLM request aborts", f"a server whose hidden-states connector survives a cancelled request "
+              f"(vLLM >= {ABORT_SAFE})", f"{version}: a request cancelled before it is scheduled (a trainer killed "
+              "with requests queued) raises KeyError in its connector and can stop the server",
+              f"after killing a run, check the server still answers before resuming (or serve with vLLM >= "
+              f"{ABORT_SAFE})")
 
 
 def vllm_platform(p: Probe, platform: Any = None) -> None:

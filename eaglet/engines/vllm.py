@@ -16,6 +16,7 @@ version, the engine arguments and every vLLM API used here (eaglet/checks/contra
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import time
@@ -201,7 +202,15 @@ class LocalEngine:
                 for (sid, _), o in zip(requests, outs)]
 
     def close(self) -> None:
+        """Stop the engine core and its workers now, so that the GPU memory they hold is free for
+        what this process runs next (training, after an offline extract): dropping the LLM object
+        leaves that to the garbage collector."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
         del self.llm
+        gc.collect()
 
 
 class ServerEngine:

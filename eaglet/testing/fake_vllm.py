@@ -161,7 +161,10 @@ class FakeServer:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # as a serving engine's listen backlog: many requests connect at once
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
     def __enter__(self) -> FakeServer:
