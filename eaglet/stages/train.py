@@ -254,10 +254,11 @@ BEHIND = 0.05  # share of a logging interval spent waiting for the stream that t
 def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
     """Log that the engine fell behind when training waited for its states (a stream run)."""
     if show and seconds > 0 and rec["stream_wait_s"] > BEHIND * seconds:
+        busy = max(seconds - rec["stream_wait_s"], 1e-9)  # training's own time: its rate were it never kept waiting
         log(f"[train] step {rec['step']}: the engine is behind: training waited {rec['stream_wait_s']:.1f} s of the "
             f"last {seconds:.1f} s for states; the engine computes {rec['engine_tokens_per_s']:.0f} tokens/s, "
-            f"training consumes {rec['tokens_per_s']:.0f} (raise the engine's share of the GPUs, or "
-            "extract.stream_buffer_gb to ride out its pauses)")
+            f"training could take {rec['tokens_per_s'] * seconds / busy:.0f} (raise the engine's share of the GPUs, "
+            "or extract.stream_buffer_gb to ride out its pauses)")
 
 
 class Trainer:
