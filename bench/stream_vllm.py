@@ -208,7 +208,7 @@ def main() -> None:
     args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     args.min_top1 = 0.9 if cuda else 0.99  # bf16 through two engines: near ties of a random model
     args.engine_args = {"enforce_eager": True, "gpu_memory_utilization": args.gpu_memory_utilization,
-                        "skip_tokenizer_init": True, "max_num_seqs": 64}
+                        "skip_tokenizer_init": True, "max_num_seqs": 256}
     result: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "max_tokens": args.max_tokens,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     with contextlib.ExitStack() as stack:

@@ -163,7 +163,8 @@ def to_sample(states: dict[str, torch.Tensor], expected_ids: np.ndarray, layer_i
         raise ValueError(f"vLLM stored hidden_states of shape {tuple(hs.shape)}, expected {(T, n_ids, hidden)} for "
                          f"layer ids {list(layer_ids)} (a server started with other eagle_aux_hidden_state_layer_ids?)")
     ranked = sorted(layer_ids)
-    hs = hs[:, [ranked.index(i) for i in layer_ids]]
+    if ranked != list(layer_ids):  # vLLM's order is increasing: a copy only for ids asked in another order
+        hs = hs[:, [ranked.index(i) for i in layer_ids]]
     aux = hs[:, :-1].reshape(T, (n_ids - 1) * hidden).to(dtype).contiguous()
     return aux, hs[:, -1].to(dtype).contiguous()
 

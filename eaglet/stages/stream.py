@@ -32,6 +32,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
 from .online import PreparedStates
 
 STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
+CONVERTERS = 2  # threads turning connector files into entries while the engine computes the next round
 
 
 class StreamStopped(InputError):
@@ -88,6 +91,9 @@ class StreamedStates(PreparedStates):
         self.peak_bytes = 0  # the largest _used seen
         self._waited = 0.0  # seconds get_many waited since the last progress()
         self._engine_tokens, self._engine_s = 0, 0.0
+        self._convert_s = 0.0  # converter-seconds spent writing entries
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"eaglet-stream-r{rank}-read")
+        self._ahead: tuple[int, Future] | None = None  # (seq, its read) begun while the one before trains
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -141,6 +147,7 @@ class StreamedStates(PreparedStates):
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._reader.shutdown(wait=True)
         if self._thread is not None:
             self._thread.join()
         if self.engine is not None:
@@ -192,37 +199,58 @@ class StreamedStates(PreparedStates):
             seq = end
 
     def _produce(self) -> None:
+        """Rounds to the engine, in order; each round's entries are written by CONVERTERS
+        threads while the engine computes the next round (the torch and safetensors work there
+        runs outside the GIL). A load's bytes stay reserved from its round's start until its
+        entry is written, so the bound holds with conversions in flight."""
         try:
-            for seq, end in self._rounds():
-                reserved = {s: self.load_sizes[s] for s in range(seq, end)}
-                with self._cond:
-                    while self._used + sum(reserved.values()) > self.bound and not self._stop:
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    self._grow(sum(reserved.values()))
-                t0 = time.perf_counter()
-                flat = [i for s in range(seq, end) for i in self.loads[s]]
-                results = iter(self.engine.run(self._requests(flat), None))
-                for s in range(seq, end):
-                    path, size = self._entry(s, [next(results) for _ in self.loads[s]])
+            with ThreadPoolExecutor(CONVERTERS, thread_name_prefix=f"eaglet-stream-r{self.rank}-entry") as pool:
+                for seq, end in self._rounds():
+                    reserved = sum(self.load_sizes[seq:end])
                     with self._cond:
-                        self._used -= reserved.pop(s) - size
-                        self._ready[s] = (path, size)
-                        self._cond.notify_all()
-                self._engine_tokens += sum(self._tokens(i) for i in flat)
-                self._engine_s += time.perf_counter() - t0
+                        while self._used + reserved > self.bound and not self._stop and self._error is None:
+                            self._cond.wait()
+                        if self._stop or self._error is not None:
+                            return
+                        self._grow(reserved)
+                    t0 = time.perf_counter()
+                    flat = [i for s in range(seq, end) for i in self.loads[s]]
+                    results = iter(self.engine.run(self._requests(flat), None))
+                    self._engine_s += time.perf_counter() - t0
+                    self._engine_tokens += sum(self._tokens(i) for i in flat)
+                    for s in range(seq, end):
+                        pool.submit(self._entry, s, [next(results) for _ in self.loads[s]]).add_done_callback(
+                            partial(self._written, s))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
-            with self._cond:
+            self._fail(e)
+
+    def _written(self, seq: int, done: Future) -> None:
+        """A converter finished load `seq`: its entry is ready (its reservation shrinks to the
+        entry's size), or the stream has failed."""
+        if done.exception() is not None:
+            self._fail(done.exception())
+            return
+        path, size, seconds = done.result()
+        with self._cond:
+            self._used -= self.load_sizes[seq] - size
+            self._ready[seq] = (path, size)
+            self._convert_s += seconds
+            self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
                 self._error = e
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def _grow(self, nbytes: int) -> None:
         self._used += nbytes
         self.peak_bytes = max(self.peak_bytes, self._used)
 
-    def _entry(self, seq: int, results: list[Any]) -> tuple[Path, int]:
-        """One load's entry from its requests' connector files (which are removed)."""
+    def _entry(self, seq: int, results: list[Any]) -> tuple[Path, int, float]:
+        """One load's entry from its requests' connector files (which are removed): its path,
+        bytes, and the seconds it took."""
+        t0 = time.perf_counter()
         ids, auxs, finals, tokens, masks, lens = self.loads[seq], [], [], [], [], []
         for sid, res in zip(ids, results):
             s = self.data[self._row[sid]]
@@ -230,7 +258,8 @@ class StreamedStates(PreparedStates):
             mask = torch.from_numpy(np.asarray(s.loss_mask)[:self.max_tokens].astype(np.uint8))
             got = convert_result(self.engine, res, want, self.ids, self.hidden, capture_dtype(self.dtype))
             if isinstance(got, str):  # keeps its place in the plan, counted, with nothing to learn from
-                self.set_aside[got] += 1
+                with self._cond:
+                    self.set_aside[got] += 1
                 log(f"[stream] sample {sid} ({got}): its loss mask is cleared")
                 got = (torch.zeros(len(want), self.n_aux * self.hidden, dtype=capture_dtype(self.dtype)),
                        torch.zeros(len(want), self.hidden, dtype=capture_dtype(self.dtype)))
@@ -247,36 +276,44 @@ class StreamedStates(PreparedStates):
                 quantize_states(aux, self.n_aux), quantize_states(final, 1))
         else:
             tensors["aux"], tensors["final"] = aux.to(self.dtype), final.to(self.dtype)
-        return write_entry(self.buffer, self.rank, seq, ids, lens, tensors)
+        return (*write_entry(self.buffer, self.rank, seq, ids, lens, tensors), time.perf_counter() - t0)
 
     # ---- the trainer's side -----------------------------------------------------------------
 
     def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
         """The next micro-batch of the stream, which must be `sample_ids`: per sample aux,
-        final (raw fp8 with their scales for an fp8 stream), input_ids, loss_mask, on the host."""
+        final (raw fp8 with their scales for an fp8 stream), input_ids, loss_mask, on the host.
+        The entry after it is read ahead (into memory, off the disk) while this one trains."""
         seq = self._next
         if seq >= len(self.loads):
             raise RuntimeError(f"stream: micro-batch {seq} asked for, but the stream holds {len(self.loads)}")
         t0 = time.perf_counter()
-        with self._cond:
-            while seq not in self._ready and self._error is None:
-                if not self._cond.wait(timeout=600) and self._thread is not None and not self._thread.is_alive():
-                    break
-            if seq not in self._ready:
-                raise self._stopped()
-            path, size = self._ready.pop(seq)
+        ahead = self._ahead if self._ahead is not None and self._ahead[0] == seq else None
+        ids, lens, t = ahead[1].result() if ahead else self._take(seq)
         self._waited += time.perf_counter() - t0
-        ids, lens, t = read_entry(path)
-        path.unlink()
-        with self._cond:
-            self._used -= size
-            self._cond.notify_all()
         self._next += 1
+        self._ahead = (seq + 1, self._reader.submit(self._take, seq + 1)) if seq + 1 < len(self.loads) else None
         if ids != [int(i) for i in sample_ids]:
             raise RuntimeError(f"stream out of step: micro-batch {seq} holds samples {ids}, training asked for "
                                f"{list(sample_ids)}")
         cuts = np.cumsum([0, *lens]).tolist()
         return [{k: v[a:b] for k, v in t.items()} for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def _take(self, seq: int) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+        """Entry `seq` once it is written: read, deleted, its bytes given back to the bound."""
+        with self._cond:
+            while seq not in self._ready and self._error is None and not self._stop:
+                if not self._cond.wait(timeout=600) and self._thread is not None and not self._thread.is_alive():
+                    break
+            if seq not in self._ready:
+                raise self._stopped()
+            path, size = self._ready.pop(seq)
+        out = read_entry(path)
+        path.unlink()
+        with self._cond:
+            self._used -= size
+            self._cond.notify_all()
+        return out
 
     def get(self, sample_id: int) -> dict[str, torch.Tensor]:
         return self.get_many([sample_id])[0]
@@ -304,7 +341,8 @@ class StreamedStates(PreparedStates):
         return {"micro_batches": len(self.loads), "consumed": self._next, "set_aside": dict(self.set_aside),
                 "buffer_bound_bytes": self.bound, "buffer_peak_bytes": self.peak_bytes,
                 "buffer_folder": str(self.buffer), "selfcheck": self.selfcheck,
-                "engine_tokens_per_s": self.engine_rate()}
+                "engine_tokens_per_s": self.engine_rate(), "engine_seconds": round(self._engine_s, 2),
+                "entry_seconds": round(self._convert_s, 2)}
 
     def engine_rate(self) -> float | None:
         """The engine's tokens/s over the time it computed (None before its first round)."""

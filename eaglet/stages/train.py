@@ -553,10 +553,10 @@ class Trainer:
             stream.start(self.planned_loads(step, epoch, micro + 1), tc.max_tokens)
         try:
             step, last_eval = self._loop(step, epoch, micro, first_step, metrics, bar, fp, settings)
-        finally:
+        finally:  # the bar ends its line first: an error is one line of its own
+            bar.close()
             if stream is not None:
                 stream.close()
-        bar.close()
         metrics.close()
         steps_run = step - first_step  # optimizer steps this process took
         if last_eval is None and steps_run == 0:  # a finished run resumed: its last evaluation, from the log
