@@ -29,12 +29,17 @@ the time it waited and the engine's tokens/s against training's (`progress`).
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -50,11 +55,70 @@ from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
 from .online import PreparedStates
 
 STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
-CONVERTERS = 2  # threads turning connector files into entries while the engine computes the next round
+# Processes turning connector files into entries while the engine computes the next round: in
+# threads, their many small torch calls contend for the GIL with a host-bound training loop
+# (seen on the H200: 0.75 s an 8k-token SmolLM2 entry beside training, 0.07 s alone).
+CONVERTERS = 2
+CONVERTER_THREADS = 2  # torch's intra-op threads in each
 
 
 class StreamStopped(InputError):
     """The engine stopped answering, or failed, before the stream's end."""
+
+
+@dataclass
+class EntryJob:
+    """What a converter process needs to write one load's entry: each sample's (id, engine
+    result, token ids, loss mask), the connector's layout, and the connector's read and
+    discard helpers (module functions: they travel by name)."""
+    buffer: Path
+    rank: int
+    seq: int
+    samples: list[tuple[int, Any, np.ndarray, np.ndarray]]
+    layer_ids: list[int]
+    hidden: int
+    n_aux: int
+    dtype: torch.dtype
+    read: Callable[[str], dict[str, torch.Tensor]]
+    discard: Callable[[str], None]
+    parent: int  # the trainer's pid: an orphaned converter writes nothing
+
+
+def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
+    """One load's entry from its requests' connector files (which are removed), in a converter
+    process: (path, bytes, seconds, [(sample, reason)] of those set aside). A sample the engine
+    failed on keeps its place with zero states and its loss mask cleared."""
+    t0 = time.perf_counter()
+    engine, states = SimpleNamespace(read=job.read, discard=job.discard), capture_dtype(job.dtype)
+    auxs, finals, tokens, masks, lens, aside = [], [], [], [], [], []
+    for sid, res, want, mask in job.samples:
+        got = convert_result(engine, res, want, job.layer_ids, job.hidden, states)
+        m = torch.from_numpy(mask)
+        if isinstance(got, str):
+            aside.append((sid, got))
+            got = (torch.zeros(len(want), job.n_aux * job.hidden, dtype=states),
+                   torch.zeros(len(want), job.hidden, dtype=states))
+            m = torch.zeros_like(m)
+        auxs.append(got[0])
+        finals.append(got[1])
+        tokens.append(torch.from_numpy(want.astype(np.int32)))
+        masks.append(m)
+        lens.append(len(want))
+    aux, final = torch.cat(auxs), torch.cat(finals)
+    tensors = {"input_ids": torch.cat(tokens), "loss_mask": torch.cat(masks)}
+    if job.dtype == FP8:
+        (tensors["aux"], tensors["aux_scale"]), (tensors["final"], tensors["final_scale"]) = (
+            quantize_states(aux, job.n_aux), quantize_states(final, 1))
+    else:
+        tensors["aux"], tensors["final"] = aux.to(job.dtype), final.to(job.dtype)
+    if os.getppid() != job.parent:  # the trainer is gone (killed): its restart clears the buffer
+        raise SystemExit(0)
+    path, size = write_entry(job.buffer, job.rank, job.seq, [sid for sid, *_ in job.samples], lens, tensors)
+    return path, size, time.perf_counter() - t0, aside
+
+
+def _converter_start() -> None:
+    torch.set_num_threads(CONVERTER_THREADS)
 
 
 def buffer_folder(cfg: Config, train_dir: Path) -> Path:
@@ -92,7 +156,11 @@ class StreamedStates(PreparedStates):
         self._waited = 0.0  # seconds get_many waited since the last progress()
         self._engine_tokens, self._engine_s = 0, 0.0
         self._convert_s = 0.0  # converter-seconds spent writing entries
+        self._t0 = self._t_last = 0.0  # the producer's start, the last entry written
+        self._held_s = 0.0  # seconds the producer waited for room under the bound
+        self._written_tokens = 0
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"eaglet-stream-r{rank}-read")
+        self._pool: ProcessPoolExecutor | None = None  # the converters, from start()
         self._ahead: tuple[int, Future] | None = None  # (seq, its read) begun while the one before trains
 
     # ---- sizes ------------------------------------------------------------------------------
@@ -127,6 +195,9 @@ class StreamedStates(PreparedStates):
         if left:
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
+        self._pool = ProcessPoolExecutor(CONVERTERS, multiprocessing.get_context("spawn"), _converter_start)
+        for _ in range(CONVERTERS):  # their imports run while the engine starts
+            self._pool.submit(_converter_start)
         if self.engine is None:
             self.engine = self._start_engine()
         self._check_first()
@@ -150,6 +221,8 @@ class StreamedStates(PreparedStates):
         self._reader.shutdown(wait=True)
         if self._thread is not None:
             self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
         if self.loads:
@@ -200,41 +273,50 @@ class StreamedStates(PreparedStates):
 
     def _produce(self) -> None:
         """Rounds to the engine, in order; each round's entries are written by CONVERTERS
-        threads while the engine computes the next round (the torch and safetensors work there
-        runs outside the GIL). A load's bytes stay reserved from its round's start until its
-        entry is written, so the bound holds with conversions in flight."""
+        processes while the engine computes the next round. A load's bytes stay reserved from
+        its round's start until its entry is written, so the bound holds with conversions in
+        flight."""
+        self._t0 = time.perf_counter()
         try:
-            with ThreadPoolExecutor(CONVERTERS, thread_name_prefix=f"eaglet-stream-r{self.rank}-entry") as pool:
-                for seq, end in self._rounds():
-                    reserved = sum(self.load_sizes[seq:end])
-                    with self._cond:
-                        while self._used + reserved > self.bound and not self._stop and self._error is None:
-                            self._cond.wait()
-                        if self._stop or self._error is not None:
-                            return
-                        self._grow(reserved)
-                    t0 = time.perf_counter()
-                    flat = [i for s in range(seq, end) for i in self.loads[s]]
-                    results = iter(self.engine.run(self._requests(flat), None))
-                    self._engine_s += time.perf_counter() - t0
-                    self._engine_tokens += sum(self._tokens(i) for i in flat)
-                    for s in range(seq, end):
-                        pool.submit(self._entry, s, [next(results) for _ in self.loads[s]]).add_done_callback(
-                            partial(self._written, s))
+            for seq, end in self._rounds():
+                reserved = sum(self.load_sizes[seq:end])
+                with self._cond:
+                    t = time.perf_counter()
+                    while self._used + reserved > self.bound and not self._stop and self._error is None:
+                        self._cond.wait()
+                    self._held_s += time.perf_counter() - t
+                    if self._stop or self._error is not None:
+                        return
+                    self._grow(reserved)
+                t0 = time.perf_counter()
+                flat = [i for s in range(seq, end) for i in self.loads[s]]
+                results = iter(self.engine.run(self._requests(flat), None))
+                self._engine_s += time.perf_counter() - t0
+                self._engine_tokens += sum(self._tokens(i) for i in flat)
+                for s in range(seq, end):
+                    self._pool.submit(write_load, self._job(s, [next(results) for _ in self.loads[s]])
+                                      ).add_done_callback(partial(self._written, s))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it
             self._fail(e)
 
     def _written(self, seq: int, done: Future) -> None:
         """A converter finished load `seq`: its entry is ready (its reservation shrinks to the
         entry's size), or the stream has failed."""
+        if done.cancelled():  # close() with conversions queued
+            return
         if done.exception() is not None:
             self._fail(done.exception())
             return
-        path, size, seconds = done.result()
+        path, size, seconds, aside = done.result()
+        for sid, why in aside:
+            log(f"[stream] sample {sid} ({why}): its loss mask is cleared")
         with self._cond:
+            self.set_aside.update(why for _, why in aside)
             self._used -= self.load_sizes[seq] - size
             self._ready[seq] = (path, size)
             self._convert_s += seconds
+            self._written_tokens += sum(self._tokens(i) for i in self.loads[seq])
+            self._t_last = time.perf_counter()
             self._cond.notify_all()
 
     def _fail(self, e: BaseException) -> None:
@@ -247,36 +329,14 @@ class StreamedStates(PreparedStates):
         self._used += nbytes
         self.peak_bytes = max(self.peak_bytes, self._used)
 
-    def _entry(self, seq: int, results: list[Any]) -> tuple[Path, int, float]:
-        """One load's entry from its requests' connector files (which are removed): its path,
-        bytes, and the seconds it took."""
-        t0 = time.perf_counter()
-        ids, auxs, finals, tokens, masks, lens = self.loads[seq], [], [], [], [], []
-        for sid, res in zip(ids, results):
+    def _job(self, seq: int, results: list[Any]) -> EntryJob:
+        samples = []
+        for sid, res in zip(self.loads[seq], results):
             s = self.data[self._row[sid]]
-            want = np.asarray(s.input_ids)[:self.max_tokens]
-            mask = torch.from_numpy(np.asarray(s.loss_mask)[:self.max_tokens].astype(np.uint8))
-            got = convert_result(self.engine, res, want, self.ids, self.hidden, capture_dtype(self.dtype))
-            if isinstance(got, str):  # keeps its place in the plan, counted, with nothing to learn from
-                with self._cond:
-                    self.set_aside[got] += 1
-                log(f"[stream] sample {sid} ({got}): its loss mask is cleared")
-                got = (torch.zeros(len(want), self.n_aux * self.hidden, dtype=capture_dtype(self.dtype)),
-                       torch.zeros(len(want), self.hidden, dtype=capture_dtype(self.dtype)))
-                mask = torch.zeros_like(mask)
-            auxs.append(got[0])
-            finals.append(got[1])
-            tokens.append(torch.from_numpy(want.astype(np.int32)))
-            masks.append(mask)
-            lens.append(len(want))
-        aux, final = torch.cat(auxs), torch.cat(finals)
-        tensors = {"input_ids": torch.cat(tokens), "loss_mask": torch.cat(masks)}
-        if self.dtype == FP8:
-            (tensors["aux"], tensors["aux_scale"]), (tensors["final"], tensors["final_scale"]) = (
-                quantize_states(aux, self.n_aux), quantize_states(final, 1))
-        else:
-            tensors["aux"], tensors["final"] = aux.to(self.dtype), final.to(self.dtype)
-        return (*write_entry(self.buffer, self.rank, seq, ids, lens, tensors), time.perf_counter() - t0)
+            samples.append((sid, res, np.asarray(s.input_ids)[:self.max_tokens],
+                            np.asarray(s.loss_mask)[:self.max_tokens].astype(np.uint8)))
+        return EntryJob(self.buffer, self.rank, seq, samples, self.ids, self.hidden, self.n_aux, self.dtype,
+                        self.engine.read, self.engine.discard, os.getpid())
 
     # ---- the trainer's side -----------------------------------------------------------------
 
@@ -342,8 +402,12 @@ class StreamedStates(PreparedStates):
                 "buffer_bound_bytes": self.bound, "buffer_peak_bytes": self.peak_bytes,
                 "buffer_folder": str(self.buffer), "selfcheck": self.selfcheck,
                 "engine_tokens_per_s": self.engine_rate(), "engine_seconds": round(self._engine_s, 2),
-                "entry_seconds": round(self._convert_s, 2)}
+                "vllm_tokens_per_s": round(self._engine_tokens / self._engine_s, 1) if self._engine_s else None,
+                "entry_seconds": round(self._convert_s, 2), "held_by_bound_s": round(self._held_s, 2)}
 
     def engine_rate(self) -> float | None:
-        """The engine's tokens/s over the time it computed (None before its first round)."""
-        return round(self._engine_tokens / self._engine_s, 1) if self._engine_s else None
+        """What the engine side delivers, in tokens/s: tokens in written entries over the
+        producer's time, less the time the bound held it back (None before the first entry).
+        vLLM's own share is in stats(): engine_seconds against the converters' entry_seconds."""
+        busy = self._t_last - self._t0 - self._held_s
+        return round(self._written_tokens / busy, 1) if self._written_tokens and busy > 0 else None
