@@ -109,6 +109,10 @@ def test_stream_training_reproduces_the_offline_losses(runs):
     assert not any((on.run_dir / "train" / "stream").glob("mb-*"))  # the buffer is emptied at the end
     rec = _log(on)[-1]
     assert {"stream_wait_s", "engine_tokens_per_s", "buffer_peak_gb"} <= set(rec)
+    # what the engine side delivered (written tokens over the producer's busy time) cannot pass
+    # vLLM's rate over its own time alone; the converters' seconds are counted
+    assert 0 < stats["engine_tokens_per_s"] <= stats["vllm_tokens_per_s"]
+    assert stats["entry_seconds"] > 0 and stats["engine_seconds"] > 0
 
 
 def test_stream_asks_for_each_micro_batch_once_with_prompts_cut(runs):

@@ -140,8 +140,8 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
             ref_states = [dequantize_states(*quantize_states(r, 1), torch.bfloat16) for r in ref_states]
             ref_final = dequantize_states(*quantize_states(ref_final, 1), torch.bfloat16)
             with torch.inference_mode():
-                want_fp8 = parts.logits(ref_final.to(got["final"].dtype)).float().cpu().argmax(-1)
-            fp8_agree += int((want_fp8 == want).sum())
+                ref_logits_fp8 = parts.logits(ref_final.to(got["final"].dtype)).float().cpu()
+            fp8_agree += int((ref_logits_fp8.argmax(-1) == want).sum())
         stored = [got["aux"][:n, j * H:(j + 1) * H] for j in range(len(layers))] + [got["final"][:n]]
         for name, s, r in zip(names, stored, ref_states + [ref_final]):
             m = compare(s, r, min_cosine)
@@ -155,8 +155,12 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
         with torch.inference_mode():
             teacher = parts.logits(got["final"][:n]).float().cpu()  # the family's logit scale/softcap too
         top = teacher.argmax(-1)
-        if store.scaled:  # fp8 moves near-tied logits: the stored top-1 counts within TIE_NATS of the model's best
-            ref = ref_logits.float().log_softmax(-1)
+        if store.scaled:
+            # Against the model's own final state through the same fp8 rounding, as the states above:
+            # fp8 alone moves the top-1 of a few percent of a real model's tokens (3.4% of SmolLM2-135M's),
+            # which is fp8's cost, not a pipeline bug. Batched and unbatched forwards differ in their
+            # last bits, which fp8's rounding can widen: a top-1 within TIE_NATS of the best counts.
+            ref = ref_logits_fp8.log_softmax(-1)
             agree += int((ref.gather(-1, top[:, None])[:, 0] >= ref.max(-1).values - TIE_NATS).sum())
         else:
             agree += int((top == want).sum())
@@ -177,7 +181,8 @@ def run_selfcheck(model: torch.nn.Module, parts: TargetParts, store: StoreReader
                             f"max abs error {w['max_abs_error']:.4g}; cosine {w['cosine']:.6f}: a wrong scale) "
                             f"for {what}")
     if top1 < min_top1:
-        against = "the model's own logits" + (f" (within {TIE_NATS} nats: fp8 moves near ties)" if store.scaled else "")
+        against = ("the model's own final state through the same fp8 rounding (within "
+                   f"{TIE_NATS} nats)" if store.scaled else "the model's own logits")
         problems.append(f"teacher top-1: LM head(stored final) agrees with {against} on {top1:.2%} of "
                         f"{total} tokens < extract.selfcheck_min_top1 {min_top1:.2%}")
     result = {
