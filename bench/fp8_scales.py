@@ -19,7 +19,13 @@ from pathlib import Path
 
 import torch
 
-from eaglet.formats.store import FP8, FP8_MAX, StoreReader, dequantize_states, quantize_states
+from eaglet.formats.store import (
+    FP8,
+    FP8_MAX,
+    StoreReader,
+    dequantize_states,
+    quantize_states,
+)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
