@@ -81,7 +81,7 @@ class EntryJob:
     dtype: torch.dtype
     read: Callable[[str], dict[str, torch.Tensor]]
     discard: Callable[[str], None]
-    parent: int  # the trainer's pid: an orphaned converter writes nothing
+    parent: int  # the trainer's pid: a converter that outlives it writes nothing
 
 
 def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
@@ -111,14 +111,33 @@ def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
             quantize_states(aux, job.n_aux), quantize_states(final, 1))
     else:
         tensors["aux"], tensors["final"] = aux.to(job.dtype), final.to(job.dtype)
-    if os.getppid() != job.parent:  # the trainer is gone (killed): its restart clears the buffer
+    if not _alive(job.parent):  # the trainer is gone (killed): what its restart reads is its own
         raise SystemExit(0)
     path, size = write_entry(job.buffer, job.rank, job.seq, [sid for sid, *_ in job.samples], lens, tensors)
     return path, size, time.perf_counter() - t0, aside
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user took the number: the trainer is gone
+        return False
+    return True
+
+
 def _converter_start() -> None:
     torch.set_num_threads(CONVERTER_THREADS)
+
+
+def _converter_context() -> Any:
+    """Converters fork from Python's fork server, a single-threaded process that has imported
+    this module (torch with it) once: no converter forks the trainer, with its CUDA context and
+    threads, and none pays torch's import again."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def buffer_folder(cfg: Config, train_dir: Path) -> Path:
@@ -195,7 +214,7 @@ class StreamedStates(PreparedStates):
         if left:
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
-        self._pool = ProcessPoolExecutor(CONVERTERS, multiprocessing.get_context("spawn"), _converter_start)
+        self._pool = ProcessPoolExecutor(CONVERTERS, _converter_context(), _converter_start)
         for _ in range(CONVERTERS):  # their imports run while the engine starts
             self._pool.submit(_converter_start)
         if self.engine is None:
