@@ -12,11 +12,11 @@ the engine that serves it, every epoch anew. `StreamedStates` has the read inter
 micro-batches this rank will load, in order (`Trainer.planned_loads`: the epoch plans from
 the resume position, and the held-out batches at each evaluation); a producer thread sends
 their samples to the engine (each cut to train.max_tokens: a causal model's prefix states do
-not depend on what follows), turns the connector's files into one buffer entry per
-micro-batch (eaglet/formats/buffer.py; quantized when extract.store_dtype is fp8) and waits
-while the bytes on disk (entries and the connector files of the requests in flight) would
-pass the bound. `get_many` takes the next entry, checks that it holds the samples asked for,
-and deletes it. So a stream run sees the same samples in the same order as an offline run
+not depend on what follows) and waits while the bytes on disk (entries and the connector
+files of the requests in flight) would pass the bound; converter processes turn the
+connector's files into one buffer entry per micro-batch (eaglet/formats/buffer.py; quantized
+when extract.store_dtype is fp8). `get_many` takes the next entry (read ahead while the step
+before trains), checks that it holds the samples asked for, and deletes it. So a stream run sees the same samples in the same order as an offline run
 of the same config, and a run killed at any moment resumes from its checkpoint exactly:
 what a killed run left in the buffer is deleted and asked for again.
 
@@ -120,9 +120,7 @@ def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user took the number: the trainer is gone
+    except (ProcessLookupError, PermissionError):  # gone, or its number taken by another user's process
         return False
     return True
 
@@ -160,7 +158,8 @@ class StreamedStates(PreparedStates):
         self.connector = self.buffer / f"connector-r{rank}"  # the in-process engine's files
         self.bound = int(float(self.ecfg.stream_buffer_gb) * 1e9)
         self.loads: list[list[int]] = []
-        self.load_sizes: list[int] = []  # load_bytes of each load
+        self.load_sizes: list[int] = []  # the buffer bytes each load holds at most (micro_batch_bytes)
+        self.load_tokens: list[int] = []  # tokens of each load, each sample cut at max_tokens
         self.max_tokens = 0
         self.set_aside: Counter[str] = Counter()
         self.selfcheck: dict[str, Any] | None = None
@@ -187,10 +186,6 @@ class StreamedStates(PreparedStates):
     def _tokens(self, sid: int) -> int:
         return min(int(self.data.lengths[self._row[int(sid)]]), self.max_tokens)
 
-    def load_bytes(self, ids: list[int]) -> int:
-        """What micro-batch `ids` holds of the buffer at most (formats.buffer.micro_batch_bytes)."""
-        return micro_batch_bytes(sum(self._tokens(i) for i in ids), len(ids), self.n_aux, self.hidden, self.dtype)
-
     # ---- start and stop ---------------------------------------------------------------------
 
     def start(self, loads: list[list[int]], max_tokens: int) -> None:
@@ -200,13 +195,15 @@ class StreamedStates(PreparedStates):
         self.loads, self.max_tokens = [list(map(int, x)) for x in loads], int(max_tokens)
         if not self.loads:
             return
-        self.load_sizes = [self.load_bytes(x) for x in self.loads]
+        self.load_tokens = [sum(self._tokens(i) for i in x) for x in self.loads]
+        self.load_sizes = [micro_batch_bytes(t, len(x), self.n_aux, self.hidden, self.dtype)
+                           for t, x in zip(self.load_tokens, self.loads)]
         need = max(self.load_sizes)
-        biggest = self.loads[self.load_sizes.index(need)]
+        k = self.load_sizes.index(need)
         if need > self.bound:
             raise ConfigError(
                 f"extract.stream_buffer_gb {self.ecfg.stream_buffer_gb} holds {self.bound / 1e9:.3f} GB, and one "
-                f"micro-batch ({sum(self._tokens(i) for i in biggest)} tokens of {len(biggest)} samples) needs "
+                f"micro-batch ({self.load_tokens[k]} tokens of {len(self.loads[k])} samples) needs "
                 f"{need / 1e9:.3f} GB of it", fix=f"set extract.stream_buffer_gb to at least {2 * need / 1e9:.3g} "
                 "(two micro-batches: one computed while the other trains), or lower train.max_tokens")
         self.buffer.mkdir(parents=True, exist_ok=True)
@@ -215,8 +212,8 @@ class StreamedStates(PreparedStates):
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
         self._pool = ProcessPoolExecutor(CONVERTERS, _converter_context(), _converter_start)
-        for _ in range(CONVERTERS):  # their imports run while the engine starts
-            self._pool.submit(_converter_start)
+        for _ in range(CONVERTERS):  # the converters start (fork) while the engine does
+            self._pool.submit(os.getpid)
         if self.engine is None:
             self.engine = self._start_engine()
         self._check_first()
@@ -311,7 +308,7 @@ class StreamedStates(PreparedStates):
                 flat = [i for s in range(seq, end) for i in self.loads[s]]
                 results = iter(self.engine.run(self._requests(flat), None))
                 self._engine_s += time.perf_counter() - t0
-                self._engine_tokens += sum(self._tokens(i) for i in flat)
+                self._engine_tokens += sum(self.load_tokens[seq:end])
                 for s in range(seq, end):
                     self._pool.submit(write_load, self._job(s, [next(results) for _ in self.loads[s]])
                                       ).add_done_callback(partial(self._written, s))
@@ -334,7 +331,7 @@ class StreamedStates(PreparedStates):
             self._used -= self.load_sizes[seq] - size
             self._ready[seq] = (path, size)
             self._convert_s += seconds
-            self._written_tokens += sum(self._tokens(i) for i in self.loads[seq])
+            self._written_tokens += self.load_tokens[seq]
             self._t_last = time.perf_counter()
             self._cond.notify_all()
 
@@ -409,8 +406,8 @@ class StreamedStates(PreparedStates):
                                  "checkpoint and asks again for what was not consumed")
 
     def progress(self) -> dict[str, float]:
-        """Since the last call: seconds training waited for states, the engine's tokens/s
-        (over the time it computed), the buffer's peak bytes so far."""
+        """Since the last call: seconds training waited for states; so far: what the engine
+        side delivers in tokens/s (engine_rate), the buffer's peak bytes."""
         out = {"stream_wait_s": round(self._waited, 3), "buffer_peak_gb": round(self.peak_bytes / 1e9, 4),
                "engine_tokens_per_s": self.engine_rate() or 0.0}
         self._waited = 0.0
