@@ -28,7 +28,7 @@ from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import ConfigError, EagletError, PreflightError
-from ..formats.buffer import micro_batch_bytes
+from ..formats.buffer import buffer_folder, micro_batch_bytes
 from ..formats.datasets import check_data_file, iter_records
 from ..formats.prepared import PreparedData
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
@@ -641,10 +641,10 @@ def _stream_buffer(p: Probe) -> None:
     """The buffer must hold two micro-batches (one computed while the other trains); under
     torchrun the in-process engine cannot serve every rank."""
     e, tc = p.cfg.extract, p.cfg.train
-    n_aux, hidden = len(p.layers) if p.layers is not None else 3, p.parts.hidden_size
+    hidden, n_aux = _hidden_and_aux(p)
     one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype])
     bound = float(e.stream_buffer_gb) * 1e9
-    where = e.stream_dir or str(p.cfg.run_dir / "train" / "stream")
+    where = buffer_folder(e.stream_dir, p.cfg.run_dir / "train")
     what = (f"two micro-batches of train.max_tokens {tc.max_tokens} ({n_aux} + 1 states of width {hidden}, "
             f"{e.store_dtype}, with vLLM's connector files): {2 * one / 1e9:.3g} GB")
     if one > bound:

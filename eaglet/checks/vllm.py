@@ -96,7 +96,7 @@ def known_faults(p: Probe, version: str) -> None:
     - a server before 0.33: a request cancelled before it is scheduled (a trainer killed with
       requests queued) raises a KeyError in the connector, which can stop the server."""
     args, tc = p.cfg.extract.vllm_engine_args, p.text_config
-    arch = (getattr(p.hf_config, "architectures", None) or [""])[0] if p.hf_config is not None else ""
+    arch = _architecture(p) or ""
     mla = bool(getattr(tc, "kv_lora_rank", None)) if tc is not None else False
     if mla and "block_size" in args:
         p.add("FAIL", "vLLM block size", "no forced block_size with an MLA target",
@@ -137,8 +137,13 @@ def vllm_platform(p: Probe, platform: Any = None) -> None:
     p.add("ok", "vLLM device", need, f"{type(platform).__name__}")
 
 
+def _architecture(p: Probe) -> str | None:
+    """The target config's first architecture (None without a config or architectures)."""
+    return (getattr(p.hf_config, "architectures", None) or [None])[0] if p.hf_config is not None else None
+
+
 def _vllm_model_class(p: Probe) -> None:
-    arch = (getattr(p.hf_config, "architectures", None) or [None])[0] if p.hf_config is not None else None
+    arch = _architecture(p)
     if arch is None:
         p.add("FAIL", "vLLM model class", "the target config's architectures", "none", "set architectures in config.json")
         return

@@ -26,6 +26,13 @@ FORMAT = "eaglet-stream-1"
 HEADER_BYTES = 4096  # a bound on an entry's safetensors header (its metadata lists the sample ids)
 
 
+STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
+
+
+def buffer_folder(stream_dir: str | None, train_dir: Path) -> Path:
+    """Where the buffer lives: extract.stream_dir, else <train stage folder>/stream."""
+    return Path(stream_dir) if stream_dir else train_dir / STREAM_DIR
+
 def entry_name(rank: int, seq: int) -> str:
     return f"mb-r{rank}-{seq:09d}.safetensors"
 

@@ -54,7 +54,6 @@ from ..utils import log
 from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
 from .online import PreparedStates
 
-STREAM_DIR = "stream"  # in the train stage's folder, when extract.stream_dir is not set
 # Processes turning connector files into entries while the engine computes the next round: in
 # threads, their many small torch calls contend for the GIL with a host-bound training loop
 # (seen on the H200: 0.75 s an 8k-token SmolLM2 entry beside training, 0.07 s alone).
@@ -136,10 +135,6 @@ def _converter_context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
-
-
-def buffer_folder(cfg: Config, train_dir: Path) -> Path:
-    return Path(cfg.extract.stream_dir) if cfg.extract.stream_dir else train_dir / STREAM_DIR
 
 
 class StreamedStates(PreparedStates):

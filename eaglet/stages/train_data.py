@@ -16,10 +16,11 @@ import torch
 from ..config import Config
 from ..distributed import all_gather_object, dist_env
 from ..draft.step import Batch, device_head_rows
+from ..formats.buffer import buffer_folder
 from ..formats.store import StoreReader, dequantize_states, open_verified
 from ..utils import to_device
 from .online import OnlineStates, is_online
-from .stream import StreamedStates, buffer_folder
+from .stream import StreamedStates
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +134,7 @@ def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: i
     if "prepare" not in upstream:
         raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
     if store.meta.get("backend") == "vllm":
-        return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg, train_dir), rank)
+        return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg.extract.stream_dir, train_dir), rank)
     return OnlineStates(store, upstream["prepare"], cfg.target)
 
 
