@@ -3,14 +3,19 @@
     python bench/stream_vllm.py --out OUT                   # a GPU with vLLM (>= 0.25): both parts
     python bench/stream_vllm.py --out OUT --engine fake     # CPU: the same steps, eaglet.testing.fake_vllm as engine
 
-Part `stream`: a target of SmolLM2-135M-Instruct's shape (30 layers, hidden 576, tied
-embeddings; random weights and eaglet's tiny tokenizer: the real checkpoint does not travel
-to the GPU machine) and tiny chat data. (a) extract an offline vLLM store and train N steps
-from it; (b) train the same N steps from the stream (in-process vLLM beside the draft on one
-GPU); (c) the stream in fp8. Reported: the largest relative loss difference of (b) and (c)
-against (a), training tokens/s (median of the logged steps after the first third, which
-compile), the engine's tokens/s, the buffer's peak bytes against its bound, the time
-training waited.
+Part `stream`: by default a target of SmolLM2-135M-Instruct's shape (30 layers, hidden 576,
+tied embeddings; random weights and eaglet's tiny tokenizer) and tiny chat data; `--target
+DIR --data FILE` take a real checkpoint folder (the demo's converted SmolLM2, say) and chat
+data instead. (a) extract an offline vLLM store and train N steps from it; (b) train the same
+N steps from the stream (in-process vLLM beside the draft on one GPU); (c) the stream in fp8.
+Reported: the largest relative loss difference of (b) and (c) against (a), training tokens/s
+(median of the logged steps after the first third, which compile), the median over those
+steps of each step's rate against the store's at the same step (the same tokens: the paired
+ratio, free of the spread that packing gives the rates), the engine's tokens/s, the buffer's
+peak bytes against its bound, the time training waited. `--runs` picks which of the three
+run now (the others are read from their run folders, so a run can be split over calls);
+`--eval-prompts N` then evaluates (b) and (c) (chain of 7, greedy, N held-out prompts): tau
+in bf16 against fp8 states.
 
 Part `mla`: a DeepSeek-V3-architecture checkpoint (MLA with DeepSeek's head dims, MoE from
 layer 1, random weights, a few layers) extracted through vLLM and through the HF backend:
@@ -54,17 +59,20 @@ MLA_LAYERS = [1, 3, 5]  # 1: after the dense layer 0 only; 3, 5: after MoE layer
 
 
 def _config(root: Path, name: str, target: Path, data: Path, args: argparse.Namespace, extra: list[str],
-            steps: int | None = None) -> Any:
+            steps: int | None = None, real: bool = False) -> Any:
     engine = (["extract.vllm_server=" + args.url] if args.url else
               [f"extract.vllm_engine_args={json.dumps(args.engine_args)}"])
+    vocab = (["vocab.size=32000", f"prepare.max_records={args.conversations}"] if real else
+             ["vocab.size=2048",
+              "train.mask_out_of_vocab=false"])  # a random target's argmax falls anywhere in its 49k vocabulary
     return load_config(None, [
         f"run.dir={root / name}", "run.seed=0", f"target.path={target}", f"target.dtype={args.dtype}",
         f"prepare.data=[{data}]", "prepare.max_length=2048", "extract.backend=vllm", "extract.fsync=false",
-        "extract.selfcheck_samples=4", f"extract.selfcheck_min_top1={args.min_top1}", *engine, "vocab.size=2048",
-        "train.mask_out_of_vocab=false",  # a random target's argmax falls anywhere in its 49k vocabulary
+        "extract.selfcheck_samples=4", f"extract.selfcheck_min_top1={args.min_top1}", *engine, *vocab,
         f"train.max_steps={steps or args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
         "train.eval_every=0", "train.ckpt_every=1000000", "train.tensorboard=false", "train.warmup_steps=5",
-        f"train.device={args.device}", *extra])
+        f"train.device={args.device}", "eval.chain_tokens=7", "eval.max_new_tokens=128",
+        f"eval.num_prompts={max(args.eval_prompts, 1)}", *extra])
 
 
 def _log(cfg: Any) -> list[dict[str, Any]]:
@@ -79,6 +87,12 @@ def _stats(cfg: Any, stage: str) -> dict[str, Any]:
 def _rate(rows: list[dict[str, Any]]) -> float:
     later = rows[len(rows) // 3:] or rows
     return float(statistics.median(r["tokens_per_s"] for r in later))
+
+
+def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    """The median, over the steps after the first third, of b's rate over a's at the same step."""
+    later = list(zip(a, b))[len(a) // 3:]
+    return float(statistics.median(y["tokens_per_s"] / x["tokens_per_s"] for x, y in later))
 
 
 def _loss_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
@@ -107,20 +121,27 @@ def _target(out: Path, family: str, dims: dict[str, Any]) -> Path:
 
 
 def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    target = _target(root / "smollm2-shape", "llama", SMOLLM2)
-    data = tiny.write_jsonl(root / "chats.jsonl", tiny.make_conversations(args.conversations, seed=1, max_turns=8))
+    real = args.target is not None
+    target = args.target or _target(root / "smollm2-shape", "llama", SMOLLM2)
+    data = args.data or tiny.write_jsonl(root / "chats.jsonl",
+                                         tiny.make_conversations(args.conversations, seed=1, max_turns=8))
     runs = {"store": [], "stream": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}"],
             "stream_fp8": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}",
                            "extract.store_dtype=float8_e4m3fn"]}
     out: dict[str, Any] = {}
     logs = {}
     for name, extra in runs.items():
-        cfg = _config(root, name, target, data, args, extra)
-        seconds = _run(cfg)
+        cfg = _config(root, name, target, data, args, extra, real=real)
+        if name in args.runs:
+            out[name] = {"seconds": round(_run(cfg), 1)}
+        elif (cfg.run_dir / "train" / "manifest.json").is_file():
+            out[name] = {"seconds": None}  # trained by an earlier call
+        else:
+            continue
         logs[name] = _log(cfg)
         st = _stats(cfg, "train")
-        out[name] = {"seconds": round(seconds, 1), "train_tokens_per_s": round(_rate(logs[name]), 1),
-                     "final_loss": logs[name][-1]["loss"], "steps": st["steps"]}
+        out[name].update(train_tokens_per_s=round(_rate(logs[name]), 1), final_loss=logs[name][-1]["loss"],
+                         steps=st["steps"])
         if name == "store":
             ex = _stats(cfg, "extract")
             out[name]["extract_tokens_per_s"] = ex["tokens_per_s"]
@@ -131,9 +152,15 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                              buffer_bound_bytes=s["buffer_bound_bytes"], set_aside=s["set_aside"],
                              waited_s=round(sum(r.get("stream_wait_s", 0.0) for r in logs[name]), 2),
                              selfcheck_top1=s["selfcheck"]["top1_agreement"])
-            out[name]["loss_rel_diff_vs_store"] = _loss_gap(logs["store"], logs[name])
-            out[name]["tokens_per_s_vs_store"] = round(out[name]["train_tokens_per_s"]
-                                                       / out["store"]["train_tokens_per_s"], 3)
+            if "store" in logs:
+                out[name]["loss_rel_diff_vs_store"] = _loss_gap(logs["store"], logs[name])
+                out[name]["tokens_per_s_vs_store"] = round(out[name]["train_tokens_per_s"]
+                                                           / out["store"]["train_tokens_per_s"], 3)
+                out[name]["paired_vs_store"] = round(_paired(logs["store"], logs[name]), 3)
+            if args.eval_prompts:
+                _run(cfg, "eval")
+                ev = _stats(cfg, "eval")
+                out[name]["eval"] = {k: ev.get(k) for k in ("tau", "acceptance_rate", "num_prompts", "lossless")}
     return out
 
 
@@ -199,11 +226,18 @@ def main() -> None:
     ap.add_argument("--mla-conversations", type=int, default=64)
     ap.add_argument("--buffer-gb", type=float, default=2.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--target", type=Path, help="part stream: a checkpoint folder (default: a random SmolLM2 shape)")
+    ap.add_argument("--data", type=Path, help="part stream: chat data for --target (default: tiny conversations)")
+    ap.add_argument("--runs", default="store,stream,stream_fp8", help="part stream: the runs to run now")
+    ap.add_argument("--eval-prompts", type=int, default=0, help="part stream: evaluate the streamed drafts")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.out / "work"
     root.mkdir(exist_ok=True)
     args.url = None
+    args.runs = args.runs.split(",")
+    if (args.target is None) != (args.data is None):
+        raise SystemExit("bench: --target and --data go together")
     cuda = torch.cuda.is_available()
     args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     args.min_top1 = 0.9 if cuda else 0.99  # bf16 through two engines: near ties of a random model
@@ -217,9 +251,9 @@ def main() -> None:
 
             from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 
-            target = _target(root / "smollm2-shape", "llama", SMOLLM2)
+            target = args.target or _target(root / "smollm2-shape", "llama", SMOLLM2)
             model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-            L = SMOLLM2["num_hidden_layers"]
+            L = model.config.num_hidden_layers
             args.url = stack.enter_context(FakeServer(FakeVLLM(model, root / "fake-states", [2, L // 2, L - 3, L]))).url
         t0 = time.perf_counter()
         if "stream" in args.parts:
@@ -232,14 +266,15 @@ def main() -> None:
     atomic_write_json(args.out / "stream_vllm.json", result)
     if "stream" in result:
         r = result["stream"]
-        print(f"{'run':12} {'train tok/s':>12} {'vs store':>9} {'loss diff':>10} {'engine tok/s':>13} "
-              f"{'buffer peak/bound':>18} {'waited s':>9}")
+        print(f"{'run':12} {'train tok/s':>12} {'vs store':>9} {'paired':>7} {'loss diff':>10} {'engine tok/s':>13} "
+              f"{'buffer peak/bound':>18} {'waited s':>9} {'tau':>6}")
         for name, v in r.items():
             peak = (f"{v['buffer_peak_bytes'] / 1e9:.3f}/{v['buffer_bound_bytes'] / 1e9:.1f} GB"
                     if "buffer_peak_bytes" in v else "")
+            tau = f"{v['eval']['tau']:.3f}" if v.get("eval") else ""
             print(f"{name:12} {v['train_tokens_per_s']:>12.0f} {v.get('tokens_per_s_vs_store', 1.0):>9.3f} "
-                  f"{v.get('loss_rel_diff_vs_store', 0.0):>10.2e} {v.get('engine_tokens_per_s') or 0:>13.0f} "
-                  f"{peak:>18} {v.get('waited_s', 0.0):>9}")
+                  f"{v.get('paired_vs_store', 1.0):>7.3f} {v.get('loss_rel_diff_vs_store', 0.0):>10.2e} "
+                  f"{v.get('engine_tokens_per_s') or 0:>13.0f} {peak:>18} {v.get('waited_s', 0.0):>9} {tau:>6}")
     if "mla" in result:
         print(json.dumps(result["mla"], indent=1))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -102,27 +103,47 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF checkpoint that transformers reads into a plain model folder.
 
     transformers loads GGUF with `gguf_file=` but will not `save_pretrained` such a model,
-    so the (dequantized) weights and the config are written here directly.
+    so the (dequantized) weights and the config are written here directly (save_folder). A
+    folder an older eaglet converted (no `architectures` in its config) is converted again.
     """
     if (out / "config.json").is_file():
-        return out
-    from safetensors.torch import save_model
+        if json.loads((out / "config.json").read_text()).get("architectures"):
+            return out
+        log(f"[demo] {out} was converted without the standard names; converting it again")
+        shutil.rmtree(out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[demo] converting {gguf.name} into {out} (once)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "bfloat16"
-    atomic_write_json(tmp / "config.json", config)
-    model.generation_config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_folder(model, tok, tmp)
     tmp.rename(out)
+    return out
+
+
+def save_folder(model: Any, tokenizer: Any, out: Path) -> Path:
+    """`model` (a transformers causal LM) and its tokenizer as the folder `save_pretrained`
+    writes: bf16 safetensors under the model's own parameter names, with a tied embedding
+    stored once as `model.embed_tokens.weight` (where vLLM, speculators and transformers look
+    for it), and a config naming its architecture and no local path."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(model.config.tie_word_embeddings)
+    state = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
+             if not (tied and name == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "bfloat16"
+    atomic_write_json(out / "config.json", config)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 
