@@ -12,8 +12,9 @@ Reported: the largest relative loss difference of (b) and (c) against (a), train
 (median of the logged steps after the first third, which compile), the median over those
 steps of each step's rate against the store's at the same step (the same tokens: the paired
 ratio, free of the spread that packing gives the rates), the engine's tokens/s, the buffer's
-peak bytes against its bound, the time training waited. `--runs` picks which of the three
-run now (the others are read from their run folders, so a run can be split over calls);
+peak bytes against its bound, the time training waited. (d) `stream_thread`, only when
+`--runs` names it: (b) with the engine's client in a thread of the trainer. `--runs` picks
+which run now (the others are read from their run folders, so a run can be split over calls);
 `--eval-prompts N` then evaluates (b) and (c) (chain of 7, greedy, N held-out prompts): tau
 in bf16 against fp8 states.
 
@@ -127,7 +128,9 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                                          tiny.make_conversations(args.conversations, seed=1, max_turns=8))
     runs = {"store": [], "stream": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}"],
             "stream_fp8": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}",
-                           "extract.store_dtype=float8_e4m3fn"]}
+                           "extract.store_dtype=float8_e4m3fn"],
+            "stream_thread": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}",
+                              "extract.stream_client_process=false"]}
     out: dict[str, Any] = {}
     logs = {}
     for name, extra in runs.items():
@@ -157,7 +160,7 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 out[name]["tokens_per_s_vs_store"] = round(out[name]["train_tokens_per_s"]
                                                            / out["store"]["train_tokens_per_s"], 3)
                 out[name]["paired_vs_store"] = round(_paired(logs["store"], logs[name]), 3)
-            if args.eval_prompts:
+            if args.eval_prompts and name in ("stream", "stream_fp8"):
                 _run(cfg, "eval")
                 ev = _stats(cfg, "eval")
                 out[name]["eval"] = {k: ev.get(k) for k in ("tau", "acceptance_rate", "num_prompts", "lossless")}

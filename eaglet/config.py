@@ -152,6 +152,10 @@ class ExtractSection:
         4.0, "mode online, backend vllm: the most the states buffer holds on disk, in GB (1e9 bytes): the micro-batches "
         "the engine computed ahead of training and the connector files of its requests in flight. At least two "
         "micro-batches; more absorbs the engine's pauses.", _gt(0))
+    stream_client_process: bool = _f(
+        True, "mode online, backend vllm: drive the engine (vLLM's client loop, or the HTTP requests to "
+        "extract.vllm_server) from a child process, whose Python does not contend with the training loop for the "
+        "GIL; false: from a thread of the trainer (see docs/streaming.md for both, measured).")
     stream_dir: str | None = _f(
         None, "mode online, backend vllm: the buffer's folder (local disk or a RAM disk such as /dev/shm/eaglet); "
         "default <run.dir>/train/stream. Emptied when training ends; what a killed run left is deleted on restart.",

@@ -15,16 +15,20 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from eaglet import pipeline
 from eaglet.config import dump_config, load_config
+from eaglet.engines.vllm import EngineProcess
 from eaglet.errors import ConfigError, InputError
 from eaglet.formats.store import StoreReader
+from eaglet.stages import stream as stream_mod
 from eaglet.testing import tiny
 from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 
@@ -233,7 +237,9 @@ def test_kill_9_resumes_exactly(assets, tmp_path):
     root, target, model, data = assets
     fake = _engine(model, tmp_path, delay=0.02)
     with FakeServer(fake) as server:
-        whole = _cfg(root, target, data, server.url, "online", name="whole", extra=["train.max_steps=8"])
+        # the engine's client in a thread here, in a child process (the default) in the killed run
+        whole = _cfg(root, target, data, server.url, "online", name="whole",
+                     extra=["train.max_steps=8", "extract.stream_client_process=false"])
         pipeline.run_all(whole, upto="train")
         cut = _cfg(root, target, data, server.url, "online", name="killed", extra=["train.max_steps=8"])
         pipeline.run_all(cut, upto="vocab")
@@ -257,6 +263,32 @@ def test_kill_9_resumes_exactly(assets, tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-6), x["step"]
+
+
+def test_the_engine_process_answers_as_the_engine_here(assets, tmp_path):
+    """EngineProcess runs the engine in a child: the same files and logprobs as the engine in
+    this process; an engine error comes back as one line and the child goes on; the child
+    closes its engine and exits once this side's end of the pipe is gone."""
+    root, target, model, data = assets
+    ids = [*LAYERS, model.config.num_hidden_layers]
+    requests = [(5, np.arange(3, 20)), (9, np.arange(7, 15))]
+    here = FakeVLLM(model, tmp_path / "here", ids).run(requests, 4)
+    proc = EngineProcess(partial(FakeVLLM.load, target, tmp_path / "child", ids), stream_mod.child_context())
+    try:
+        there = proc.run(requests, 4)
+        assert proc._proc.pid != os.getpid() and [r.sample_id for r in there] == [5, 9]
+        for a, b in zip(here, there):
+            assert Path(b.path).parent == tmp_path / "child"
+            x, y = proc.read(a.path), proc.read(b.path)
+            assert torch.equal(x["token_ids"], y["token_ids"]) and torch.equal(x["hidden_states"], y["hidden_states"])
+            assert [sorted(d) if d else d for d in a.prompt_logprobs] == [sorted(d) if d else d for d in b.prompt_logprobs]
+        with pytest.raises(RuntimeError, match=r"^IndexError: index out of range"):
+            proc.run([(1, np.array([10 ** 6]))], None)  # a token id past the vocabulary
+        assert len(proc.run(requests[:1], None)) == 1
+    finally:
+        proc._conn.close()  # as when this process dies: the child sees the pipe close
+    proc._proc.join(timeout=60)
+    assert proc._proc.exitcode == 0
 
 
 @pytest.mark.slow

@@ -8,13 +8,15 @@ safetensors file under `shared_storage_path`, named in the request's
 `kv_transfer_params["hidden_states_path"]` (read with its `load_hidden_states` helper).
 
 Two engines run the prompts: `LocalEngine` (vllm.LLM in this process) and `ServerEngine`
-(a `vllm serve` the user runs, with the command `serve_command` prints). The extract stage
+(a `vllm serve` the user runs, with the command `serve_command` prints); `EngineProcess`
+drives either from a child process. The extract stage
 (eaglet/stages/extract_vllm.py) drives them; the doctor (eaglet/checks/vllm.py) checks the
 version, the engine arguments and every vLLM API used here (eaglet/checks/contracts.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
@@ -252,6 +254,72 @@ class ServerEngine:
 
     def close(self) -> None:
         pass
+
+
+class EngineProcess:
+    """An engine built by `make` (LocalEngine or ServerEngine) in a child process started from
+    `ctx`, with the same run/read/discard/close: vLLM's client loop (or the HTTP threads and
+    their JSON) runs there, not beside a host-bound training loop under one GIL. Requests and
+    results cross a pipe (token ids in, file paths and logprobs out); the connector's files
+    are read here. The child closes its engine and exits when this process goes."""
+
+    def __init__(self, make: Callable[[], Any], ctx: Any):
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_child, args=(make, child), name="eaglet-engine")
+        self._proc.start()
+        child.close()
+        self.read, self.discard = _connector_helpers()
+        self.version = self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine's process ended (exit {self._proc.exitcode}); its log is above") from None
+        if kind == "error":
+            raise RuntimeError(value)
+        return value
+
+    def run(self, requests: list[tuple[int, np.ndarray]], prompt_logprobs: int | None) -> list[Result]:
+        self._conn.send(("run", requests, prompt_logprobs))
+        return self._answer()
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(("close",))
+            self._proc.join(timeout=120)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+
+def _engine_child(make: Callable[[], Any], conn: Any) -> None:
+    """EngineProcess's child: build the engine, answer run requests until told to close or the
+    parent's end of the pipe closes (the parent is gone), then close the engine."""
+    engine = None
+    try:
+        engine = make()
+        conn.send(("ready", getattr(engine, "version", None)))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg[0] == "close":
+                break
+            try:
+                conn.send(("ok", engine.run(msg[1], msg[2])))
+            except Exception as e:  # noqa: BLE001 - the parent raises it
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    except Exception as e:  # noqa: BLE001 - the parent raises it
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        if engine is not None:
+            engine.close()
+        conn.close()
 
 
 def _states_path(params: dict[str, Any] | None, sid: int) -> str:

@@ -11,7 +11,8 @@ the engine that serves it, every epoch anew. `StreamedStates` has the read inter
 `StoreReader` that training uses. The trainer hands it, before its first step, the list of
 micro-batches this rank will load, in order (`Trainer.planned_loads`: the epoch plans from
 the resume position, and the held-out batches at each evaluation); a producer thread sends
-their samples to the engine (each cut to train.max_tokens: a causal model's prefix states do
+their samples to the engine, whose client (vLLM's, or the HTTP requests to a server) runs in
+a child process unless extract.stream_client_process is false, (each cut to train.max_tokens: a causal model's prefix states do
 not depend on what follows) and waits while the bytes on disk (entries and the connector
 files of the requests in flight) would pass the bound; converter processes turn the
 connector's files into one buffer entry per micro-batch (eaglet/formats/buffer.py; quantized
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..engines.vllm import LocalEngine, ServerEngine, engine_args
+from ..engines.vllm import EngineProcess, LocalEngine, ServerEngine, engine_args
 from ..errors import ConfigError, InputError
 from ..formats.buffer import clear_entries, micro_batch_bytes, read_entry, write_entry
 from ..formats.store import FP8, StoreReader, capture_dtype, quantize_states
@@ -128,10 +129,10 @@ def _converter_start() -> None:
     torch.set_num_threads(CONVERTER_THREADS)
 
 
-def _converter_context() -> Any:
-    """Converters fork from Python's fork server, a single-threaded process that has imported
-    this module (torch with it) once: no converter forks the trainer, with its CUDA context and
-    threads, and none pays torch's import again."""
+def child_context() -> Any:
+    """The converters and the engine's client fork from Python's fork server, a single-threaded
+    process that has imported this module (torch with it) once: no child forks the trainer,
+    with its CUDA context and threads, and none pays torch's import again."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
@@ -206,7 +207,7 @@ class StreamedStates(PreparedStates):
         if left:
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
-        self._pool = ProcessPoolExecutor(CONVERTERS, _converter_context(), _converter_start)
+        self._pool = ProcessPoolExecutor(CONVERTERS, child_context(), _converter_start)
         for _ in range(CONVERTERS):  # the converters start (fork) while the engine does
             self._pool.submit(os.getpid)
         if self.engine is None:
@@ -218,12 +219,14 @@ class StreamedStates(PreparedStates):
     def _start_engine(self) -> Any:
         e = self.ecfg
         if e.vllm_server:
-            return ServerEngine(e.vllm_server, e.vllm_requests)
-        longest = max(self._tokens(i) for load in self.loads for i in load)
-        self.connector.mkdir(parents=True, exist_ok=True)
-        for f in self.connector.iterdir():  # a killed run's connector files
-            f.unlink()
-        return LocalEngine(engine_args(self.cfg, self.ids, self.connector, longest))
+            make = partial(ServerEngine, e.vllm_server, e.vllm_requests)
+        else:
+            longest = max(self._tokens(i) for load in self.loads for i in load)
+            self.connector.mkdir(parents=True, exist_ok=True)
+            for f in self.connector.iterdir():  # a killed run's connector files
+                f.unlink()
+            make = partial(LocalEngine, engine_args(self.cfg, self.ids, self.connector, longest))
+        return EngineProcess(make, child_context()) if e.stream_client_process else make()
 
     def close(self) -> None:
         with self._cond:

@@ -55,6 +55,14 @@ class FakeVLLM:
         self.read, self.discard = read_states, remove_states
         self.version, self.lock = "fake", threading.Lock()
 
+    @classmethod
+    def load(cls, target: str | Path, storage: str | Path, layer_ids: list[int], **kw: Any) -> FakeVLLM:
+        """One over the float32 model of the checkpoint folder `target` (to build in another
+        process: an HF model with its hooks does not pickle)."""
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(), storage, layer_ids, **kw)
+
     @torch.inference_mode()
     def states(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         seen = []
