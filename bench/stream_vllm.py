@@ -90,6 +90,13 @@ def _rate(rows: list[dict[str, Any]]) -> float:
     return float(statistics.median(r["tokens_per_s"] for r in later))
 
 
+def _mean_rate(rows: list[dict[str, Any]]) -> float:
+    """Tokens over time of the steps after the first third: the slow steps weigh what they cost
+    (the median does not see them)."""
+    later = rows[len(rows) // 3:] or rows
+    return sum(r["tokens"] for r in later) / sum(r["tokens"] / r["tokens_per_s"] for r in later)
+
+
 def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
     """The median, over the steps after the first third, of b's rate over a's at the same step."""
     later = list(zip(a, b))[len(a) // 3:]
@@ -143,7 +150,8 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             continue
         logs[name] = _log(cfg)
         st = _stats(cfg, "train")
-        out[name].update(train_tokens_per_s=round(_rate(logs[name]), 1), final_loss=logs[name][-1]["loss"],
+        out[name].update(train_tokens_per_s=round(_rate(logs[name]), 1),
+                         mean_tokens_per_s=round(_mean_rate(logs[name]), 1), final_loss=logs[name][-1]["loss"],
                          steps=st["steps"])
         if name == "store":
             ex = _stats(cfg, "extract")
@@ -160,6 +168,7 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
                 out[name]["tokens_per_s_vs_store"] = round(out[name]["train_tokens_per_s"]
                                                            / out["store"]["train_tokens_per_s"], 3)
                 out[name]["paired_vs_store"] = round(_paired(logs["store"], logs[name]), 3)
+                out[name]["mean_vs_store"] = round(out[name]["mean_tokens_per_s"] / out["store"]["mean_tokens_per_s"], 3)
             if args.eval_prompts and name in ("stream", "stream_fp8"):
                 _run(cfg, "eval")
                 ev = _stats(cfg, "eval")
@@ -269,14 +278,16 @@ def main() -> None:
     atomic_write_json(args.out / "stream_vllm.json", result)
     if "stream" in result:
         r = result["stream"]
-        print(f"{'run':12} {'train tok/s':>12} {'vs store':>9} {'paired':>7} {'loss diff':>10} {'engine tok/s':>13} "
+        print(f"{'run':13} {'median tok/s':>12} {'vs store':>9} {'paired':>7} {'mean tok/s':>11} {'vs store':>9} "
+              f"{'loss diff':>10} {'engine tok/s':>13} "
               f"{'buffer peak/bound':>18} {'waited s':>9} {'tau':>6}")
         for name, v in r.items():
             peak = (f"{v['buffer_peak_bytes'] / 1e9:.3f}/{v['buffer_bound_bytes'] / 1e9:.1f} GB"
                     if "buffer_peak_bytes" in v else "")
             tau = f"{v['eval']['tau']:.3f}" if v.get("eval") else ""
-            print(f"{name:12} {v['train_tokens_per_s']:>12.0f} {v.get('tokens_per_s_vs_store', 1.0):>9.3f} "
-                  f"{v.get('paired_vs_store', 1.0):>7.3f} {v.get('loss_rel_diff_vs_store', 0.0):>10.2e} "
+            print(f"{name:13} {v['train_tokens_per_s']:>12.0f} {v.get('tokens_per_s_vs_store', 1.0):>9.3f} "
+                  f"{v.get('paired_vs_store', 1.0):>7.3f} {v['mean_tokens_per_s']:>11.0f} {v.get('mean_vs_store', 1.0):>9.3f} "
+                  f"{v.get('loss_rel_diff_vs_store', 0.0):>10.2e} "
                   f"{v.get('engine_tokens_per_s') or 0:>13.0f} {peak:>18} {v.get('waited_s', 0.0):>9} {tau:>6}")
     if "mla" in result:
         print(json.dumps(result["mla"], indent=1))

@@ -506,7 +506,7 @@ class Trainer:
                 self.vocab_mask.share()
                 rec = sums.metrics()
                 dt = time.perf_counter() - t_log
-                rec.update(step=step, epoch=epoch, lr=lr, tokens_per_s=sums.tokens / dt,
+                rec.update(step=step, epoch=epoch, lr=lr, tokens=int(sums.tokens), tokens_per_s=sums.tokens / dt,
                            memory_gib=_memory_gib(self.device))
                 if self.stream is not None:
                     rec.update(self.stream.progress())

@@ -1,0 +1,69 @@
+"""The demo's converted target folder (eaglet.demo.save_folder, gguf_to_folder) is a standard
+tied checkpoint: the embedding stored once under the name the engines read, the config naming
+its architecture, the logits of the model it came from, and the checkpoint head that the
+vLLM backend reads from files."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from eaglet import demo
+from eaglet.config import TargetSection
+from eaglet.targets.head import read_checkpoint_head
+from eaglet.testing import tiny
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo-target")
+    src = tiny.save_target(root / "src", family="llama", template="chatml", tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    return root, model, tiny.build_tokenizer("chatml")
+
+
+def test_a_tied_target_is_written_as_transformers_writes_it(tied):
+    root, model, tok = tied
+    out = demo.save_folder(model, tok, root / "plain")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert "_name_or_path" not in config and config["dtype"] == "bfloat16"
+
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(root / "src", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in ref.parameters():  # the folder holds bf16 weights
+            p.copy_(p.to(torch.bfloat16).float())
+        ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(again(ids).logits, ref(ids).logits)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+
+    head = read_checkpoint_head(TargetSection(path=str(out)))  # the vLLM backend's read of the files
+    assert torch.equal(head.tensors["embed_tokens"].float(), again.model.embed_tokens.weight)
+    assert torch.equal(head.tensors["lm_head"].float(), again.model.embed_tokens.weight)
+
+
+def test_an_older_conversion_is_converted_again(tied, monkeypatch):
+    """A folder an older eaglet wrote (no architectures, the embedding only as lm_head.weight)
+    is replaced on the next fetch; a current one is kept as it is."""
+    import transformers
+
+    root, model, tok = tied
+    old = root / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"architectures": None, "model_type": "llama"}))
+    (old / "model.safetensors").write_bytes(b"stale")
+    calls = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: calls.append(k.get("gguf_file")) or model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    gguf = root / "m.gguf"
+    assert demo.gguf_to_folder(gguf, old) == old and calls == ["m.gguf"]
+    assert json.loads((old / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    demo.gguf_to_folder(gguf, old)
+    assert calls == ["m.gguf"]  # up to date: not converted again
