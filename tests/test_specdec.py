@@ -604,3 +604,25 @@ def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monke
     report = json.loads((ctx.out_dir / "eval.json").read_text())
     assert report["aggregate"]["lossless"] is False
     assert [m["position"] for m in report["aggregate"]["mismatches"]] == [4, 4, 4]
+
+
+def test_heldout_prompts_are_each_evaluated_once(tmp_path):
+    """Conversations that open with the assistant's turn all cut to the same bare system
+    prompt: the held-out set takes it once, then goes on to distinct prompts."""
+    from eaglet.formats.prepared import PreparedData, PreparedWriter
+    from eaglet.stages.evaluate import heldout_prompts
+
+    w = PreparedWriter(tmp_path, ["data.jsonl"])
+    bare = [1, 5, 6, 7]  # the template's system prompt, then the assistant's turn at once
+    for k in range(40):
+        prompt = bare if k % 2 == 0 else [*bare, 20 + k, 21 + k]
+        reply = [100 + k, 101 + k, 2]
+        w.add(prompt + reply, [0] * len(prompt) + [1] * len(reply), 0, k)
+    w.close()
+    data = PreparedData(tmp_path)
+    got = heldout_prompts(data, data.sample_ids, 0.5, 0, 8)
+    prompts = [tuple(p) for _, p in got]
+    assert len(prompts) == 8 == len(set(prompts))
+    assert prompts.count(tuple(bare)) == 1
+    every = heldout_prompts(data, data.sample_ids, 0.5, 0, 1000)  # all 20 held out
+    assert sum(sid % 2 == 0 for sid, _ in every) == 1 and len(every) > 5

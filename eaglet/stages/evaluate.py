@@ -251,10 +251,13 @@ def _versions() -> dict[str, str]:
 def heldout_prompts(data: PreparedData, split_sample_ids: np.ndarray, eval_fraction: float, seed: int,
                     num_prompts: int) -> list[tuple[int, list[int]]]:
     """(sample id, prompt tokens) of the first `num_prompts` held-out samples that have an
-    assistant turn after some prompt; each cut before its first loss-masked token."""
+    assistant turn after some prompt; each cut before its first loss-masked token, and each
+    prompt once: conversations that open with the assistant's turn (a third of ShareGPT's)
+    all cut to the template's bare system prompt, which would otherwise be evaluated again
+    and again."""
     _, eval_ids = split_ids(split_sample_ids, eval_fraction, seed)
     row_of = {int(sid): i for i, sid in enumerate(data.sample_ids.tolist())}
-    out = []
+    out, seen = [], set()
     for sid in eval_ids.tolist():
         if len(out) >= num_prompts:
             break
@@ -264,7 +267,11 @@ def heldout_prompts(data: PreparedData, split_sample_ids: np.ndarray, eval_fract
         masked = np.flatnonzero(np.asarray(sample.loss_mask) > 0)
         if masked.size == 0 or masked[0] == 0:
             continue
-        out.append((int(sid), np.asarray(sample.input_ids[: masked[0]], dtype=np.int64).tolist()))
+        prompt = np.asarray(sample.input_ids[: masked[0]], dtype=np.int64).tolist()
+        if tuple(prompt) in seen:
+            continue
+        seen.add(tuple(prompt))
+        out.append((int(sid), prompt))
     return out
 
 
