@@ -11,14 +11,15 @@ the engine that serves it, every epoch anew. `StreamedStates` has the read inter
 `StoreReader` that training uses. The trainer hands it, before its first step, the list of
 micro-batches this rank will load, in order (`Trainer.planned_loads`: the epoch plans from
 the resume position, and the held-out batches at each evaluation); a producer thread sends
-their samples to the engine, whose client (vLLM's, or the HTTP requests to a server) runs in
-a child process unless extract.stream_client_process is false, (each cut to train.max_tokens: a causal model's prefix states do
+their samples to the engine (each cut to train.max_tokens: a causal model's prefix states do
 not depend on what follows) and waits while the bytes on disk (entries and the connector
-files of the requests in flight) would pass the bound; converter processes turn the
-connector's files into one buffer entry per micro-batch (eaglet/formats/buffer.py; quantized
-when extract.store_dtype is fp8). `get_many` takes the next entry (read ahead while the step
-before trains), checks that it holds the samples asked for, and deletes it. So a stream run sees the same samples in the same order as an offline run
-of the same config, and a run killed at any moment resumes from its checkpoint exactly:
+files of the requests in flight) would pass the bound. The engine's client (vLLM's, or the
+HTTP requests to a server) runs in a child process unless extract.stream_client_process is
+false. Converter processes turn the connector's files into one buffer entry per micro-batch
+(eaglet/formats/buffer.py; quantized when extract.store_dtype is fp8). `get_many` takes the
+next entry (read ahead while the step before trains), checks that it holds the samples asked
+for, and deletes it. So a stream run sees the same samples in the same order as an offline
+run of the same config, and a run killed at any moment resumes from its checkpoint exactly:
 what a killed run left in the buffer is deleted and asked for again.
 
 The self-check runs on this rank's first samples before the first step, with vLLM's prompt
