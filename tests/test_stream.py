@@ -231,9 +231,36 @@ def test_a_stream_that_stops_mid_run_is_one_line(assets, tmp_path):
     assert "Traceback" not in out
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        up = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == up]
+        out += kids
+        todo += kids
+    return out
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().rsplit(")", 1)[1].split()[0] == "Z")  # a zombie is gone
+
+
 def test_kill_9_resumes_exactly(assets, tmp_path):
     """A stream run killed (SIGKILL) after its first checkpoint and started again ends with the
-    losses of an uninterrupted stream run."""
+    losses of an uninterrupted stream run, and no process the killed one started outlives it."""
     root, target, model, data = assets
     fake = _engine(model, tmp_path, delay=0.02)
     with FakeServer(fake) as server:
@@ -250,8 +277,14 @@ def test_kill_9_resumes_exactly(assets, tmp_path):
         while not any(ckpts.glob("step-0000004")) and time.time() < deadline and p.poll() is None:
             time.sleep(0.05)
         assert p.poll() is None, p.communicate()[0]
+        children = _descendants(p.pid)  # the fork server, the converters, the engine's client
+        assert len(children) >= 3
         p.send_signal(signal.SIGKILL)
         p.wait()
+        deadline = time.time() + 30
+        while any(_exists(c) for c in children) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _exists(c)], "processes of the killed trainer outlived it"
         left = list((cut.run_dir / "train" / "stream").glob("mb-*"))
         again = _cli(path, "train")
         out, _ = again.communicate(timeout=300)

@@ -126,8 +126,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _converter_start() -> None:
+def _converter_start(trainer: int) -> None:
     torch.set_num_threads(CONVERTER_THREADS)
+    threading.Thread(target=_exit_with, args=(trainer,), name="eaglet-converter-watch", daemon=True).start()
+
+
+def _exit_with(pid: int, every: float = 1.0) -> None:
+    """End this converter once the trainer `pid` is gone (killed). Nothing else would end it: a
+    pool worker holds both ends of its own call queue, so a dead trainer never reads as EOF, and
+    the fork server stays up while any of its children holds its alive pipe."""
+    while _alive(pid):
+        time.sleep(every)
+    os._exit(0)
 
 
 def child_context() -> Any:
@@ -208,7 +218,7 @@ class StreamedStates(PreparedStates):
         if left:
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
-        self._pool = ProcessPoolExecutor(CONVERTERS, child_context(), _converter_start)
+        self._pool = ProcessPoolExecutor(CONVERTERS, child_context(), _converter_start, (os.getpid(),))
         for _ in range(CONVERTERS):  # the converters start (fork) while the engine does
             self._pool.submit(os.getpid)
         if self.engine is None:
