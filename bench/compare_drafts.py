@@ -25,13 +25,15 @@ from eaglet.config import EvalSection, TargetSection
 from eaglet.formats.datasets import RecordError, iter_records, normalize_record
 from eaglet.formats.draft import load_final
 from eaglet.stages.evaluate import evaluate_draft
-from eaglet.targets.chat import load_tokenizer
+from eaglet.stages.regenerate import generation_prompt
+from eaglet.targets.chat import load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
 
 
-def opening_prompts(data: Path, tokenizer: Any, skip: int, n: int, max_tokens: int) -> list[list[int]]:
-    """The token ids of the first `n` distinct opening user turns after record `skip`."""
+def opening_prompts(data: Path, tokenizer: Any, template: str, skip: int, n: int, max_tokens: int) -> list[list[int]]:
+    """The token ids of the first `n` distinct opening user turns after record `skip`, each
+    rendered as `eaglet regenerate` renders what the target answers."""
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for row, rec in iter_records(data):
@@ -48,8 +50,7 @@ def opening_prompts(data: Path, tokenizer: Any, skip: int, n: int, max_tokens: i
             head.append(m)
         if not any(m["role"] == "user" and m["content"].strip() for m in head):
             continue  # opens with the assistant's turn: no question to answer
-        ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = generation_prompt(tokenizer, template, head)
         if len(ids) > max_tokens or tuple(ids) in seen:
             continue
         seen.add(tuple(ids))
@@ -76,7 +77,8 @@ def main() -> None:
 
     tcfg = TargetSection(path=args.target, dtype=args.dtype)
     tokenizer = load_tokenizer(tcfg)
-    prompts = opening_prompts(args.data, tokenizer, args.skip, args.num_prompts, args.max_prompt_tokens)
+    prompts = opening_prompts(args.data, tokenizer, resolve_chat_template(tokenizer, tcfg), args.skip,
+                              args.num_prompts, args.max_prompt_tokens)
     if len(prompts) < 2:
         raise SystemExit(f"compare_drafts: {len(prompts)} usable prompt(s) in {args.data} after record {args.skip}")
     device = "cuda" if torch.cuda.is_available() else "cpu"

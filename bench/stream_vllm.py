@@ -85,22 +85,25 @@ def _stats(cfg: Any, stage: str) -> dict[str, Any]:
     return json.loads((cfg.run_dir / stage / "manifest.json").read_text())["stats"]
 
 
+def _later(rows: list[Any]) -> list[Any]:
+    """The logged steps after the first third (which compile)."""
+    return rows[len(rows) // 3:] or rows
+
+
 def _rate(rows: list[dict[str, Any]]) -> float:
-    later = rows[len(rows) // 3:] or rows
-    return float(statistics.median(r["tokens_per_s"] for r in later))
+    return float(statistics.median(r["tokens_per_s"] for r in _later(rows)))
 
 
 def _mean_rate(rows: list[dict[str, Any]]) -> float:
-    """Tokens over time of the steps after the first third: the slow steps weigh what they cost
-    (the median does not see them)."""
-    later = rows[len(rows) // 3:] or rows
+    """Tokens over time of the later steps: the slow ones weigh what they cost (the median does
+    not see them)."""
+    later = _later(rows)
     return sum(r["tokens"] for r in later) / sum(r["tokens"] / r["tokens_per_s"] for r in later)
 
 
 def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
-    """The median, over the steps after the first third, of b's rate over a's at the same step."""
-    later = list(zip(a, b))[len(a) // 3:]
-    return float(statistics.median(y["tokens_per_s"] / x["tokens_per_s"] for x, y in later))
+    """The median, over the later steps, of b's rate over a's at the same step."""
+    return float(statistics.median(y["tokens_per_s"] / x["tokens_per_s"] for x, y in _later(list(zip(a, b)))))
 
 
 def _loss_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
@@ -129,8 +132,7 @@ def _target(out: Path, family: str, dims: dict[str, Any]) -> Path:
 
 
 def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    real = args.target is not None
-    target = args.target or _target(root / "smollm2-shape", "llama", SMOLLM2)
+    real, target = args.real, args.target
     data = args.data or tiny.write_jsonl(root / "chats.jsonl",
                                          tiny.make_conversations(args.conversations, seed=1, max_turns=8))
     runs = {"store": [], "stream": ["extract.mode=online", f"extract.stream_buffer_gb={args.buffer_gb}"],
@@ -250,6 +252,9 @@ def main() -> None:
     args.runs = args.runs.split(",")
     if (args.target is None) != (args.data is None):
         raise SystemExit("bench: --target and --data go together")
+    args.real = args.target is not None
+    if "stream" in args.parts and not args.real:
+        args.target = _target(root / "smollm2-shape", "llama", SMOLLM2)
     cuda = torch.cuda.is_available()
     args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     args.min_top1 = 0.9 if cuda else 0.99  # bf16 through two engines: near ties of a random model
@@ -258,13 +263,12 @@ def main() -> None:
     result: dict[str, Any] = {"engine": args.engine, "steps": args.steps, "max_tokens": args.max_tokens,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     with contextlib.ExitStack() as stack:
-        if args.engine == "fake":  # the stream part against the connector-format stand-in, as a server
+        if args.engine == "fake" and "stream" in args.parts:  # the stream part against the connector-format stand-in, as a server
             from transformers import AutoModelForCausalLM
 
             from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 
-            target = args.target or _target(root / "smollm2-shape", "llama", SMOLLM2)
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
             L = model.config.num_hidden_layers
             args.url = stack.enter_context(FakeServer(FakeVLLM(model, root / "fake-states", [2, L // 2, L - 3, L]))).url
         t0 = time.perf_counter()

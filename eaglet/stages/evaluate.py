@@ -267,11 +267,10 @@ def heldout_prompts(data: PreparedData, split_sample_ids: np.ndarray, eval_fract
         masked = np.flatnonzero(np.asarray(sample.loss_mask) > 0)
         if masked.size == 0 or masked[0] == 0:
             continue
-        prompt = np.asarray(sample.input_ids[: masked[0]], dtype=np.int64).tolist()
-        if tuple(prompt) in seen:
-            continue
-        seen.add(tuple(prompt))
-        out.append((int(sid), prompt))
+        prompt = tuple(np.asarray(sample.input_ids[: masked[0]], dtype=np.int64).tolist())
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append((int(sid), list(prompt)))
     return out
 
 

@@ -82,7 +82,6 @@ class EntryJob:
     dtype: torch.dtype
     read: Callable[[str], dict[str, torch.Tensor]]
     discard: Callable[[str], None]
-    parent: int  # the trainer's pid: a converter that outlives it writes nothing
 
 
 def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
@@ -112,7 +111,7 @@ def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
             quantize_states(aux, job.n_aux), quantize_states(final, 1))
     else:
         tensors["aux"], tensors["final"] = aux.to(job.dtype), final.to(job.dtype)
-    if not _alive(job.parent):  # the trainer is gone (killed): what its restart reads is its own
+    if _trainer is not None and not _alive(_trainer):  # killed mid-job: what its restart reads is its own
         raise SystemExit(0)
     path, size = write_entry(job.buffer, job.rank, job.seq, [sid for sid, *_ in job.samples], lens, tensors)
     return path, size, time.perf_counter() - t0, aside
@@ -126,7 +125,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_trainer: int | None = None  # in a converter: the trainer's pid (_converter_start)
+
+
 def _converter_start(trainer: int) -> None:
+    global _trainer
+    _trainer = trainer
     torch.set_num_threads(CONVERTER_THREADS)
     threading.Thread(target=_exit_with, args=(trainer,), name="eaglet-converter-watch", daemon=True).start()
 
@@ -361,7 +365,7 @@ class StreamedStates(PreparedStates):
             samples.append((sid, res, np.asarray(s.input_ids)[:self.max_tokens],
                             np.asarray(s.loss_mask)[:self.max_tokens].astype(np.uint8)))
         return EntryJob(self.buffer, self.rank, seq, samples, self.ids, self.hidden, self.n_aux, self.dtype,
-                        self.engine.read, self.engine.discard, os.getpid())
+                        self.engine.read, self.engine.discard)
 
     # ---- the trainer's side -----------------------------------------------------------------
 
