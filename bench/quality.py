@@ -151,7 +151,7 @@ def _prompts(work: Path) -> list[list[int]]:
 
 def _load(work: Path, which: str):
     """(draft, aux layer ids) of one of the benchmark's drafts."""
-    from eaglet.demo import untrained_like
+    from eaglet.stages.evaluate import untrained_like
     from eaglet.formats.store import StoreReader
     from eaglet.formats.draft import FINAL_DIR, load_final
 

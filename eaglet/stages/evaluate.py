@@ -24,10 +24,13 @@ logit gap at the first differing position, but do not fail the stage.
 
 from __future__ import annotations
 
+import gc
 import io
 import platform
-from dataclasses import asdict, replace
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,10 +52,14 @@ from ..engines.specdec import (
 from ..errors import VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
-from ..targets.chat import load_tokenizer
-from ..targets.load import load_target
+from ..formats.serving import load_draft_model
+from ..targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
+from ..targets.families import default_layers, family_of
+from ..targets.load import TargetParts, load_target
 from ..utils import atomic_write_bytes, atomic_write_json, log
 from .context import StageContext
+from .eval_sets import EvalItem, by_category, named_items, run_rounds, set_name
+from .eval_vllm import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .online import split_source
 from .train_data import split_ids
 
@@ -93,6 +100,133 @@ def _top2_gap(runner: TargetRunner, tokens: Sequence[int]) -> float:
     return float(top[0] - top[1])
 
 
+class _Decoding:
+    """The target and draft of one evaluation, with its settings: decodes prompts into records."""
+
+    def __init__(self, target: nn.Module, tokenizer: Any, draft: Eagle3Draft, aux_layers: Sequence[int],
+                 ecfg: EvalSection, seed: int, eos_token_ids: Sequence[int] | None, verbose: bool):
+        self.runner = TargetRunner(target, aux_layers)
+        _check_compatible(self.runner, draft, aux_layers)
+        self.drafter = DraftRunner(draft.to(device=self.runner.device, dtype=self.runner.dtype).eval())
+        self.s = SpecSettings.from_eval(ecfg)
+        self.check = self.s.temperature <= 0 and ecfg.lossless_check
+        self.run_plain = ecfg.baseline or self.check
+        self.eos = list(eos_ids(target, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self.tokenizer, self.seed, self.verbose = tokenizer, seed, verbose
+        self.done = 0  # prompts decoded so far: each one's seed is its index
+        self.warm = False
+
+    def warmup(self, prompt: Sequence[int]) -> None:
+        """First calls allocate and pick kernels; keep them out of the timings."""
+        short = replace(self.s, max_new_tokens=min(8, self.s.max_new_tokens))
+        first = [int(t) for t in prompt]
+        speculative_generate(self.runner, self.drafter, first, short, self.eos, torch.Generator().manual_seed(self.seed))
+        if self.run_plain:
+            plain_generate(self.runner, first, short.max_new_tokens, self.s.temperature, self.eos,
+                           torch.Generator().manual_seed(self.seed))
+        self.warm = True
+
+    def decode(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+        records = []
+        for prompt in prompts:
+            records.append(self._one([int(t) for t in prompt], self.done))
+            self.done += 1
+        return records
+
+    def _one(self, prompt: list[int], i: int) -> dict[str, Any]:
+        s, runner = self.s, self.runner
+        g = speculative_generate(runner, self.drafter, prompt, s, self.eos, torch.Generator().manual_seed(self.seed * 1_000_003 + i))
+        stats = acceptance_stats(g.accepted, s.num_positions)
+        rec: dict[str, Any] = {
+            "index": i,
+            "prompt_tokens": len(prompt),
+            "new_tokens": len(g.tokens),
+            "verify_forwards": g.verify_forwards,
+            "tau": stats["tau"],
+            "acceptance_rate": stats["acceptance_rate"],
+            "accepted_per_forward": g.accepted,
+            "seconds": round(g.seconds, 4),
+            "tokens_per_s": len(g.tokens) / g.seconds if g.seconds > 0 else None,
+            "tokens": list(g.tokens),
+        }
+        if self.run_plain:
+            b = plain_generate(runner, prompt, s.max_new_tokens, s.temperature, self.eos,
+                               torch.Generator().manual_seed(self.seed * 1_000_003 + i + 500_000))
+            rec["baseline_new_tokens"] = len(b.tokens)
+            rec["baseline_seconds"] = round(b.seconds, 4)
+            rec["baseline_tokens_per_s"] = len(b.tokens) / b.seconds if b.seconds > 0 else None
+            if rec["tokens_per_s"] and rec["baseline_tokens_per_s"]:
+                rec["speedup"] = rec["tokens_per_s"] / rec["baseline_tokens_per_s"]
+            if self.check:
+                diff = first_difference(g.tokens, b.tokens)
+                rec["lossless"] = diff is None
+                rec["first_mismatch"] = diff
+                if diff is not None:
+                    rec["mismatch"] = {
+                        "speculative": g.tokens[diff] if diff < len(g.tokens) else None,
+                        "target": b.tokens[diff] if diff < len(b.tokens) else None,
+                        "target_top2_logit_gap": _top2_gap(runner, prompt + b.tokens[:diff]),
+                    }
+        if self.tokenizer is not None:
+            rec["text"] = self.tokenizer.decode(g.tokens)
+        if self.verbose:
+            line = f"[eval] prompt {i + 1}: {len(g.tokens)} tokens, tau {_fmt(rec['tau'])}, " \
+                   f"{_fmt(rec['tokens_per_s'], 1)} tok/s"
+            if self.run_plain:
+                line += f" (plain {_fmt(rec.get('baseline_tokens_per_s'), 1)})"
+            if self.check:
+                line += ", lossless" if rec["lossless"] else f", MISMATCH at {rec['first_mismatch']}"
+            log(line)
+        return rec
+
+    def aggregate(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """tau, acceptance per position, speeds and the lossless verdict over `records`."""
+        s = self.s
+        total = acceptance_stats([a for r in records for a in r["accepted_per_forward"]], s.num_positions)
+        taus = [r["tau"] for r in records if r["tau"] is not None]
+        spec_tokens, spec_seconds = sum(r["new_tokens"] for r in records), sum(r["seconds"] for r in records)
+        agg: dict[str, Any] = {
+            "num_prompts": len(records),
+            "new_tokens": int(spec_tokens),
+            "verify_forwards": total["verify_forwards"],
+            "tau": total["tau"],
+            "tau_ceiling": s.num_positions + 1,
+            "tau_mean_over_prompts": float(np.mean(taus)) if taus else None,
+            "acceptance_rate": total["acceptance_rate"],
+            "position_reached": total["position_reached"],
+            "position_accepted": total["position_accepted"],
+            "seconds": round(spec_seconds, 4),
+            "tokens_per_s": spec_tokens / spec_seconds if spec_seconds > 0 else None,
+        }
+        if self.run_plain:
+            plain_tokens = sum(r["baseline_new_tokens"] for r in records)
+            plain_seconds = sum(r["baseline_seconds"] for r in records)
+            agg["baseline_seconds"] = round(plain_seconds, 4)
+            agg["baseline_tokens_per_s"] = plain_tokens / plain_seconds if plain_seconds > 0 else None
+            if agg["tokens_per_s"] and agg["baseline_tokens_per_s"]:
+                agg["speedup"] = agg["tokens_per_s"] / agg["baseline_tokens_per_s"]
+        if self.check:
+            bad = [{"prompt": r["index"], "position": r["first_mismatch"], **r["mismatch"]}
+                   for r in records if not r["lossless"]]
+            agg["lossless"] = not bad
+            agg["mismatches"] = bad
+        return agg
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            **asdict(self.s),
+            "lossless_check": bool(self.check),
+            "baseline": bool(self.run_plain),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.runner.device),
+            "attn_implementation": self.runner.attn_impl,
+            "cache_kwarg": self.runner.cache_kw,
+            "eos_token_ids": self.eos,
+            "seed": self.seed,
+            "versions": _versions(),
+        }
+
+
 def evaluate_draft(
     target: nn.Module,
     tokenizer: Any,
@@ -112,110 +246,42 @@ def evaluate_draft(
 
     The plain decode runs when ecfg.baseline is set, or when the lossless check needs it
     (greedy with ecfg.lossless_check)."""
-    runner = TargetRunner(target, aux_layers)
-    _check_compatible(runner, draft, aux_layers)
-    draft = draft.to(device=runner.device, dtype=runner.dtype).eval()
-    drafter = DraftRunner(draft)
-    s = SpecSettings.from_eval(ecfg)
-    greedy = s.temperature <= 0
-    check = greedy and ecfg.lossless_check
-    run_plain = ecfg.baseline or check
-    eos = list(eos_ids(target, tokenizer) if eos_token_ids is None else eos_token_ids)
-    if warmup and prompts:  # first calls allocate and pick kernels; keep them out of the timings
-        short = replace(s, max_new_tokens=min(8, s.max_new_tokens))
-        first = [int(t) for t in prompts[0]]
-        speculative_generate(runner, drafter, first, short, eos, torch.Generator().manual_seed(seed))
-        if run_plain:
-            plain_generate(runner, first, short.max_new_tokens, s.temperature, eos, torch.Generator().manual_seed(seed))
+    d = _Decoding(target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids, verbose)
+    if warmup and prompts:
+        d.warmup(prompts[0])
+    records = d.decode(prompts)
+    return {"settings": d.settings(), "prompts": records, "aggregate": d.aggregate(records)}
 
-    records, all_accepted = [], []
-    spec_tokens = spec_seconds = plain_tokens = plain_seconds = 0.0
-    for i, prompt in enumerate(prompts):
-        prompt = [int(t) for t in prompt]
-        g = speculative_generate(runner, drafter, prompt, s, eos, torch.Generator().manual_seed(seed * 1_000_003 + i))
-        stats = acceptance_stats(g.accepted, s.num_positions)
-        rec: dict[str, Any] = {
-            "index": i,
-            "prompt_tokens": len(prompt),
-            "new_tokens": len(g.tokens),
-            "verify_forwards": g.verify_forwards,
-            "tau": stats["tau"],
-            "acceptance_rate": stats["acceptance_rate"],
-            "accepted_per_forward": g.accepted,
-            "seconds": round(g.seconds, 4),
-            "tokens_per_s": len(g.tokens) / g.seconds if g.seconds > 0 else None,
-        }
-        all_accepted += g.accepted
-        spec_tokens += len(g.tokens)
-        spec_seconds += g.seconds
-        if run_plain:
-            b = plain_generate(runner, prompt, s.max_new_tokens, s.temperature, eos,
-                               torch.Generator().manual_seed(seed * 1_000_003 + i + 500_000))
-            plain_tokens += len(b.tokens)
-            plain_seconds += b.seconds
-            rec["baseline_seconds"] = round(b.seconds, 4)
-            rec["baseline_tokens_per_s"] = len(b.tokens) / b.seconds if b.seconds > 0 else None
-            if rec["tokens_per_s"] and rec["baseline_tokens_per_s"]:
-                rec["speedup"] = rec["tokens_per_s"] / rec["baseline_tokens_per_s"]
-            if check:
-                diff = first_difference(g.tokens, b.tokens)
-                rec["lossless"] = diff is None
-                rec["first_mismatch"] = diff
-                if diff is not None:
-                    rec["mismatch"] = {
-                        "speculative": g.tokens[diff] if diff < len(g.tokens) else None,
-                        "target": b.tokens[diff] if diff < len(b.tokens) else None,
-                        "target_top2_logit_gap": _top2_gap(runner, prompt + b.tokens[:diff]),
-                    }
-        if tokenizer is not None:
-            rec["text"] = tokenizer.decode(g.tokens)
-        records.append(rec)
-        if verbose:
-            line = f"[eval] prompt {i + 1}/{len(prompts)}: {len(g.tokens)} tokens, tau {_fmt(rec['tau'])}, " \
-                   f"{_fmt(rec['tokens_per_s'], 1)} tok/s"
-            if run_plain:
-                line += f" (plain {_fmt(rec.get('baseline_tokens_per_s'), 1)})"
-            if check:
-                line += ", lossless" if rec["lossless"] else f", MISMATCH at {rec['first_mismatch']}"
-            log(line)
 
-    total = acceptance_stats(all_accepted, s.num_positions)
-    taus = [r["tau"] for r in records if r["tau"] is not None]
-    agg: dict[str, Any] = {
-        "num_prompts": len(records),
-        "new_tokens": int(spec_tokens),
-        "verify_forwards": total["verify_forwards"],
-        "tau": total["tau"],
-        "tau_ceiling": s.num_positions + 1,
-        "tau_mean_over_prompts": float(np.mean(taus)) if taus else None,
-        "acceptance_rate": total["acceptance_rate"],
-        "position_reached": total["position_reached"],
-        "position_accepted": total["position_accepted"],
-        "seconds": round(spec_seconds, 4),
-        "tokens_per_s": spec_tokens / spec_seconds if spec_seconds > 0 else None,
-    }
-    if run_plain:
-        agg["baseline_seconds"] = round(plain_seconds, 4)
-        agg["baseline_tokens_per_s"] = plain_tokens / plain_seconds if plain_seconds > 0 else None
-        if agg["tokens_per_s"] and agg["baseline_tokens_per_s"]:
-            agg["speedup"] = agg["tokens_per_s"] / agg["baseline_tokens_per_s"]
-    if check:
-        bad = [{"prompt": r["index"], "position": r["first_mismatch"], **r["mismatch"]} for r in records if not r["lossless"]]
-        agg["lossless"] = not bad
-        agg["mismatches"] = bad
-    settings = {
-        **asdict(s),
-        "lossless_check": bool(check),
-        "baseline": bool(run_plain),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "device": str(runner.device),
-        "attn_implementation": runner.attn_impl,
-        "cache_kwarg": runner.cache_kw,
-        "eos_token_ids": eos,
-        "seed": seed,
-        "versions": _versions(),
-    }
-    return {"settings": settings, "prompts": records, "aggregate": agg}
+def evaluate_items(
+    target: nn.Module,
+    tokenizer: Any,
+    draft: Eagle3Draft,
+    aux_layers: Sequence[int],
+    items: Sequence[EvalItem],
+    ecfg: EvalSection,
+    render: Callable[[list[dict[str, str]]], list[int]],
+    *,
+    seed: int = 0,
+    warmup: bool = True,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """evaluate_draft over eval items, turn by turn (eaglet/stages/eval_sets.py): a later turn is
+    asked after the target's own answers (the speculative output, which greedy decoding keeps
+    equal to the target's). Adds "by_category" when the items have categories."""
+    d = _Decoding(target, tokenizer, draft, aux_layers, ecfg, seed, None, verbose)
+
+    def decode(prompts: list[list[int]], _items: list[EvalItem]) -> list[tuple[list[int], dict[str, Any]]]:
+        if warmup and not d.warm and prompts:
+            d.warmup(prompts[0])
+        return [(r["tokens"], r) for r in d.decode(prompts)]
+
+    records = run_rounds(items, render, lambda t: tokenizer.decode(t, skip_special_tokens=True), decode)
+    result = {"settings": d.settings(), "prompts": records, "aggregate": d.aggregate(records)}
+    groups = by_category(records)
+    if groups:
+        result["by_category"] = {c: d.aggregate(rs) for c, rs in groups.items()}
+    return result
 
 
 def _check_compatible(runner: TargetRunner, draft: Eagle3Draft, aux_layers: Sequence[int]) -> None:
@@ -277,36 +343,72 @@ def heldout_prompts(data: PreparedData, split_sample_ids: np.ndarray, eval_fract
 # ---- plot -------------------------------------------------------------------------------------
 
 
-def plot_eval(result: dict[str, Any]) -> bytes:
-    """eval.png: acceptance rate per draft position, and tau per prompt."""
+def plot_eval(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> bytes:
+    """eval.png. Left: acceptance at each draft position (accepted when reached), with how often
+    each position was reached, against the untrained reference and vLLM's figures when there.
+    Right: tau per category (or per prompt), on an axis that starts at 1 (no draft token
+    accepted), with the untrained reference and the ceiling."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     agg, recs, st = result["aggregate"], result["prompts"], result["settings"]
-    fig = Figure(figsize=(11, 4), dpi=110)
+    ref = result.get("reference")
+    fig = Figure(figsize=(12, 4.4), dpi=110)
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
     rates = [r if r is not None else 0.0 for r in agg["acceptance_rate"]]
-    bars = ax1.bar(range(1, len(rates) + 1), rates, color="tab:blue")
-    labels = [f"{r:.2f}\nof {n}" if n else "not\nreached" for r, n in zip(rates, agg["position_reached"])]
-    ax1.bar_label(bars, labels=labels, fontsize=8)
-    ax1.set_xlabel("draft position")
+    pos = np.arange(1, len(rates) + 1)
+    width = 0.4 if vllm else 0.7
+    bars = ax1.bar(pos - (width / 2 if vllm else 0), rates, width, color="tab:blue", label="eaglet (in process)")
+    forwards = max(1, agg["verify_forwards"])
+    labels = [f"{r:.2f}\n{n / forwards:.0%}" if n else "not\nreached" for r, n in zip(rates, agg["position_reached"])]
+    ax1.bar_label(bars, labels=labels, fontsize=7)
+    if vllm:
+        vr = [r if r is not None else 0.0 for r in vllm["acceptance"]["acceptance_rate"]][: len(rates)]
+        ax1.bar(pos[: len(vr)] + width / 2, vr, width, color="tab:orange", label="vLLM")
+    if ref:
+        rr = [r if r is not None else 0.0 for r in ref["acceptance_rate"]]
+        ax1.plot(pos[: len(rr)], rr, "k_", markersize=18, mew=2, label="untrained draft")
+    ax1.set_xlabel("draft position (label: acceptance, and the share of verifications that reached it)")
     ax1.set_ylabel("accepted / reached")
-    ax1.set_ylim(0, 1.15)
-    ax1.set_xticks(range(1, len(rates) + 1))
-    ax1.set_title("acceptance rate per draft position")
-    taus = [r["tau"] or 0.0 for r in recs]
-    ax2.bar(range(len(taus)), taus, color="tab:green")
+    ax1.set_ylim(0, 1.2)
+    ax1.set_xticks(pos)
+    ax1.legend(loc="upper right", fontsize=7)
+    ax1.set_title("acceptance per draft position")
+
+    ceiling = agg["tau_ceiling"]
+    cats = result.get("by_category")
+    if cats:
+        names = list(cats)
+        values = [cats[c]["tau"] or 1.0 for c in names]
+        xs = np.arange(len(names))
+        ax2.bar(xs - (0.2 if vllm else 0), [v - 1 for v in values], 0.4 if vllm else 0.7, bottom=1, color="tab:green",
+                label="eaglet")
+        if vllm and vllm.get("by_category"):
+            vv = [(vllm["by_category"].get(c) or {}).get("mean_acceptance_length") or 1.0 for c in names]
+            ax2.bar(xs + 0.2, [v - 1 for v in vv], 0.4, bottom=1, color="tab:orange", label="vLLM")
+        ax2.set_xticks(xs, names, rotation=30, fontsize=8)
+        ax2.set_xlabel("category")
+    else:
+        taus = [r["tau"] or 1.0 for r in recs]
+        ax2.bar(range(len(taus)), [t - 1 for t in taus], bottom=1, color="tab:green", label="eaglet, per prompt")
+        ax2.set_xlabel("prompt")
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     if agg["tau"] is not None:
-        ax2.axhline(agg["tau"], color="k", linestyle="--", label=f"overall tau {agg['tau']:.2f}")
-    ax2.axhline(agg["tau_ceiling"], color="tab:red", linestyle=":", label=f"ceiling {agg['tau_ceiling']}")
-    ax2.set_xlabel("prompt")
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax2.set_ylabel("tau (tokens / verification)")
-    ax2.legend(loc="lower right", fontsize=8)
+        ax2.axhline(agg["tau"], color="k", linestyle="--", label=f"eaglet overall {agg['tau']:.2f}")
+    if vllm and vllm["acceptance"].get("mean_acceptance_length"):
+        ax2.axhline(vllm["acceptance"]["mean_acceptance_length"], color="tab:orange", linestyle="--",
+                    label=f"vLLM overall {vllm['acceptance']['mean_acceptance_length']:.2f}")
+    if ref and ref.get("tau") is not None:
+        ax2.axhline(ref["tau"], color="tab:gray", linestyle="-.", label=f"untrained draft {ref['tau']:.2f}")
+    top = max([agg["tau"] or 1.0] + [r["tau"] or 1.0 for r in recs]) if not cats else max(
+        [c["tau"] or 1.0 for c in cats.values()])
+    ax2.set_ylim(1, min(ceiling, top) * 1.15 + 0.05)
+    ax2.set_ylabel(f"tau (tokens / verification; ceiling {ceiling})")
+    ax2.legend(loc="upper right", fontsize=7)
     speed = f", speedup {agg['speedup']:.2f}x" if agg.get("speedup") else ""
-    ax2.set_title(f"tau per prompt ({st['method']}, T={st['temperature']}{speed})")
+    ax2.set_title(f"tau ({result.get('prompt_set', 'heldout')}, {st['method']}, T={st['temperature']}{speed})")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -316,49 +418,143 @@ def plot_eval(result: dict[str, Any]) -> bytes:
 # ---- the stage --------------------------------------------------------------------------------
 
 
-def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> tuple[list[tuple[int, list[int]]], Eagle3Draft, list[int], Any, Any, dict[str, Any], str]:
-    """(held-out prompts as (sample id, tokens), trained draft, aux layers, target, tokenizer,
-    target info, dtype) for an evaluation over the run whose stage folders are `upstream`."""
+@dataclass
+class EvalInputs:
+    items: list[EvalItem]
+    draft: Eagle3Draft
+    aux_layers: list[int]
+    target: Any
+    tokenizer: Any
+    info: dict[str, Any]
+    dtype: str
+    render: Callable[[list[dict[str, str]]], list[int]]
+    draft_source: str  # the final/ folder or the export folder the draft came from
+
+
+def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> EvalInputs:
+    """The prompt set, draft, target and tokenizer of an evaluation over the run whose stage
+    folders are `upstream` (the draft: eval.draft, else the run's trained one)."""
     ecfg = cfg.eval
-    data = PreparedData(upstream["prepare"])
-    # Split the ids that training split (the extract store's, which may lack set-aside
-    # samples), so that the held-out prompts are exactly the ones training never saw.
-    split_ids_from = data.sample_ids
-    if "extract" in upstream:
-        split_ids_from = split_source(upstream)
-    if cfg.train.eval_fraction <= 0:
-        raise ValueError("eval needs held-out prompts: train.eval_fraction is 0")
-    named = heldout_prompts(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed, ecfg.num_prompts)
-    if not named:
-        raise ValueError("eval: no held-out sample has a prompt before its first assistant turn")
-    draft, aux_layers = load_final(upstream["train"] / FINAL_DIR)
+
+    def heldout() -> list[tuple[int, list[int]]]:
+        data = PreparedData(upstream["prepare"])
+        # Split the ids that training split (the extract store's, which may lack set-aside
+        # samples), so that the held-out prompts are exactly the ones training never saw.
+        split_ids_from = split_source(upstream) if "extract" in upstream else data.sample_ids
+        if cfg.train.eval_fraction <= 0:
+            raise ValueError("eval needs held-out prompts: train.eval_fraction is 0")
+        named = heldout_prompts(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed, ecfg.num_prompts)
+        if not named:
+            raise ValueError("eval: no held-out sample has a prompt before its first assistant turn")
+        return named
+
+    items = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
     dtype = resolve_eval_dtype(ecfg)
     target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
     tokenizer = load_tokenizer(cfg.target)
-    return named, draft, list(aux_layers), target, tokenizer, info, dtype
+    template = resolve_chat_template(tokenizer, cfg.target)
+    if ecfg.draft:
+        draft, aux_layers, source = _exported_draft(ecfg.draft, target)
+    else:
+        source = str(upstream["train"] / FINAL_DIR)
+        draft, aux_layers = load_final(upstream["train"] / FINAL_DIR)
+    return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype,
+                      lambda messages: generation_prompt(tokenizer, template, messages), source)
+
+
+def _exported_draft(path: str, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
+    """An export folder's draft, with the target's (scaled) embedding where the export has none."""
+    parts = TargetParts.of(target)
+    fam = family_of(target.config)
+    scale = fam.scales(target.config)[0] if fam is not None else 1.0
+    draft, meta = load_draft_model(path, embed=parts.embed_tokens.weight.detach().float().cpu() * scale)
+    aux = meta.get("aux_layer_ids") or default_layers(parts.num_layers)
+    return draft, list(aux), str(path)
+
+
+def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
+    """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
+    vocabulary maps: the floor a trained draft is compared with."""
+    torch.manual_seed(seed)
+    untrained = Eagle3Draft(trained.config)
+    untrained.reset_parameters()
+    with torch.no_grad():
+        for name in ("embed_tokens.weight", "d2t", "t2d"):
+            untrained.state_dict()[name].copy_(trained.state_dict()[name])
+    return untrained
+
+
+def setting_key(ecfg: EvalSection, engine: str = "eaglet") -> str:
+    """The name of one setting's result file: prompt set, drafting, temperature, engine."""
+    draft = f"chain{ecfg.chain_tokens}" if ecfg.method == "chain" else \
+        f"tree{ecfg.tree_top_k}x{ecfg.tree_depth}-{ecfg.tree_total_tokens}"
+    temp = "greedy" if ecfg.temperature <= 0 else f"t{ecfg.temperature:g}"
+    return f"{set_name(ecfg.prompts)}-{draft}-{temp}" + ("" if engine == "eaglet" else f"-{engine}")
 
 
 def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     ecfg = cfg.eval
-    named, draft, aux_layers, target, tokenizer, info, dtype = eval_inputs(cfg, ctx.upstream)
-    log(f"[eval] {len(named)} prompts, {ecfg.method}, T={ecfg.temperature}, {dtype} on {info['device']}")
-    result = evaluate_draft(target, tokenizer, draft, aux_layers, [p for _, p in named], ecfg, seed=cfg.run.seed)
-    for rec, (sid, _) in zip(result["prompts"], named):
-        rec["sample_id"] = sid
-    result["target"] = info
-    result["aux_layers"] = list(aux_layers)
-    atomic_write_json(ctx.out_dir / EVAL_JSON, result)
-    atomic_write_bytes(ctx.out_dir / EVAL_PNG, plot_eval(result))
+    inp = eval_inputs(cfg, ctx.upstream)
+    log(f"[eval] {len(inp.items)} prompts ({ecfg.prompts}), {ecfg.method}, T={ecfg.temperature}, "
+        f"{inp.dtype} on {inp.info['device']}")
+    result = evaluate_items(inp.target, inp.tokenizer, inp.draft, inp.aux_layers, inp.items, ecfg, inp.render,
+                            seed=cfg.run.seed)
+    for rec in result["prompts"]:
+        if rec["item"].startswith("sample "):
+            rec["sample_id"] = int(rec["item"].split()[1])
+    result.update(target=inp.info, aux_layers=list(inp.aux_layers), prompt_set=ecfg.prompts, draft=inp.draft_source,
+                  draft_input_hash=ctx.input_hash)
+    if ecfg.reference_prompts:
+        firsts = [it for it in inp.items][: ecfg.reference_prompts]
+        quiet = replace(ecfg, baseline=False, lossless_check=False)
+        log(f"[eval] the untrained reference draft on {len(firsts)} prompts")
+        ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
+                             [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
+                             verbose=False)
+        result["reference"] = {"draft": "untrained, same shape", **ref["aggregate"]}
+    key = setting_key(ecfg)
+    _write_result(ctx.out_dir, key, result)
+
+    vllm = None
+    if want_vllm(ecfg):
+        del inp.target
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        vllm = run_vllm_eval(cfg, ctx, inp, result)
+        _write_result(ctx.out_dir, setting_key(ecfg, "vllm"), vllm, plot=False)
+        atomic_write_bytes(ctx.out_dir / f"{key}.png", plot_eval(result, vllm))
+        atomic_write_bytes(ctx.out_dir / EVAL_PNG, plot_eval(result, vllm))
 
     agg = result["aggregate"]
     if agg.get("lossless") is False:
         first = agg["mismatches"][0]
-        where = f"prompt {first['prompt']} (sample {result['prompts'][first['prompt']]['sample_id']}) at new token " \
+        where = f"prompt {first['prompt']} ({result['prompts'][first['prompt']]['item']}) at new token " \
                 f"{first['position']} (target top-2 logit gap {first['target_top2_logit_gap']:.3g})"
-        if dtype == "float32":
+        if inp.dtype == "float32":
             raise LosslessError(f"lossless check failed in {len(agg['mismatches'])} prompt(s); first: {where}; "
                                 f"see {ctx.out_dir / EVAL_JSON}")
-        log(f"[eval] WARNING: greedy outputs differ in {len(agg['mismatches'])} prompt(s) in {dtype} "
+        log(f"[eval] WARNING: greedy outputs differ in {len(agg['mismatches'])} prompt(s) in {inp.dtype} "
             f"(first: {where}); expected from rounding near ties, checked strictly only in float32")
-    return {k: agg.get(k) for k in ("num_prompts", "new_tokens", "verify_forwards", "tau", "tau_ceiling",
-                                     "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")}
+    stats = {k: agg.get(k) for k in ("num_prompts", "new_tokens", "verify_forwards", "tau", "tau_ceiling",
+                                      "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")}
+    stats["result"] = f"{key}.json"
+    if "reference" in result:
+        stats["reference_tau"] = result["reference"]["tau"]
+    if "by_category" in result:
+        stats["tau_by_category"] = {c: a["tau"] for c, a in result["by_category"].items()}
+    if vllm is not None:
+        stats["vllm"] = vllm_stats(vllm)
+        check_agreement(vllm, ctx.out_dir / f"{setting_key(ecfg, 'vllm')}.json")
+    return stats
+
+
+def _write_result(out_dir: Path, key: str, result: dict[str, Any], plot: bool = True) -> None:
+    """One result file per setting (`<key>.json`, kept when another setting runs), and the
+    latest in-process result also as eval.json / eval.png."""
+    atomic_write_json(out_dir / f"{key}.json", result)
+    if plot:
+        png = plot_eval(result)
+        atomic_write_bytes(out_dir / f"{key}.png", png)
+        atomic_write_json(out_dir / EVAL_JSON, result)
+        atomic_write_bytes(out_dir / EVAL_PNG, png)

@@ -274,3 +274,9 @@ def _render_empty(tokenizer: Any, template: str, add_generation_prompt: bool = F
         **tokenizer.special_tokens_map,
     )
     return rendered[0]
+
+
+def generation_prompt(tokenizer: Any, template: str, conv: list[Message]) -> list[int]:
+    """The token ids the target answers `conv` from: its chat template with the generation prompt."""
+    text = tokenizer.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

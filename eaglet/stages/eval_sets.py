@@ -1,0 +1,139 @@
+"""What `eaglet eval` decodes (`eval.prompts`), and the turn-by-turn loop over it.
+
+    heldout    the training run's held-out samples, each cut where its first assistant turn
+               starts (the default; the prompts training never saw)
+    mt_bench   the 80 MT-bench questions (writing, roleplay, reasoning, math, coding,
+               extraction, stem, humanities: 10 each), two user turns each; the second is
+               asked after the target's own answer to the first
+    PATH       a file of conversations in any format prepare reads: the last user turn is the
+               prompt, the messages before it (as the file has them) its context
+
+Each prompt is an `EvalItem`. `run_rounds` decodes every item's first turn, then every second
+turn with the answers of the first in the conversation, and so on, with any decoder: the
+in-process eval (eaglet/stages/evaluate.py) and the vLLM eval (eaglet/stages/eval_vllm.py)
+use it alike, so both ask the same questions the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..formats.datasets import (
+    RecordError,
+    iter_records,
+    mt_bench_questions,
+    normalize_record,
+)
+
+HELDOUT, MT_BENCH = "heldout", "mt_bench"
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    key: str  # names the prompt in results and errors: "sample 17", "mt_bench 81", "file.jsonl row 3"
+    category: str | None = None
+    context: tuple[Message, ...] = ()  # messages before the first turn asked
+    asks: tuple[str, ...] = ()  # user turns, asked in order, each after the target's answer to the one before
+    tokens: tuple[int, ...] | None = None  # a prompt already rendered (the held-out split): one turn
+
+    @property
+    def turns(self) -> int:
+        return 1 if self.tokens is not None else len(self.asks)
+
+    def messages(self, answers: Sequence[str], turn: int) -> list[Message]:
+        """The conversation that asks turn `turn` (0-based), with the target's earlier answers."""
+        out = list(self.context)
+        for i in range(turn + 1):
+            out.append({"role": "user", "content": self.asks[i]})
+            if i < turn:
+                out.append({"role": "assistant", "content": answers[i]})
+        return out
+
+
+def set_name(spec: str) -> str:
+    """A short name for eval.prompts, used in result file names."""
+    return spec if spec in (HELDOUT, MT_BENCH) else Path(spec).stem
+
+
+def heldout_items(named: Sequence[tuple[int, Sequence[int]]]) -> list[EvalItem]:
+    return [EvalItem(key=f"sample {sid}", tokens=tuple(int(t) for t in p)) for sid, p in named]
+
+
+def mt_bench_items(limit: int | None = None, cache: Path | None = None) -> list[EvalItem]:
+    qs = mt_bench_questions(cache)[:limit]
+    return [EvalItem(key=f"mt_bench {q['id']}", category=q["category"], asks=tuple(q["turns"])) for q in qs]
+
+
+def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto", multimodal: str = "drop") -> list[EvalItem]:
+    """The first `limit` conversations of `path` that have a user turn; a record that cannot be
+    read is an InputError naming the file and row."""
+    out: list[EvalItem] = []
+    for row, rec in iter_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            messages = normalize_record(rec, fmt, multimodal, need_assistant=False)
+        except RecordError as e:
+            raise InputError(f"eval.prompts: {path} row {row}: {e}",
+                             fix="fix or remove that record (eval reads every record it uses)") from None
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            continue
+        last = users[-1]
+        out.append(EvalItem(key=f"{Path(path).name} row {row}", context=tuple(messages[:last]),
+                            asks=(messages[last]["content"],)))
+    if not out:
+        raise InputError(f"eval.prompts: {path} has no conversation with a user turn")
+    return out
+
+
+def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int, Sequence[int]]]],
+                fmt: str = "auto", multimodal: str = "drop") -> list[EvalItem]:
+    """The items eval.prompts names; `heldout` gives the held-out (sample id, tokens) on demand."""
+    if spec == HELDOUT:
+        return heldout_items(heldout())
+    if spec == MT_BENCH:
+        return mt_bench_items(limit)
+    if not Path(spec).is_file():
+        raise InputError(f"eval.prompts: {spec!r} is neither 'heldout', 'mt_bench' nor a file",
+                         fix="set eval.prompts to heldout, mt_bench or the path of a conversations file")
+    return file_items(spec, limit, fmt, multimodal)
+
+
+Decoder = Callable[[list[list[int]], list[EvalItem]], list[tuple[list[int], dict[str, Any]]]]
+
+
+def run_rounds(items: Sequence[EvalItem], render: Callable[[list[Message]], list[int]],
+               text: Callable[[list[int]], str], decode: Decoder) -> list[dict[str, Any]]:
+    """Every item's turns, round by round: `decode(prompts, items)` returns (new tokens, record)
+    per prompt; each record gets the item's key, category and turn (1-based) and the prompt, and
+    the answer (`text` of the new tokens) goes into that item's next prompt."""
+    answers: list[list[str]] = [[] for _ in items]
+    records: list[dict[str, Any]] = []
+    for turn in range(max((it.turns for it in items), default=0)):
+        todo = [i for i, it in enumerate(items) if it.turns > turn]
+        prompts = [list(items[i].tokens) if items[i].tokens is not None
+                   else render(items[i].messages(answers[i], turn)) for i in todo]
+        decoded = decode(prompts, [items[i] for i in todo])
+        for i, prompt, (tokens, rec) in zip(todo, prompts, decoded):
+            answers[i].append(text(tokens))
+            rec.update({"item": items[i].key, "category": items[i].category, "turn": turn + 1,
+                        "prompt_token_ids": prompt})
+            records.append(rec)
+    return records
+
+
+def by_category(records: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Records grouped by category (in first-seen order); none when no record has one."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("category") is not None:
+            out.setdefault(r["category"], []).append(r)
+    return out
