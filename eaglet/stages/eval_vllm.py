@@ -60,17 +60,18 @@ def want_vllm(ecfg: EvalSection) -> bool:
     return not missing
 
 
-def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[str, Any]) -> dict[str, Any]:
+def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[str, Any] | None) -> dict[str, Any]:
     """The vLLM eval of `inp` (evaluate.EvalInputs; its target already freed) against the
-    in-process `eaglet_result`. Returns the JSON-able result."""
+    in-process `eaglet_result` (None: not run, no agreement check). Returns the JSON-able result."""
     ecfg = cfg.eval
     folder = ecfg.draft or str(ctx.upstream["export"] / "vllm")
     k, n_new = ecfg.chain_tokens, ecfg.max_new_tokens
     sizes = sorted(set(ecfg.vllm_batch_sizes))
     big = sizes[-1]
-    longest = max(len(r["prompt_token_ids"]) for r in eaglet_result["prompts"])
+    firsts = [list(it.tokens) if it.tokens is not None else inp.render(it.messages([], 0)) for it in inp.items]
     turns = max(it.turns for it in inp.items)
-    engine = {"target": cfg.target.path, "max_model_len": longest + turns * n_new + 256 + k,
+    # a later turn adds the answer (<= n_new) and the next question (taken as <= 1024 tokens)
+    engine = {"target": cfg.target.path, "max_model_len": max(map(len, firsts)) + turns * n_new + (turns - 1) * 1024 + k + 8,
               "dtype": inp.dtype if inp.dtype != "float32" else "auto", "tokenizer": cfg.target.tokenizer,
               "trust_remote_code": cfg.target.trust_remote_code, "revision": cfg.target.revision,
               "engine_args": dict(ecfg.vllm_engine_args)}
@@ -123,14 +124,20 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
         "acceptance": acc, "acceptance_batch": sizes[0],
         "acceptance_by_batch": {f"batch_{b}": runs[f"draft_b{b}"][2].summary() for b in sizes},
         "speed": speed, "greedy_identity": identity,
-        "agreement": agreement(eaglet_result["aggregate"], acc, ecfg.vllm_tolerance,
-                               eaglet_dtype=eaglet_result["settings"]["dtype"], vllm_dtype=engine["dtype"]),
+        "agreement": None if eaglet_result is None else agreement(
+            eaglet_result["aggregate"], acc, ecfg.vllm_tolerance, eaglet_dtype=eaglet_result["settings"]["dtype"],
+            vllm_dtype=engine["dtype"]),
         "prompts": [{"item": r["item"], "category": r["category"], "turn": r["turn"],
                      "new_tokens": len(runs[f"draft_b{sizes[0]}"][0][i]),
                      "text": text(runs[f"draft_b{sizes[0]}"][0][i])} for i, r in enumerate(records)],
     }
     if len(by_cat) > 1 or "all" not in by_cat:
         result["by_category"] = {c: v.summary() for c, v in by_cat.items()}
+        if eaglet_result is not None and "by_category" in eaglet_result:
+            result["agreement_by_category"] = {
+                c: {"eaglet_tau": eaglet_result["by_category"].get(c, {}).get("tau"),
+                    "vllm_mean_acceptance_length": v["mean_acceptance_length"]}
+                for c, v in result["by_category"].items()}
     return result
 
 
@@ -200,9 +207,9 @@ def check_agreement(result: dict[str, Any], path: Path) -> None:
 
 def vllm_stats(result: dict[str, Any]) -> dict[str, Any]:
     """The vLLM eval's figures for the stage manifest."""
-    a = result["agreement"]
-    return {"mean_acceptance_length": a["vllm_mean_acceptance_length"], "eaglet_tau": a["eaglet_tau"],
-            "relative_difference": a["relative_difference"], "agreement_ok": a["ok"],
+    a = result["agreement"] or {}
+    return {"mean_acceptance_length": result["acceptance"]["mean_acceptance_length"], "eaglet_tau": a.get("eaglet_tau"),
+            "relative_difference": a.get("relative_difference"), "agreement_ok": a.get("ok"),
             "acceptance_rate": result["acceptance"]["acceptance_rate"],
             "speedup": {b: s["speedup"] for b, s in result["speed"].items()},
             "identical": {c: f"{r['identical']}/{r['of']}" for c, r in result["greedy_identity"].items()},

