@@ -25,8 +25,7 @@ from eaglet.config import EvalSection, TargetSection
 from eaglet.formats.datasets import RecordError, iter_records, normalize_record
 from eaglet.formats.draft import load_final
 from eaglet.stages.evaluate import evaluate_draft
-from eaglet.stages.regenerate import generation_prompt
-from eaglet.targets.chat import load_tokenizer, resolve_chat_template
+from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
 

@@ -3,6 +3,7 @@
 #   bash bench/engine_eval.sh PHASE WORK TARGET DATA [STEPS]
 # PHASE train: prepare, online extract, vocab, train (STEPS, default 1200) and export a draft of
 #   TARGET on DATA (a chat dataset file) into WORK/run;
+# PHASE prepare: prepare alone (for an eval of a draft from elsewhere, EVAL_SETS="--set eval.draft=DIR");
 # PHASE heldout: `eaglet eval` of that draft on 32 held-out prompts, in process and in vLLM
 #   (eval.vllm=on: acceptance, speed at batch 1 and 16, greedy identity, agreement);
 # PHASE mt_bench: the vLLM eval alone (eval.in_process=false) on the 80 MT-bench questions.
@@ -26,6 +27,7 @@ S=(--set "run.dir=$W/run" --set "target.path=$T" --set "prepare.data=[$D]"
 E=(${EVAL_SETS:-})
 C="$W/config.yaml"; [ -f "$C" ] || echo "{}" > "$C"  # every setting is given here
 case $PHASE in
+  prepare) python3 -m eaglet.cli prepare "$C" "${S[@]}" ;;
   train) python3 -m eaglet.cli run "$C" --until export "${S[@]}" ;;
   heldout) python3 -m eaglet.cli eval "$C" "${S[@]}" --set eval.vllm=on --set eval.num_prompts=32 "${E[@]}" ;;
   mt_bench) python3 -m eaglet.cli eval "$C" "${S[@]}" --set eval.vllm=on --set eval.in_process=false \

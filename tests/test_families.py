@@ -170,7 +170,7 @@ def test_doctor_shadow_run_and_training(tmp_path, assets, key, remote, monkeypat
     folder = _target(assets, key, remote)
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={folder}", "target.dtype=float32",
                              f"target.trust_remote_code={str(remote).lower()}", f"prepare.data=[{assets['data']}]",
-                             "vocab.size=128", "train.ttt_steps=2"])
+                             "vocab.size=128", "train.ttt_steps=2", "export.verifier_name_or_path=org/tiny-target"])
     lines: list[str] = []
     rc = run_doctor(cfg, out=lines.append, more=partial(shadow_findings, keep=tmp_path / "shadow"))
     text = "\n".join(lines)

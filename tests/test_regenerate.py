@@ -183,7 +183,8 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
     """Prompts of very different lengths, two per call: each call's static cache is sized to its
     own prompts (transformers alone would keep the first, longest call's size for all), and the
     replies are the growing cache's."""
-    from eaglet.stages.regenerate import batched_generate, generation_prompt, static_cache_len
+    from eaglet.stages.regenerate import batched_generate, static_cache_len
+    from eaglet.targets.chat import generation_prompt
     from eaglet.engines.specdec import cache_kwarg
 
     model, tok = tiny.build_model(), tiny.build_tokenizer()

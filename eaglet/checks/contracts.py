@@ -100,7 +100,8 @@ def continuous_regenerate(cfg: Config) -> bool:
 
 
 def padded_regenerate(cfg: Config) -> bool:
-    return not continuous_regenerate(cfg)
+    """regenerate.engine generate or auto (engine openai runs no model here)."""
+    return cfg.regenerate.engine in ("auto", "generate")
 
 
 def static_cache_regenerate(cfg: Config) -> bool:

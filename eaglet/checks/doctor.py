@@ -139,6 +139,24 @@ def check_paths(p: Probe) -> None:
     p.add("info", "paths", "each path of the config as eaglet reads it", "; ".join(shown) or "none set")
 
 
+def check_export_verifier(p: Probe) -> None:
+    """The target as the vLLM export names it (speculators_config.verifier.name_or_path), which
+    `vllm serve EXPORT` and speculators load: a local absolute path resolves on this machine only."""
+    e = p.cfg.export
+    if "vllm" not in e.formats:
+        return
+    if e.verifier_name_or_path:  # set: the name the user means the server to use
+        p.add("ok", "export verifier", "the target as the serving machine names it", e.verifier_name_or_path)
+    elif Path(p.cfg.target.path).is_absolute():
+        p.add("warn", "export verifier", "the target as the serving machine names it (a hub id)",
+              f"the vLLM export would name the target by the local path {p.cfg.target.path}, which a server "
+              "elsewhere cannot resolve",
+              "set export.verifier_name_or_path to the target's hub id (or its path on the server)")
+    else:
+        p.add("ok", "export verifier", "the target as the serving machine names it",
+              f"target.path {p.cfg.target.path or '(not set)'}")
+
+
 def check_target_config(p: Probe) -> None:
     if p.stage == "train" and not streaming(p.cfg):
         return  # train reads the target's config from the store, except when it streams
@@ -766,6 +784,7 @@ _TARGET = ("prepare", "extract", "eval", "regenerate")
 CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_versions, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_paths, ()),
+    (check_export_verifier, ()),
     (check_target_config, (*_TARGET, "train")),
     (check_tokenizer, _TARGET),
     (check_architecture, ("extract", "eval", "train")),

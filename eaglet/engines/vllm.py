@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from ..config import Config
 from ..errors import VerificationError
+from .openai import api_key_from_env, auth_headers, redact
 
 METHOD = "extract_hidden_states"
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -208,28 +209,42 @@ class LocalEngine:
         """Stop the engine core and its workers now, so that the GPU memory they hold is free for
         what this process runs next (training, after an offline extract): dropping the LLM object
         leaves that to the garbage collector."""
-        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        shutdown = getattr(core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        stop_llm(self.llm)
         del self.llm
         gc.collect()
 
 
+def stop_llm(llm: Any) -> None:
+    """Stop a vllm.LLM's engine core and its workers now (dropping the object leaves that to the
+    garbage collector, and the GPU memory they hold with it)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
 class ServerEngine:
     """A vLLM OpenAI-compatible server started with eaglet's serve command (doctor prints it).
-    One completion request per sample (the response carries one hidden_states_path)."""
+    One completion request per sample (the response carries one hidden_states_path).
+    `api_key_env`: the environment variable holding the key of a server started with --api-key
+    (extract.vllm_server_api_key_env), read here, in the process that sends the requests."""
 
-    def __init__(self, url: str, in_flight: int, timeout: float = 3600.0):
+    def __init__(self, url: str, in_flight: int, timeout: float = 3600.0, api_key_env: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
+        self._key = api_key_from_env(api_key_env, "extract.vllm_server_api_key_env")
         self.version = server_version(self.url)
         self.model = self._get("/v1/models")["data"][0]["id"]
         self.threads = max(1, min(in_flight, MAX_HTTP_THREADS))
         self.read, self.discard = _connector_helpers()
 
     def _get(self, route: str) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + route, timeout=60) as r:
-            return json.loads(r.read())
+        req = urllib.request.Request(self.url + route, headers=auth_headers(self._key))
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {self.url}{route}: HTTP {e.code} "
+                               f"{redact(e.read().decode(errors='replace'), self._key)[:500]}") from None
 
     def _post(self, sid: int, ids: np.ndarray, prompt_logprobs: int | None) -> Result:
         body: dict[str, Any] = {"model": self.model, "prompt": [int(i) for i in ids], "max_tokens": 1,
@@ -237,13 +252,13 @@ class ServerEngine:
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers(self._key)})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 out = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"vLLM server {self.url} refused sample {sid}: HTTP {e.code} "
-                               f"{e.read().decode(errors='replace')[:500]}") from e
+                               f"{redact(e.read().decode(errors='replace'), self._key)[:500]}") from None
         path = _states_path(out.get("kv_transfer_params"), sid)
         await_states(path, sid)
         return Result(sid, path, out["choices"][0].get("prompt_logprobs"))

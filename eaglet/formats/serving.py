@@ -13,7 +13,8 @@ Formats
 "vllm": the speculators format (speculators 0.9.0 `Eagle3SpeculatorConfig`, served by vLLM
     through vllm/transformers_utils/configs/speculators). config.json: speculators_model_type
     "eagle3", architectures ["Eagle3Speculator"], transformer_layer_config (a LlamaConfig dict:
-    the draft's sizes, vocab_size = the target's vocabulary), draft_vocab_size,
+    the draft's sizes, vocab_size = the target's vocabulary, num_aux_hidden_states = num_aux,
+    which vLLM sizes fc by: it does not count the top-level ids), draft_vocab_size,
     target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual,
     norm_before_fc (always false), fc_norm, norm_output, embed_requires_grad,
     speculators_config {algorithm, proposal_methods [greedy, speculative_tokens k],
@@ -28,11 +29,14 @@ Formats
     config.json: a flat LlamaConfig with num_hidden_layers 1, draft_vocab_size,
     target_hidden_size, eagle_config {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}.
     Layer 0 is named `midlayer.*`; fc, norm, lm_head, d2t, t2d, embed_tokens (optional) keep
-    their names. SGLang's Eagle3 module has one EAGLE-3 layer (its extra layers drop the
-    residual and use hidden_norm as the input norm), a fixed 3-state fc without norms, no
-    attention bias, residual = un-normed h and feeds the pre-norm state to the next step:
-    drafts using num_layers > 1, fc_norm, norm_output, norm_before_residual, attention_bias
-    or num_aux != 3 are refused for this format.
+    their names. eaglet writes the form SGLang's loader has long read: one EAGLE-3 layer, a
+    3-state fc without norms, no attention bias, residual = un-normed h, the pre-norm state fed
+    to the next step. Drafts using num_layers > 1, fc_norm, norm_output, norm_before_residual,
+    attention_bias or num_aux != 3 are refused for this format (older SGLang releases skip the
+    weights of these without a word; 0.5.23 reads fc_norm, norm_output and the state count,
+    but names a later layer's input norm hidden_norm).
+Checked: eaglet/formats/serving_engines.py holds each engine's loader as data (pinned
+    releases) and the checks the export stage runs on both formats.
 Both: d2t/t2d are left out when the draft vocabulary is the whole target vocabulary (the maps
     are then the identity; speculators registers no such buffers then); embed_tokens is left
     out unless include_embed (the engines share the target's, which eaglet's frozen copy is).
@@ -233,7 +237,8 @@ def _speculators_config(
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": llama_fields(cfg, dtype_name),
+        # vLLM sizes fc by num_aux_hidden_states (else 3), not by the top-level ids' count
+        "transformer_layer_config": {**llama_fields(cfg, dtype_name), "num_aux_hidden_states": cfg.num_aux},
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": ids,

@@ -5,11 +5,20 @@
 Reads the trained draft (`<train>/final/`, eaglet/formats/draft.py) and writes each format of
 `export.formats` into `<export>/<format>/` (eaglet/formats/serving.py says what each holds).
 Every export is then read back through the same reader `train.init_from` uses and must give
-the trained draft's logits (within bf16 rounding for a bf16 export), or the stage fails.
+the trained draft's logits (within bf16 rounding for a bf16 export), and must hold exactly what
+its engine's loader reads (eaglet/formats/serving_engines.py: every weight matched to a
+parameter, none missing, every config key it reads), or the stage fails. It ends by logging
+each export's folder and the command that serves the target with it; the stage's result (its
+manifest's stats) holds them too: {format: {path, reload_max_logit_error, dtype, serve_command}}.
+
+The vLLM export names the target (speculators_config.verifier) by export.verifier_name_or_path,
+else target.path; its architectures are the target's config.json's, else the store's.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,18 +27,21 @@ from ..config import Config
 from ..draft.model import Eagle3Draft
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
+from ..formats.serving_engines import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem
 from ..formats.store import StoreReader, read_target_config
+from ..targets.load import local_folder
 from ..utils import log
 from .context import StageContext
 
 
 def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     """Stage `export`: write every format of `export.formats` into `<run>/export/<format>/`,
-    then read each back with `load_draft` and check that it gives the trained draft's logits."""
+    read each back with `load_draft` and check that it gives the trained draft's logits and
+    holds what its engine's loader reads; then log the commands that serve them."""
     model, aux_layers = load_final(ctx.upstream["train"] / FINAL_DIR)
     model.eval()
-    target_cfg = read_target_config(ctx.upstream["extract"])
-    architectures = target_cfg.get("architectures") or []
+    verifier = cfg.export.verifier_name_or_path or cfg.target.path
+    architectures = target_architectures(cfg, ctx.upstream["extract"])
     include_embed = cfg.export.include_embed
     embed_scale = float(StoreReader(ctx.upstream["extract"], verify=False).meta.get("embed_scale") or 1.0)
     if embed_scale != 1.0 and not include_embed:
@@ -41,7 +53,7 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fmt in cfg.export.formats:
         folder = export_draft(
-            model, ctx.out_dir / fmt, fmt, aux_layer_ids=aux_layers, verifier_name_or_path=cfg.target.path,
+            model, ctx.out_dir / fmt, fmt, aux_layer_ids=aux_layers, verifier_name_or_path=verifier,
             verifier_architectures=architectures, num_speculative_tokens=cfg.export.speculative_tokens,
             include_embed=include_embed, dtype=cfg.export.dtype,
         )
@@ -52,9 +64,44 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         tol = 1e-4 if cfg.export.dtype == "float32" else 0.1
         if err > tol:
             raise RuntimeError(f"export {fmt}: the reloaded draft's logits differ from the trained draft's by {err:.3g}")
+        problems = PROBLEMS[fmt](folder)
+        if problems:
+            raise RuntimeError(f"export {fmt}: {folder} would not load as {ENGINES[fmt]} loads it: "
+                               + "; ".join(problems))
         out[fmt] = {"path": str(folder), "reload_max_logit_error": err, "dtype": meta.get("dtype")}
-        log(f"[export] {fmt}: {folder} (reloaded; max logit error {err:.2e})")
+        log(f"[export] {fmt}: {folder} (reloaded, max logit error {err:.2e}; matches its engine's loader)")
+    _warn_about_the_verifier(cfg, verifier, "vllm" in out)
+    commands = serve_commands(verifier, {fmt: v["path"] for fmt, v in out.items()}, cfg.export.speculative_tokens)
+    for fmt, command in commands.items():
+        out[fmt]["serve_command"] = command
+        log(f"[export] serve with {'vLLM' if fmt == 'vllm' else 'SGLang'}: {command}")
     return out
+
+
+def target_architectures(cfg: Config, store: Path) -> list[str]:
+    """The target's `architectures`: its own config.json's (what speculators and vLLM read of the
+    verifier), else those of the text config the store kept, which a multimodal target's and
+    the vLLM extraction's lack."""
+    folder = local_folder(cfg.target.path, cfg.target.revision)
+    if folder is not None and (folder / "config.json").is_file():
+        archs = json.loads((folder / "config.json").read_text()).get("architectures")
+        if archs:
+            return list(archs)
+    return list(read_target_config(store).get("architectures") or [])
+
+
+def _warn_about_the_verifier(cfg: Config, verifier: str, vllm: bool) -> None:
+    """Log what would stop the vLLM export loading elsewhere: a local verifier path (the doctor
+    warns too) or a local verifier checkpoint that speculators cannot take the embedding from."""
+    if not vllm:
+        return
+    folder = local_folder(verifier, cfg.target.revision)
+    problem = speculators_verifier_problem(folder) if folder is not None else None
+    if problem:
+        log(f"[export] warning: {problem}")
+    if not cfg.export.verifier_name_or_path and Path(verifier).is_absolute():
+        log(f"[export] note: the vLLM export names the target by the local path {verifier}, which a server "
+            "elsewhere cannot resolve; set export.verifier_name_or_path to the name it loads the target by")
 
 
 @torch.no_grad()

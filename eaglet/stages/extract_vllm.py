@@ -107,7 +107,8 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     try:
         if engine is None and (first or rest):
             args = engine_args(cfg, ids, storage, max_len)
-            engine = ServerEngine(ecfg.vllm_server, ecfg.vllm_requests) if ecfg.vllm_server else LocalEngine(args)
+            engine = (ServerEngine(ecfg.vllm_server, ecfg.vllm_requests, api_key_env=ecfg.vllm_server_api_key_env)
+                      if ecfg.vllm_server else LocalEngine(args))
         bar = tqdm(total=int(sum(lengths[i] for i in rest + first)), unit="tok", unit_scale=True, desc="extract",
                    dynamic_ncols=True)
         if first:

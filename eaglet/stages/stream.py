@@ -234,7 +234,7 @@ class StreamedStates(PreparedStates):
     def _start_engine(self) -> Any:
         e = self.ecfg
         if e.vllm_server:
-            make = partial(ServerEngine, e.vllm_server, e.vllm_requests)
+            make = partial(ServerEngine, e.vllm_server, e.vllm_requests, api_key_env=e.vllm_server_api_key_env)
         else:
             longest = max(self._tokens(i) for load in self.loads for i in load)
             self.connector.mkdir(parents=True, exist_ok=True)

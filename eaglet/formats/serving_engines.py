@@ -1,0 +1,392 @@
+"""What vLLM's and SGLang's EAGLE-3 loaders read from an export, and the commands that serve it.
+
+    sglang_problems(folder) -> list[str]    # against SGLang's LlamaForCausalLMEagle3 (SGLANG_SOURCE)
+    vllm_problems(folder) -> list[str]      # against vLLM's Eagle3LlamaForCausalLM (VLLM_SOURCE)
+    serve_commands(target, {"vllm": folder, ...}, k) -> {"vllm": "vllm serve ...", "sglang": "python -m ..."}
+
+Neither engine runs on the machines eaglet is tested on, so each loader is written down here as
+data, read from its source at a pinned release: the config keys it reads, the rename it applies
+to a checkpoint name, and the parameters its module has for a given config. A loader matches
+each checkpoint tensor to a parameter by that rename. SGLang skips a tensor that matches none
+without a word (vLLM raises on most); both leave a parameter that no tensor fills as it was
+made: without a `d2t`, vLLM reads draft id i as target id i and SGLang has no hot-token map, so
+acceptance collapses while everything runs. A config key left out is filled by transformers'
+LlamaConfig default, again without a word. So the checks fail on: a tensor the loader would not
+load, a parameter it needs that no tensor fills (every shard of a stacked one: q/k/v,
+gate/up), a missing d2t, a key it reads that is missing, and an fc whose width is not the one
+the loader builds from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+SGLANG_VERSION = "0.5.23"
+SGLANG_SOURCE = (
+    "sglang v0.5.23 python/sglang/srt/models/llama_eagle3.py (LlamaForCausalLMEagle3.load_weights), read from the PyPI "
+    "wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl, sha256 "
+    "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937 (its sglang/_version.py records no commit id)"
+)
+VLLM_VERSION = "0.25.0"
+VLLM_SOURCE = (
+    "vLLM 0.25.0 vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights) after "
+    "vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) turns the speculators config into its config"
+)
+
+# (name fragment, the stacked parameter it goes into, its shard): both loaders.
+STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
+           (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1))
+SHARDS = {".qkv_proj": ("q", "k", "v"), ".gate_up_proj": (0, 1)}
+
+# The LlamaConfig keys both loaders build the draft's layers from. Any left out is filled by
+# transformers' default (hidden_size 4096, rms_norm_eps 1e-6, head_dim hidden // heads, ...).
+LLAMA_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "hidden_act", "max_position_embeddings")
+# SGLang reads these beside them; the aux ids decide which target layers it captures.
+SGLANG_KEYS = (*LLAMA_KEYS, "architectures", "draft_vocab_size", "target_hidden_size",
+               "eagle_config.eagle_aux_hidden_state_layer_ids")
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+# vLLM reads the speculators config's top level beside transformer_layer_config's LlamaConfig;
+# a missing norm_before_residual reads as true there.
+VLLM_KEYS = ("speculators_model_type", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
+             "eagle_aux_hidden_state_layer_ids", "speculators_config.proposal_methods.0.speculative_tokens",
+             "speculators_config.verifier.name_or_path", *(f"transformer_layer_config.{k}" for k in LLAMA_KEYS))
+
+ParamMap = dict[str, bool]  # a loader's parameter name -> whether a checkpoint tensor must fill it
+Target = tuple[str, Any] | str | None  # (parameter, shard or None); "d2t"; "ignored" (t2d); None: no parameter
+
+
+# ---- reading an export without loading its tensors ---------------------------------------------
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e})") from e
+
+
+def tensor_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor of the export's safetensors (headers only)."""
+    folder = Path(folder)
+    if (folder / WEIGHTS_INDEX).is_file():
+        files = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+    elif (folder / WEIGHTS_FILE).is_file():
+        files = [WEIGHTS_FILE]
+    else:
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX} in {folder}")
+    out: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
+            out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+    return out
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return None
+    return value
+
+
+def _missing_keys(config: dict[str, Any], keys: tuple[str, ...], engine: str) -> list[str]:
+    out = [f"config.json has no {k!r}, which {engine} reads" for k in keys if _get(config, k) is None]
+    tl = config.get("transformer_layer_config") if "speculators_model_type" in config else config
+    if isinstance(tl, dict) and tl.get("rope_theta") is None and _get(tl, "rope_parameters.rope_theta") is None:
+        where = "transformer_layer_config." if tl is not config else ""
+        out.append(f"config.json has neither {where}'rope_theta' nor {where}'rope_parameters', which {engine} reads")
+    return out
+
+
+def _match(shapes: dict[str, tuple[int, ...]], params: ParamMap, target: Callable[[str, ParamMap], Target],
+           engine: str) -> tuple[list[str], set[str]]:
+    """(problems, the tensors that are d2t) of matching each tensor to `params` by `target`."""
+    filled: dict[str, set[Any]] = {}
+    problems, d2t = [], set()
+    for name in sorted(shapes):
+        t = target(name, params)
+        if t == "d2t":
+            d2t.add(name)
+        elif t is None:
+            problems.append(f"weight {name!r}: {engine}'s loader has no parameter for it and would not load it")
+        elif t != "ignored":
+            filled.setdefault(t[0], set()).add(t[1])
+    for param, needed in params.items():
+        if not needed:
+            continue
+        shards = next((s for suffix, s in SHARDS.items() if f"{suffix}." in param), (None,))
+        lacking = [s for s in shards if s not in filled.get(param, set())]
+        if lacking:
+            what = f" (shards {lacking})" if lacking != [None] else ""
+            problems.append(f"{engine}'s parameter {param!r}{what} is filled by no weight: it would stay as "
+                            "initialised")
+    return problems, d2t
+
+
+def _fc_problem(shapes: dict[str, tuple[int, ...]], num_aux: int, target_hidden: int, engine: str) -> list[str]:
+    fc = shapes.get("fc.weight")
+    if fc is None or len(fc) != 2 or fc[1] == num_aux * target_hidden:
+        return []
+    return [f"weight 'fc.weight' {fc} takes {fc[1]} inputs; {engine} builds fc for {num_aux} states x "
+            f"target_hidden_size {target_hidden} = {num_aux * target_hidden} from config.json"]
+
+
+def _d2t_problem(d2t: set[str], draft_vocab: Any, vocab: Any, engine: str) -> list[str]:
+    if d2t or draft_vocab is None or vocab is None or int(draft_vocab) == int(vocab):
+        return []
+    return [f"no 'd2t' while draft_vocab_size {draft_vocab} < vocab_size {vocab}: {engine} would read each draft "
+            "token id as the same target id"]
+
+
+def _stacked(name: str) -> tuple[str, Any]:
+    for fragment, param, shard in STACKED:
+        if fragment in name:
+            return name.replace(fragment, param), shard
+    return name, None
+
+
+# ---- SGLang -------------------------------------------------------------------------------------
+
+# SGLang's rename of legacy names, applied first (its load_weights' legacy_name_map).
+SGLANG_LEGACY = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
+                 "aux_norm_high": "fc_norm.2"}
+
+
+def sglang_parameters(config: dict[str, Any]) -> ParamMap:
+    """The parameters of SGLang's LlamaForCausalLMEagle3 built from `config` (a config.json dict).
+
+    embed_tokens is optional: SGLang replaces it by the target's (set_embed) unless
+    target_hidden_size differs from hidden_size. Layer 0 normalises the embedding with
+    input_layernorm and the hidden state with hidden_norm; a later layer adds the residual
+    and normalises with hidden_norm alone, so its input_layernorm is never read."""
+    eagle = config.get("eagle_config") or {}
+    hidden = config.get("hidden_size")
+    target_hidden = config.get("target_hidden_size", hidden)
+    p: ParamMap = {"model.embed_tokens.weight": target_hidden != hidden, "model.fc.weight": True,
+                   "model.norm.weight": True}
+    if config.get("bias"):
+        p["model.fc.bias"] = True
+    if eagle.get("norm_before_fc", config.get("norm_before_fc", False)):
+        p["model.input_norm.weight"] = True
+    if config.get("fc_norm") or config.get("use_aux_norm"):
+        p.update({f"model.fc_norm.{i}.weight": True for i in range(sglang_num_aux(config))})
+    for i in range(int(config.get("num_hidden_layers") or 1)):
+        pre = f"model.layers.{i}."
+        p.update({pre + "self_attn.qkv_proj.weight": True, pre + "self_attn.o_proj.weight": True,
+                  pre + "mlp.gate_up_proj.weight": True, pre + "mlp.down_proj.weight": True,
+                  pre + "input_layernorm.weight": i == 0, pre + "hidden_norm.weight": True,
+                  pre + "post_attention_layernorm.weight": True})
+        if config.get("attention_bias") or config.get("bias"):  # o_proj only: its qkv is built without one
+            p[pre + "self_attn.o_proj.bias"] = True
+    if not config.get("tie_word_embeddings"):
+        p["lm_head.weight"] = True
+    return p
+
+
+def sglang_num_aux(config: dict[str, Any]) -> int:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return int(config.get("num_aux_hidden_states") or (len(ids) if ids else 3))
+
+
+def sglang_target(name: str, params: ParamMap) -> Target:
+    """Where SGLang's load_weights puts checkpoint tensor `name` (d2t becomes the hot-token map)."""
+    for legacy, new in SGLANG_LEGACY.items():
+        if legacy in name:
+            name = name.replace(legacy, new)
+    if "d2t" in name:
+        return "d2t"
+    if "t2d" in name:
+        return "ignored"
+    name, shard = _stacked(name)
+    param = name if name in params else f"model.{name}"
+    return (param, shard) if param in params else None
+
+
+def sglang_problems(folder: str | Path) -> list[str]:
+    """Everything in the export `folder` that SGLang's LlamaForCausalLMEagle3 (SGLANG_SOURCE) would
+    skip, miss or read as a default; [] when it loads all of it as written."""
+    engine = f"SGLang {SGLANG_VERSION}"
+    config, shapes = read_config(folder), tensor_shapes(folder)
+    problems = _missing_keys(config, SGLANG_KEYS, engine)
+    if config.get("architectures") and SGLANG_ARCH not in config["architectures"]:
+        problems.append(f"config.json architectures {config['architectures']} does not name {SGLANG_ARCH}, the "
+                        f"class {engine} loads an EAGLE-3 draft with")
+    if config.get("model_type", "llama") != "llama":
+        problems.append(f"config.json model_type {config['model_type']!r}: {SGLANG_ARCH} reads a LlamaConfig")
+    if config.get("tie_word_embeddings"):
+        problems.append(f"config.json tie_word_embeddings is true: {engine} makes lm_head the embedding and drops "
+                        "the draft's own lm_head.weight")
+    if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        problems.append(f"config.json eagle_config.use_aux_hidden_state is false: {engine} would feed no target "
+                        "states through fc")
+    params = sglang_parameters(config)
+    matched, d2t = _match(shapes, params, sglang_target, engine)
+    hidden = config.get("hidden_size")
+    problems += matched + _d2t_problem(d2t, config.get("draft_vocab_size"), config.get("vocab_size"), engine)
+    if isinstance(hidden, int):
+        problems += _fc_problem(shapes, sglang_num_aux(config), int(config.get("target_hidden_size", hidden)), engine)
+    return problems
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------
+
+
+def vllm_draft_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config vLLM builds its Eagle3 draft from: transformer_layer_config plus the speculators
+    top-level fields, as vLLM's update_eagle3 copies them (a missing norm_before_residual: true)."""
+    c = dict(config.get("transformer_layer_config") or {})
+    c["draft_vocab_size"] = config.get("draft_vocab_size")
+    if config.get("target_hidden_size") is not None:
+        c["target_hidden_size"] = config["target_hidden_size"]
+    c["norm_before_residual"] = config.get("norm_before_residual", True)
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        c[key] = config.get(key, False)
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        c["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    return c
+
+
+def vllm_num_aux(c: dict[str, Any]) -> int:
+    """fc's number of states: num_aux_hidden_states, else eagle_config's ids, else 3. The top-level
+    eagle_aux_hidden_state_layer_ids decide which layers the target captures, not this."""
+    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return int(c.get("num_aux_hidden_states") or (len(ids) if ids else 3))
+
+
+def vllm_parameters(c: dict[str, Any]) -> ParamMap:
+    """The parameters of vLLM's Eagle3LlamaForCausalLM built from `c` (vllm_draft_config's dict).
+
+    embed_tokens is optional (the target's is shared when the checkpoint has none). d2t goes
+    into draft_id_to_target_id, zeros when absent (vllm_problems asks for it). Layer 0
+    normalises the embedding with input_layernorm and the hidden state with hidden_norm; a
+    later layer normalises its input with input_layernorm and never reads its hidden_norm."""
+    eagle = c.get("eagle_config") or {}
+    p: ParamMap = {"model.embed_tokens.weight": False, "model.norm.weight": True, "lm_head.weight": True}
+    if eagle.get("use_aux_hidden_state", True):
+        p["model.fc.weight"] = True
+        if eagle.get("norm_before_fc", c.get("norm_before_fc", False)):
+            p["model.input_norm.weight"] = True
+        if c.get("fc_norm"):
+            p.update({f"model.fc_norm.{i}.weight": True for i in range(vllm_num_aux(c))})
+    bias = bool(c.get("attention_bias"))
+    for i in range(int(c.get("num_hidden_layers") or 1)):
+        pre = f"model.layers.{i}."
+        p.update({pre + "self_attn.qkv_proj.weight": True, pre + "self_attn.o_proj.weight": True,
+                  pre + "mlp.gate_up_proj.weight": True, pre + "mlp.down_proj.weight": True,
+                  pre + "input_layernorm.weight": True, pre + "hidden_norm.weight": i == 0,
+                  pre + "post_attention_layernorm.weight": True})
+        if bias:
+            p[pre + "self_attn.qkv_proj.bias"] = True
+        if bias or c.get("bias"):
+            p[pre + "self_attn.o_proj.bias"] = True
+        if c.get("mlp_bias"):
+            p.update({pre + "mlp.gate_up_proj.bias": True, pre + "mlp.down_proj.bias": True})
+    return p
+
+
+def vllm_target(name: str, params: ParamMap) -> Target:
+    """Where vLLM's Eagle3 load_weights puts checkpoint tensor `name`: d2t becomes
+    draft_id_to_target_id, t2d is dropped, everything but lm_head goes under `model.`, whose
+    loader reads `midlayer.` as `layers.0.` and stacks q/k/v and gate/up."""
+    if "t2d" in name:
+        return "ignored"
+    if "d2t" in name:
+        return "d2t"
+    if "lm_head" not in name:
+        name = "model." + name.replace("midlayer.", "layers.0.")
+    name, shard = _stacked(name)
+    return (name, shard) if name in params else None
+
+
+def vllm_problems(folder: str | Path) -> list[str]:
+    """Everything in the speculators-format export `folder` that vLLM's Eagle3 loader (VLLM_SOURCE)
+    would refuse, miss or read as a default; [] when it loads all of it as written."""
+    engine = f"vLLM {VLLM_VERSION}"
+    config, shapes = read_config(folder), tensor_shapes(folder)
+    problems = _missing_keys(config, VLLM_KEYS, engine)
+    if config.get("speculators_model_type", "eagle3") != "eagle3":
+        problems.append(f"config.json speculators_model_type {config['speculators_model_type']!r} is not eagle3")
+    c = vllm_draft_config(config)
+    if c.get("model_type", "llama") != "llama":
+        problems.append(f"transformer_layer_config model_type {c['model_type']!r}: eaglet's drafts are "
+                        "Eagle3LlamaForCausalLM")
+    matched, d2t = _match(shapes, vllm_parameters(c), vllm_target, engine)
+    problems += matched + _d2t_problem(d2t, c.get("draft_vocab_size"), c.get("vocab_size"), engine)
+    hidden = c.get("hidden_size")
+    if isinstance(hidden, int):
+        problems += _fc_problem(shapes, vllm_num_aux(c), int(c.get("target_hidden_size", hidden)), engine)
+    return problems
+
+
+PROBLEMS: dict[str, Callable[[str | Path], list[str]]] = {"vllm": vllm_problems, "sglang": sglang_problems}
+ENGINES = {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
+           "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"}
+
+
+# ---- the verifier as speculators reads it -------------------------------------------------------
+
+# speculators 0.9.0 (model.py _load_verifier_weights, utils/loading.py load_model_layers): loading
+# a speculators draft also opens the checkpoint of speculators_config.verifier.name_or_path and
+# takes the tensor named embed_tokens.weight, or one whose name ends in it (a tied target's
+# single model.embed_tokens.weight), or one of these aliases; none raises KeyError. lm_head
+# falls back to the embedding when absent (a tied target).
+SPECULATORS_EMBED_NAMES = ("embed_tokens.weight", "tok_embeddings.weight", "llm.embed.weight",
+                           "backbone.embeddings.weight")
+
+
+def speculators_verifier_problem(folder: str | Path) -> str | None:
+    """Why speculators 0.9.0 could not load a draft whose verifier is the local `folder`, or None."""
+    folder = Path(folder)
+    if (folder / WEIGHTS_INDEX).is_file():
+        names = list(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"])
+    elif (folder / WEIGHTS_FILE).is_file():
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+    else:
+        return f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX}, where speculators reads the target's embedding"
+    if any(n.endswith(alias) for n in names for alias in SPECULATORS_EMBED_NAMES):
+        return None
+    return (f"{folder}'s checkpoint has no tensor named *embed_tokens.weight (its {len(names)} tensors include "
+            f"{sorted(names)[:3]}): speculators cannot load a draft naming it (KeyError 'embed_tokens.weight'); a "
+            "tied target keeps its one table as model.embed_tokens.weight, as transformers' save_pretrained writes it")
+
+
+# ---- serving ------------------------------------------------------------------------------------
+
+
+def serve_commands(target: str, exports: dict[str, str | Path], num_speculative_tokens: int) -> dict[str, str]:
+    """format -> the shell command that serves `target` (the hub id or path the server loads it
+    by) with the export folder of that format as its EAGLE-3 draft, a chain of
+    `num_speculative_tokens` draft tokens per step.
+
+    vLLM 0.25 (config/speculative.py): --speculative-config takes SpeculativeConfig's fields as
+    JSON: method "eagle3", model (the draft folder), num_speculative_tokens. SGLang 0.5.23
+    (arg_groups/fields/spec.py): --speculative-algorithm EAGLE3, --speculative-draft-model-path,
+    --speculative-num-steps k, --speculative-eagle-topk 1 (a chain) and
+    --speculative-num-draft-tokens k + 1 (what SGLang sets it to whenever top-k is 1)."""
+    k, q = int(num_speculative_tokens), shlex.quote
+    out = {}
+    if "vllm" in exports:
+        spec = {"method": "eagle3", "model": str(exports["vllm"]), "num_speculative_tokens": k}
+        out["vllm"] = f"vllm serve {q(target)} --speculative-config {q(json.dumps(spec))}"
+    if "sglang" in exports:
+        out["sglang"] = (f"python -m sglang.launch_server --model-path {q(target)} --speculative-algorithm EAGLE3 "
+                         f"--speculative-draft-model-path {q(str(exports['sglang']))} --speculative-num-steps {k} "
+                         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    return out
