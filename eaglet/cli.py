@@ -26,8 +26,9 @@ from pathlib import Path
 from .checks.doctor import run_doctor
 from .config import RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
+from .distributed import dist_env
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
-from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage
+from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage, run_summary
 from .shadow import shadow_findings
 from .stages.regenerate import run_regenerate
 
@@ -171,9 +172,12 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         return run_doctor(cfg, more=shadow_findings if args.shadow else None)
     if args.command == "run":
-        run_all(cfg, upto=args.until, force=args.force, preflight=preflight, extend=args.extend)
+        manifests = run_all(cfg, upto=args.until, force=args.force, preflight=preflight, extend=args.extend)
     else:
-        run_stage(cfg, args.command, force=args.force, preflight=preflight, extend=getattr(args, "extend", False))
+        manifests = [run_stage(cfg, args.command, force=args.force, preflight=preflight,
+                               extend=getattr(args, "extend", False))]
+    if dist_env().rank == 0 and {m["stage"] for m in manifests} & {"export", "eval"}:
+        print(run_summary(cfg, manifests))
     return 0
 
 

@@ -260,3 +260,32 @@ def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight
         manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight, extend))
         upstream[stage.name] = cfg.run_dir / stage.name
     return manifests
+
+
+def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
+    """What a user who just ran the pipeline (or its export or eval) wants to see: tau and the
+    acceptance per draft position, where the exports are, and the commands that serve them."""
+    by = {m["stage"]: m.get("stats") or {} for m in manifests}
+    lines = [f"eaglet: {cfg.run_dir}"]
+    ev = by.get("eval")
+    if ev:
+        e, v = cfg.eval, ev.get("vllm") or {}
+        drafting = f"chain of {e.chain_tokens}" if e.method == "chain" else "tree"
+        if ev.get("tau") is not None:
+            ref = f" (untrained draft {ev['reference_tau']:.3f})" if ev.get("reference_tau") is not None else ""
+            lines.append(f"  tau, {drafting}, {ev.get('num_prompts')} prompts ({e.prompts}): {ev['tau']:.3f}{ref}")
+            lines.append("  acceptance per draft position: "
+                         + ", ".join("-" if a is None else f"{a:.2f}" for a in ev.get("acceptance_rate") or []))
+        if v.get("mean_acceptance_length") is not None:
+            rel = f" ({v['relative_difference']:+.1%} against eaglet's)" if v.get("relative_difference") is not None else ""
+            speed = ", ".join(f"{b.replace('_', ' ')} {s:.2f}x" for b, s in (v.get("speedup") or {}).items() if s)
+            lines.append(f"  in vLLM: mean acceptance length {v['mean_acceptance_length']:.3f}{rel}; speedup {speed}")
+        for c, t in (ev.get("tau_by_category") or {}).items():
+            lines.append(f"    {c:<12} {t:.3f}")
+        lines.append(f"  results: {cfg.run_dir / 'eval'}")
+    for fmt, x in (by.get("export") or {}).items():
+        if isinstance(x, dict) and "path" in x:
+            lines.append(f"  {fmt} export: {x['path']}")
+            if x.get("serve_command"):
+                lines.append(f"    serve: {x['serve_command']}")
+    return "\n".join(lines)

@@ -223,3 +223,19 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     stats = evaluate.run_eval(cfg, ctx)
     assert stats["vllm"]["mean_acceptance_length"] == pytest.approx(1.5) and stats["vllm"]["agreement_ok"] is None
+
+
+def test_the_doctor_says_whether_the_run_ends_with_the_vllm_eval():
+    from eaglet.checks.findings import Probe
+    from eaglet.checks.vllm import check_vllm_eval
+    from eaglet.config import load_config
+
+    def line(*sets):
+        p = Probe(load_config(None, list(sets)), "eval")
+        check_vllm_eval(p)
+        return p.findings[-1]
+
+    assert line("eval.vllm=off").status == "info"
+    auto = line("eval.vllm=auto")
+    assert auto.status == "info" and "no GPU is visible" in auto.found
+    assert line("eval.vllm=on").status == "FAIL"

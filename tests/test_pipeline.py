@@ -157,3 +157,20 @@ def test_a_target_replaced_in_place_reruns_what_reads_it(tmp_path):
         c = target / "config.json"
         c.write_text(c.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
     assert changed(config) == after_extract
+
+
+def test_the_run_summary_gives_tau_the_exports_and_their_serve_commands():
+    from eaglet.config import load_config
+    from eaglet.pipeline import run_summary
+
+    cfg = load_config(None, ["run.dir=/r", "eval.chain_tokens=3", "eval.prompts=mt_bench"])
+    text = run_summary(cfg, [
+        {"stage": "export", "stats": {"vllm": {"path": "/r/export/vllm", "serve_command": "vllm serve T --x"}}},
+        {"stage": "eval", "stats": {"tau": 1.43, "num_prompts": 80, "reference_tau": 1.0,
+                                    "acceptance_rate": [0.32, None], "tau_by_category": {"math": 1.54},
+                                    "vllm": {"mean_acceptance_length": 1.398, "relative_difference": -0.022,
+                                             "speedup": {"batch_1": 0.97, "batch_16": 0.79}}}}])
+    assert "tau, chain of 3, 80 prompts (mt_bench): 1.430 (untrained draft 1.000)" in text
+    assert "acceptance per draft position: 0.32, -" in text and "math         1.540" in text
+    assert "mean acceptance length 1.398 (-2.2% against eaglet's); speedup batch 1 0.97x, batch 16 0.79x" in text
+    assert "vllm export: /r/export/vllm\n    serve: vllm serve T --x" in text

@@ -21,8 +21,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import Config
 from ..distributed import resolve_device
@@ -40,13 +41,19 @@ from ..targets.chat import (
     process_record,
     resolve_chat_template,
 )
-from ..targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported, text_config_from_dict
+from ..targets.families import (
+    ADD_FAMILY,
+    UnsupportedFamily,
+    resolve_layers,
+    supported,
+    text_config_from_dict,
+)
 from ..targets.load import TargetParts, build_meta_model, hub_kwargs, target_source
 from ..utils import DTYPES, log
 from .contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .findings import Finding, Probe, Report
 from .selfcheck import REF_MAX_TOKENS
-from .vllm import check_vllm
+from .vllm import check_vllm, check_vllm_eval
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
@@ -792,6 +799,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_vocab, ("extract",)),
     (check_records, ("prepare",)),
     (check_vllm, ("extract", "train")),
+    (check_vllm_eval, ("eval",)),
     (check_api_contracts, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_disk, ("extract",)),
     (check_extract_memory, ("extract",)),

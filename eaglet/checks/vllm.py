@@ -15,6 +15,7 @@ import difflib
 import sys
 from typing import Any
 
+import torch
 from packaging.version import Version
 
 from ..engines import vllm as engine
@@ -182,3 +183,33 @@ def _vllm_engine_args(p: Probe, managed: tuple[str, ...]) -> None:
         p.add("ok", "vLLM engine args", "extract.vllm_engine_args keys are vLLM EngineArgs fields",
               ", ".join(given) if given else "none given")
 
+
+
+def vllm_eval_blockers(ecfg: Any) -> list[str]:
+    """Why the eval stage's vLLM eval cannot run here (none: it can): vLLM, a GPU, and greedy
+    chain drafting, the one setting both engines measure alike."""
+    out = [] if engine.installed_vllm_version() is not None else ["vLLM is not installed"]
+    if not torch.cuda.is_available():
+        out.append("no GPU is visible")
+    if ecfg.method != "chain" or ecfg.temperature > 0:
+        out.append("the vLLM eval measures greedy chain drafting (eval.method=chain, eval.temperature=0)")
+    return out
+
+
+def check_vllm_eval(p: Probe) -> None:
+    """Whether the run ends with the draft measured in vLLM (eval.vllm)."""
+    e = p.cfg.eval
+    what = "the exported draft measured in vLLM against eaglet's eval (eval.vllm)"
+    if e.vllm == "off":
+        p.add("info", "vLLM eval", what, "off")
+        return
+    blockers = vllm_eval_blockers(e)
+    if not blockers:
+        p.add("ok", "vLLM eval", what, f"runs after the in-process eval (vLLM {engine.installed_vllm_version()}, "
+              f"chain of {e.chain_tokens}, batch sizes {e.vllm_batch_sizes})")
+    elif e.vllm == "on":
+        p.add("FAIL", "vLLM eval", what, "eval.vllm is on, but " + "; ".join(blockers),
+              "install vLLM on a GPU machine (scripts/vllm_venv.sh), or set eval.vllm=auto")
+    else:
+        p.add("info", "vLLM eval", what, "skipped: " + "; ".join(blockers),
+              "on a GPU machine with vLLM, eval measures the draft in vLLM too")

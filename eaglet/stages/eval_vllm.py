@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ..checks.vllm import vllm_eval_blockers
 from ..config import Config, EvalSection
 from ..engines.specdec import first_difference
 from ..engines.vllm import installed_vllm_version
@@ -49,15 +48,11 @@ def want_vllm(ecfg: EvalSection) -> bool:
     'auto' (when vLLM is installed, a GPU is present and the drafting is a greedy chain)."""
     if ecfg.vllm == "off":
         return False
-    missing = [] if installed_vllm_version() is not None else ["vLLM is not installed"]
-    if not torch.cuda.is_available():
-        missing.append("no GPU is visible")
-    if ecfg.method != "chain" or ecfg.temperature > 0:
-        missing.append("the vLLM eval measures greedy chain drafting (eval.method=chain, eval.temperature=0)")
-    if ecfg.vllm == "on" and missing:
-        raise InputError("eval.vllm is on, but " + "; ".join(missing),
+    blockers = vllm_eval_blockers(ecfg)
+    if ecfg.vllm == "on" and blockers:
+        raise InputError("eval.vllm is on, but " + "; ".join(blockers),
                          fix="install vLLM on a GPU machine (scripts/vllm_venv.sh), or set eval.vllm=auto")
-    return not missing
+    return not blockers
 
 
 def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[str, Any] | None) -> dict[str, Any]:
