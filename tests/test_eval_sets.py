@@ -6,11 +6,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from test_specdec import _eval_setup
 
 from eaglet.errors import InputError
 from eaglet.testing.tiny import write_jsonl
-from test_specdec import _eval_setup
-
 
 # ---- vLLM's counters -> acceptance ----------------------------------------------------------
 
@@ -141,7 +140,7 @@ def test_a_second_turn_is_asked_after_the_first_answer():
         seen.append([(it.key, p) for it, p in zip(its, prompts)])
         return [([len(p)], {}) for p in prompts]
 
-    render = lambda msgs: [ord(c) for m in msgs for c in m["content"]]  # noqa: E731
+    render = lambda msgs: [ord(c) for m in msgs for c in m["content"]]
     recs = run_rounds(items, render, lambda toks: f"<{toks[0]}>", decode)
     assert [(r["item"], r["turn"], r["category"]) for r in recs] == [("a", 1, "x"), ("b", 1, "y"), ("a", 2, "x")]
     # turn 2 of "a": q1, the answer to it ("<2>", from its 2-token prompt), then q2

@@ -453,7 +453,7 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     dtype = resolve_eval_dtype(ecfg)
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
-    render = lambda messages: generation_prompt(tokenizer, template, messages)  # noqa: E731
+    render = lambda messages: generation_prompt(tokenizer, template, messages)
     if not load_models:
         return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
                           ecfg.draft or str(upstream["export"] / "vllm"))

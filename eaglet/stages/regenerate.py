@@ -529,7 +529,7 @@ def run_regenerate(cfg: Config, out: str | Path | None = None, preflight: bool =
             log(f"[regenerate] round {rounds}: {len(todo) - len(failures)} replies, "
                 f"{stats['new_tokens'] - tokens_before} tokens in {dt:.1f}s "
                 f"({(stats['new_tokens'] - tokens_before) / max(dt, 1e-9):.0f} tok/s); "
-                f"{stats['written']} conversations written"
+                f"{stats['written']} conversations written before this chunk"
                 + (f"; {len(failures)} requests failed (first: {failures[0]})" if failures else ""))
 
     batch: list[tuple[str, int, list[dict[str, str]]]] = []
