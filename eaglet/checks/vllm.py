@@ -185,6 +185,9 @@ def _vllm_engine_args(p: Probe, managed: tuple[str, ...]) -> None:
 
 
 
+VLLM_EVAL_FIX = "install vLLM on a GPU machine (scripts/vllm_venv.sh), or set eval.vllm=auto"
+
+
 def vllm_eval_blockers(ecfg: Any) -> list[str]:
     """Why the eval stage's vLLM eval cannot run here (none: it can): vLLM, a GPU, and greedy
     chain drafting, the one setting both engines measure alike."""
@@ -208,8 +211,7 @@ def check_vllm_eval(p: Probe) -> None:
         p.add("ok", "vLLM eval", what, f"runs after the in-process eval (vLLM {engine.installed_vllm_version()}, "
               f"chain of {e.chain_tokens}, batch sizes {e.vllm_batch_sizes})")
     elif e.vllm == "on":
-        p.add("FAIL", "vLLM eval", what, "eval.vllm is on, but " + "; ".join(blockers),
-              "install vLLM on a GPU machine (scripts/vllm_venv.sh), or set eval.vllm=auto")
+        p.add("FAIL", "vLLM eval", what, "eval.vllm is on, but " + "; ".join(blockers), VLLM_EVAL_FIX)
     else:
         p.add("info", "vLLM eval", what, "skipped: " + "; ".join(blockers),
               "on a GPU machine with vLLM, eval measures the draft in vLLM too")

@@ -48,16 +48,12 @@ class SpecCounts:
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def __sub__(self, before: SpecCounts) -> SpecCounts:
-        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
-        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
-        b = before.accepted_per_pos + [0] * (n - len(before.accepted_per_pos))
+        a, b = _aligned(self.accepted_per_pos, before.accepted_per_pos)
         return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
                           self.accepted - before.accepted, [x - y for x, y in zip(a, b)])
 
     def __add__(self, other: SpecCounts) -> SpecCounts:
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
-        b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
+        a, b = _aligned(self.accepted_per_pos, other.accepted_per_pos)
         return SpecCounts(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
                           self.accepted + other.accepted, [x + y for x, y in zip(a, b)])
 
@@ -75,6 +71,12 @@ class SpecCounts:
             "acceptance_rate": [a / r if r else None for a, r in zip(per, reached)],
             "position_reached": reached,
         }
+
+
+def _aligned(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
+    """Two per-position vectors zero-padded to one length (an engine without a draft has none)."""
+    n = max(len(a), len(b))
+    return a + [0] * (n - len(a)), b + [0] * (n - len(b))
 
 
 def spec_counts(metrics: Iterable[Any]) -> SpecCounts:

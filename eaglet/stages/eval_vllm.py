@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checks.vllm import vllm_eval_blockers
+from ..checks.vllm import VLLM_EVAL_FIX, vllm_eval_blockers
 from ..config import Config, EvalSection
 from ..engines.specdec import first_difference
 from ..engines.vllm import installed_vllm_version
@@ -50,8 +50,7 @@ def want_vllm(ecfg: EvalSection) -> bool:
         return False
     blockers = vllm_eval_blockers(ecfg)
     if ecfg.vllm == "on" and blockers:
-        raise InputError("eval.vllm is on, but " + "; ".join(blockers),
-                         fix="install vLLM on a GPU machine (scripts/vllm_venv.sh), or set eval.vllm=auto")
+        raise InputError("eval.vllm is on, but " + "; ".join(blockers), fix=VLLM_EVAL_FIX)
     return not blockers
 
 

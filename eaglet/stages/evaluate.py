@@ -513,11 +513,9 @@ def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         vllm = run_vllm_eval(cfg, ctx, inp, result)
-        _write_result(ctx.out_dir, setting_key(ecfg, "vllm"), vllm, plot=False)
-        if result is not None:
-            png = plot_eval(result, vllm)
-            atomic_write_bytes(ctx.out_dir / f"{key}.png", png)
-            atomic_write_bytes(ctx.out_dir / EVAL_PNG, png)
+        atomic_write_json(ctx.out_dir / f"{setting_key(ecfg, 'vllm')}.json", vllm)
+        if result is not None:  # the plot again, with vLLM's figures beside eaglet's
+            _write_plot(ctx.out_dir, key, plot_eval(result, vllm))
         stats["vllm"] = vllm_stats(vllm)
         stats["vllm_result"] = f"{setting_key(ecfg, 'vllm')}.json"
     if result is not None:
@@ -571,12 +569,14 @@ def _check_lossless(result: dict[str, Any], dtype: str, path: Path) -> None:
         f"(first: {where}); expected from rounding near ties, checked strictly only in float32")
 
 
-def _write_result(out_dir: Path, key: str, result: dict[str, Any], plot: bool = True) -> None:
+def _write_result(out_dir: Path, key: str, result: dict[str, Any]) -> None:
     """One result file per setting (`<key>.json`, kept when another setting runs), and the
     latest in-process result also as eval.json / eval.png."""
     atomic_write_json(out_dir / f"{key}.json", result)
-    if plot:
-        png = plot_eval(result)
-        atomic_write_bytes(out_dir / f"{key}.png", png)
-        atomic_write_json(out_dir / EVAL_JSON, result)
-        atomic_write_bytes(out_dir / EVAL_PNG, png)
+    atomic_write_json(out_dir / EVAL_JSON, result)
+    _write_plot(out_dir, key, plot_eval(result))
+
+
+def _write_plot(out_dir: Path, key: str, png: bytes) -> None:
+    atomic_write_bytes(out_dir / f"{key}.png", png)
+    atomic_write_bytes(out_dir / EVAL_PNG, png)
