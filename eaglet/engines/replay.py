@@ -1,0 +1,172 @@
+"""Greedy chain acceptance by replay: the accepted counts of speculative decoding, without decoding.
+
+    side = target_side(target_model, aux_layers, prompts, max_new_tokens, k)   # once per prompt set
+    runs = replay_chain(draft, side, k, max_new_tokens, eos)                   # once per draft
+
+Greedy, the tokens a chain cycle accepts are the target's own greedy tokens, so every input the
+draft sees on an accepted path is known before any decoding: the target's states along its greedy
+continuation, and that continuation's tokens. A cycle that starts at row Q-1 (Q tokens committed,
+see eaglet/engines/specdec.py) drafts step j from row Q-1 at position Q+j, attending to the
+committed rows (the target's states) and to its own earlier steps. That is exactly what row Q-1
+of the draft's TTT unroll computes at step j (eaglet/draft/model.py: step j of row t runs at
+position t+1+j, over step 0's keys up to t and its own row's earlier steps). So one target forward
+over prompt + continuation and one k-step unroll over every row give, for every row, how many
+steps in a row agree with the continuation; walking the cycles from the prompt's end then gives
+the decoder's accepted count per verification (tests hold it to `speculative_generate`).
+
+The target's side is the cost, and it is the same for every draft: it is computed once and
+reused, so an A/B of many drafts on hundreds of prompts takes a target pass and a few batched
+draft forwards per draft. What replay does not give: speed (nothing is decoded), the lossless
+check, trees (a tree's off-path nodes decide which nodes survive its pruning), and sampling.
+On a GPU the continuations are decoded in batches; their bf16 rounding can part from batch-1
+decoding near ties, as any batch shape does (every draft is replayed against the same ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..draft.model import Eagle3Draft
+from .specdec import TargetRunner, cache_kwarg, forward_params, new_cache
+
+
+@dataclass
+class TargetSide:
+    """The target's half of a replay, shared by every draft replayed on these prompts."""
+
+    prompts: list[list[int]]
+    sequences: list[list[int]]  # prompt + greedy continuation (max_new_tokens + k tokens, EOS not stopping it)
+    aux: list[Tensor]  # per sequence [len, num_aux*H], the captured states, on the CPU
+    max_new_tokens: int
+    k: int
+
+
+@torch.no_grad()
+def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, `n` tokens, not stopped at EOS:
+    `batch` prompts at a time, left-padded, one forward per token with a KV cache."""
+    kw = cache_kwarg(model)
+    if "logits_to_keep" in forward_params(model):
+        kw_extra = {"logits_to_keep": 1}  # the prefill's logits of every position would take B x width x V
+    else:
+        kw_extra = {}
+    device = next(model.parameters()).device
+    out: list[list[int]] = []
+    for a in range(0, len(prompts), batch):
+        group = [list(map(int, p)) for p in prompts[a : a + batch]]
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for i, p in enumerate(group):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache, new = new_cache(), []
+        for _ in range(n):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache},
+                           **kw_extra).logits
+            nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+            new.append(nxt)
+            ids, pos = nxt, pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        toks = torch.cat(new, dim=-1).tolist()
+        out.extend(p + t for p, t in zip(group, toks, strict=True))
+    return out
+
+
+@torch.no_grad()
+def target_side(model: nn.Module, aux_layers: Sequence[int], prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                k: int, batch: int = 64) -> TargetSide:
+    """Greedy continuations of `prompts` and the target's captured states along them."""
+    seqs = greedy_continuations(model, prompts, max_new_tokens + k, batch)
+    runner = TargetRunner(model, aux_layers)
+    aux = []
+    for s in seqs:
+        _, a = runner.forward(new_cache(), s, range(len(s)), last_only=True)
+        assert a is not None
+        aux.append(a.cpu())
+    return TargetSide([list(map(int, p)) for p in prompts], seqs, aux, max_new_tokens, k)
+
+
+@torch.no_grad()
+def agreement_runs(draft: Eagle3Draft, side: TargetSide, k: int, max_tokens: int = 8192,
+                   attn_impl: str = "auto") -> list[Tensor]:
+    """Per sequence, int [len, k]: whether step j of row t drafts the continuation's token
+    t+2+j (as a target id), for the rows and steps where that token exists."""
+    dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    d2t = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)).to(dev)
+    out: list[Tensor] = []
+    order = list(range(len(side.sequences)))
+    i = 0
+    while i < len(order):  # pack whole sequences into [1, N] documents, as training packs samples
+        group, n = [], 0
+        while i < len(order) and (not group or n + len(side.sequences[order[i]]) <= max_tokens):
+            group.append(order[i])
+            n += len(side.sequences[order[i]])
+            i += 1
+        ids = torch.tensor([t for g in group for t in side.sequences[g]], device=dev)[None]
+        aux = torch.cat([side.aux[g] for g in group]).to(dev, dtype)[None]
+        pos = torch.cat([torch.arange(len(side.sequences[g])) for g in group]).to(dev)[None]
+        doc = torch.cat([torch.full((len(side.sequences[g]),), j) for j, g in enumerate(group)]).to(dev)[None]
+        hits = torch.zeros(n, k, dtype=torch.bool, device=dev)
+        for j, logits in enumerate(draft.reference_ttt_steps(aux, ids, pos, doc, num_steps=k, attn_impl=attn_impl)):
+            want = ids[0, 2 + j:]  # row t of step j predicts token t+2+j
+            hits[: n - 2 - j, j] = d2t[logits[0, : n - 2 - j].argmax(-1)] == want
+        start = 0
+        for g in group:
+            L = len(side.sequences[g])
+            h = hits[start : start + L].clone()
+            for j in range(k):  # rows whose token t+2+j lies in the next document
+                h[max(L - 2 - j, 0):, j] = False
+            out.append(h.cpu())
+            start += L
+    return out
+
+
+def walk_cycles(hits_LK: Tensor, sequence: Sequence[int], prompt_len: int, max_new_tokens: int,
+                eos: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """(accepted per verification, new tokens) of greedy chain decoding, from `agreement_runs`'
+    rows: the cycles `speculative_generate` runs, each starting where the last one ended."""
+    k = hits_LK.shape[1]
+    stop = set(eos)
+    Q = prompt_len
+    tokens = [int(sequence[Q])]
+    accepted: list[int] = []
+    new = tokens
+    while len(tokens) < max_new_tokens and not any(t in stop for t in new):
+        if Q + k >= len(sequence):
+            raise ValueError(f"continuation of {len(sequence) - prompt_len} tokens is too short for "
+                             f"{max_new_tokens} new tokens and k = {k}")
+        row = hits_LK[Q - 1]
+        a = 0
+        while a < k and bool(row[a]):
+            a += 1
+        new = [int(t) for t in sequence[Q + 1 : Q + a + 2]]
+        accepted.append(a)
+        tokens += new
+        Q += a + 1
+    out = tokens[:max_new_tokens]
+    for i, t in enumerate(out):
+        if t in stop:
+            out = out[: i + 1]
+            break
+    return accepted, out
+
+
+def replay_chain(draft: Eagle3Draft, side: TargetSide, k: int | None = None, max_new_tokens: int | None = None,
+                 eos: Sequence[int] = (), max_tokens: int = 8192, attn_impl: str = "auto"
+                 ) -> list[tuple[list[int], list[int]]]:
+    """Per prompt of `side`, (accepted per verification, new tokens) of greedy chain decoding
+    with `draft`, k draft tokens a cycle (at most the side's k and max_new_tokens)."""
+    k = side.k if k is None else k
+    max_new_tokens = side.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if k > side.k or max_new_tokens > side.max_new_tokens:
+        raise ValueError(f"the target side was made for k <= {side.k} and {side.max_new_tokens} new tokens")
+    hits = agreement_runs(draft, side, k, max_tokens, attn_impl)
+    return [walk_cycles(h, s, len(p), max_new_tokens, eos) for h, s, p in zip(hits, side.sequences, side.prompts,
+                                                                               strict=True)]
