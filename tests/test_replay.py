@@ -100,3 +100,36 @@ def test_replay_of_a_shorter_chain_and_fewer_tokens(target, setup):
         assert (accepted, tokens) == (g.accepted, g.tokens)
     with pytest.raises(ValueError, match="k <= 4"):
         replay_chain(draft, side, k=5)
+
+
+def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
+    """evaluate_items with eval.replay: the same records as decoding, second turns included
+    (asked after the replayed answer), with the replay's settings and no speed or lossless."""
+    from eaglet.config import EvalSection
+    from eaglet.stages.eval_sets import EvalItem
+    from eaglet.stages.evaluate import evaluate_items, setting_key
+    from eaglet.testing.tiny import build_tokenizer
+
+    _, draft = setup
+    tok = build_tokenizer()
+    items = [EvalItem("q1", "a", asks=("p0", "and more")), EvalItem("q2", "b", asks=("p2",))]
+
+    def render(msgs):  # a first turn "pN" is PROMPTS[N] (which the draft fits); later text as char codes
+        rest = [2 + (7 * i + ord(c)) % 500 for m in msgs[1:] for i, c in enumerate(m["content"])]
+        return PROMPTS[int(msgs[0]["content"][1:])] + rest[-30:]
+
+    out = {}
+    for replay in (False, True):
+        ecfg = EvalSection(method="chain", chain_tokens=K, max_new_tokens=24, baseline=False, lossless_check=False,
+                           replay=replay)
+        out[replay] = evaluate_items(target, tok, draft, AUX, items, ecfg, render, warmup=False, verbose=False)
+    dec, rep = out[False], out[True]
+    assert [r["item"] for r in rep["prompts"]] == [r["item"] for r in dec["prompts"]] and len(rep["prompts"]) == 3
+    for a, b in zip(dec["prompts"], rep["prompts"]):
+        assert (b["accepted_per_forward"], b["tokens"]) == (a["accepted_per_forward"], a["tokens"])
+    assert sum(sum(r["accepted_per_forward"]) for r in rep["prompts"]) > 0
+    assert rep["aggregate"]["tau"] == dec["aggregate"]["tau"] and rep["by_category"].keys() == {"a", "b"}
+    assert rep["settings"]["replay"] is True and "lossless" not in rep["aggregate"]
+    assert setting_key(EvalSection(replay=True)) == "heldout-chain7-greedy-replay"
+    with pytest.raises(Exception, match="eval.replay measures greedy chains only"):
+        evaluate_items(target, tok, draft, AUX, items, EvalSection(method="tree", replay=True), render, verbose=False)

@@ -19,6 +19,10 @@ verification forward (many tokens at once) and plain decoding (one at a time) ro
 differently, so a near-tie can flip; mismatches are then reported, with the target's top-2
 logit gap at the first differing position, but do not fail the stage.
 
+`eval.replay` measures a greedy chain by replay instead (eaglet/engines/replay.py): the same
+accepted counts from the target's batched greedy continuations and one draft unroll, for A/Bs
+over many prompts; it gives no speed or lossless figures.
+
 `evaluate_draft` is the same measurement without the pipeline (demo, doctor).
 """
 
@@ -49,6 +53,7 @@ from ..engines.specdec import (
     plain_generate,
     speculative_generate,
 )
+from ..engines.replay import replay_chain, target_side
 from ..errors import InputError, VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
@@ -227,6 +232,48 @@ class _Decoding:
         }
 
 
+class _Replaying(_Decoding):
+    """eval.replay: the greedy chain's accepted counts by replay (eaglet/engines/replay.py), all
+    prompts of a call at once; no plain decode, so no speed or lossless figures."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.s.method != "chain" or self.s.temperature > 0:
+            raise InputError(f"eval.replay measures greedy chains only, not method {self.s.method!r} at temperature "
+                             f"{self.s.temperature:g}", fix="set eval.method=chain and eval.temperature=0, or "
+                             "eval.replay=false")
+        self.check = self.run_plain = False
+
+    def warmup(self, prompt: Sequence[int]) -> None:
+        self.warm = True
+
+    def decode(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+        s = self.s
+        side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.chain_tokens)
+        records = []
+        for prompt, (accepted, tokens) in zip(prompts, replay_chain(self.drafter.draft, side, eos=self.eos)):
+            stats = acceptance_stats(accepted, s.num_positions)
+            rec: dict[str, Any] = {"index": self.done, "prompt_tokens": len(prompt), "new_tokens": len(tokens),
+                                   "verify_forwards": len(accepted), "tau": stats["tau"],
+                                   "acceptance_rate": stats["acceptance_rate"], "accepted_per_forward": accepted,
+                                   "seconds": 0.0, "tokens_per_s": None, "tokens": tokens}
+            if self.tokenizer is not None:
+                rec["text"] = self.tokenizer.decode(tokens)
+            records.append(rec)
+            self.done += 1
+        if self.verbose:
+            tau = acceptance_stats([a for r in records for a in r["accepted_per_forward"]], s.num_positions)["tau"]
+            log(f"[eval] replayed {len(prompts)} prompts: tau {_fmt(tau)}")
+        return records
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "replay": True}
+
+
+def _decoding(ecfg: EvalSection, *args: Any) -> _Decoding:
+    return (_Replaying if ecfg.replay else _Decoding)(*args)
+
+
 def evaluate_draft(
     target: nn.Module,
     tokenizer: Any,
@@ -246,7 +293,7 @@ def evaluate_draft(
 
     The plain decode runs when ecfg.baseline is set, or when the lossless check needs it
     (greedy with ecfg.lossless_check)."""
-    d = _Decoding(target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids, verbose)
+    d = _decoding(ecfg, target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids, verbose)
     if warmup and prompts:
         d.warmup(prompts[0])
     records = d.decode(prompts)
@@ -269,7 +316,7 @@ def evaluate_items(
     """evaluate_draft over eval items, turn by turn (eaglet/stages/eval_sets.py): a later turn is
     asked after the target's own answers (the speculative output, which greedy decoding keeps
     equal to the target's). Adds "by_category" when the items have categories."""
-    d = _Decoding(target, tokenizer, draft, aux_layers, ecfg, seed, None, verbose)
+    d = _decoding(ecfg, target, tokenizer, draft, aux_layers, ecfg, seed, None, verbose)
 
     def decode(prompts: list[list[int]], _items: list[EvalItem]) -> list[tuple[list[int], dict[str, Any]]]:
         if warmup and not d.warm and prompts:
@@ -493,7 +540,8 @@ def setting_key(ecfg: EvalSection, engine: str = "eaglet") -> str:
     draft = f"chain{ecfg.chain_tokens}" if ecfg.method == "chain" else \
         f"tree{ecfg.tree_top_k}x{ecfg.tree_depth}-{ecfg.tree_total_tokens}"
     temp = "greedy" if ecfg.temperature <= 0 else f"t{ecfg.temperature:g}"
-    return f"{set_name(ecfg.prompts)}-{draft}-{temp}" + ("" if engine == "eaglet" else f"-{engine}")
+    how = "-replay" if ecfg.replay and engine == "eaglet" else ""
+    return f"{set_name(ecfg.prompts)}-{draft}-{temp}{how}" + ("" if engine == "eaglet" else f"-{engine}")
 
 
 def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
