@@ -230,6 +230,15 @@ class TrainSection:
         "weight (eaglet/draft/optim.py); no fp32 gradient and no per-step cast. Otherwise, or false: torch's AdamW.")
     ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).", _ge(1))
     gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.", Range(0, 1, lo_open=True))
+    accept_loss: Literal["none", "tv", "log_accept"] = _f(
+        "none", "An acceptance-targeting term added to each step's soft cross-entropy: 'tv' (1 - alpha, the total "
+        "variation between draft and teacher) or 'log_accept' (-log alpha), alpha = sum min(p, q), the chance a "
+        "sampled draft token is accepted (eaglet/draft/loss.py).")
+    accept_weight: float = _f(1.0, "Weight of train.accept_loss's term beside the cross-entropy.", _ge(0))
+    state_noise: float = _f(
+        0.0, "Gaussian noise on the captured target states in training, as a fraction of each state's per-token RMS "
+        "(each of the low/mid/high states by its own): the draft learns to read slightly wrong states, as it does "
+        "at inference from its own steps.", _ge(0))
     attn_impl: Literal["auto", "flex", "chunked", "naive"] = _f(
         "auto", "TTT attention: 'flex' (GPU), 'chunked' (any device), 'naive' (dense mask, tests); auto picks."
     )

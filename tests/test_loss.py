@@ -188,3 +188,60 @@ def test_simulated_acceptance_length():
     assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
     assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
     assert simulated_acceptance_length([0.8, 0.5, 0.0, 0.9]) == pytest.approx(1 + 0.8 + 0.4)
+
+
+@pytest.mark.parametrize("kind", ["tv", "log_accept"])
+def test_acceptance_terms_against_the_total_variation_written_out(kind):
+    """train.accept_loss: each step adds w * mean(1 - alpha) or w * mean(-log alpha), where
+    1 - alpha is the total variation 0.5 * sum |p - q| (written out here, row by row); the soft
+    CE per step is unchanged; the rows path (head_rows) gives the same total; gradients reach
+    the counted rows only."""
+    from eaglet.draft.loss import head_rows
+
+    g = torch.Generator().manual_seed(5)
+    B, T, N, steps, w = 2, 11, 6, 3, 0.7
+    teacher = torch.randn(B, T, N, generator=g, dtype=torch.float64).softmax(-1)
+    in_vocab = torch.rand(B, T, generator=g) > 0.2
+    loss_mask = torch.rand(B, T, generator=g) > 0.3
+    logits = [torch.randn(B, T, N, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+    out = ttt_loss(iter(logits), teacher, in_vocab, loss_mask, gamma=0.8, accept_loss=kind, accept_weight=w)
+    base_total, base_losses, _ = reference_loss(logits, teacher, in_vocab, loss_mask, 0.8)
+    want = base_total
+    for j, lg in enumerate(logits):
+        terms = []
+        for b in range(B):
+            for t in range(T):
+                if t + 2 + j < T and loss_mask[b, t + 2 + j] and in_vocab[b, t + 1 + j]:
+                    tv = 0.5 * float((teacher[b, t + 1 + j] - lg[b, t].detach().softmax(-1)).abs().sum())
+                    terms.append(tv if kind == "tv" else -math.log(1 - tv))
+        want += 0.8**j * w * sum(terms) / len(terms)
+        assert float(out.accept[j].detach()) == pytest.approx(sum(terms) / len(terms), rel=1e-10)
+    assert float(out.total.detach()) == pytest.approx(want, rel=1e-10)
+    assert [float(x.detach()) for x in out.losses] == pytest.approx(base_losses, rel=1e-12)
+    out.total.backward()
+    for j, lg in enumerate(logits):
+        live = torch.zeros(B, T, dtype=torch.bool)
+        live[:, : T - 2 - j] = step_mask(loss_mask, in_vocab, None, j)
+        assert torch.all(lg.grad[~live] == 0) and torch.all(lg.grad[live].abs().sum(-1) > 0)
+    # the rows path: each step's logits of head_rows only
+    rows = head_rows(loss_mask, None, steps)
+    sub = [lg.detach().flatten(0, 1)[r][None] for lg, r in zip(logits, rows)]
+    got = ttt_loss(iter(sub), teacher, in_vocab, loss_mask, gamma=0.8, head_rows=rows, accept_loss=kind,
+                   accept_weight=w)
+    assert float(got.total) == pytest.approx(want, rel=1e-10)
+
+
+def test_state_noise_scales_with_each_states_own_rms():
+    from eaglet.draft.step import noisy_states
+
+    g = torch.Generator().manual_seed(0)
+    H, n = 64, 4000
+    low, high = torch.randn(1, n, H, generator=g), 50 * torch.randn(1, n, H, generator=g)
+    aux = torch.cat([low, high], dim=-1)
+    torch.manual_seed(1)
+    noisy = noisy_states(aux, 2, 0.1)
+    d = (noisy - aux).unflatten(-1, (2, H))
+    rms = aux.unflatten(-1, (2, H)).pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (d / rms).std(dim=(0, 1, 3))  # the noise over each state's RMS, per state
+    assert ratio.tolist() == pytest.approx([0.1, 0.1], rel=0.02)
+    assert torch.equal(noisy_states(aux, 2, 0.0), aux)

@@ -317,3 +317,36 @@ def test_extended_schedule():
     twice = extend_schedule(tc, seg, 30, 60)
     g = lr_lambda(tc, 60, twice)
     assert [g(s) for s in range(30)] == [f(s) for s in range(30)] and g(30) < f(29)
+
+
+def test_a_checkpoint_from_before_the_quality_levers_resumes_under_their_defaults():
+    """train.accept_loss, accept_weight and state_noise joined the fingerprint later: a
+    checkpoint without them was trained with their defaults, so only a changed one is refused."""
+    from eaglet.stages.train import fingerprint_diff
+
+    saved = {"train.lr": 1e-4, "train.gamma": 0.8}
+    now = {**saved, "train.accept_loss": "none", "train.accept_weight": 1.0, "train.state_noise": 0.0}
+    assert fingerprint_diff(saved, now) == {}
+    assert fingerprint_diff(saved, {**now, "train.state_noise": 0.05}) == {"train.state_noise": (0.0, 0.05)}
+    assert fingerprint_diff(saved, {**now, "train.bogus": 1}) == {"train.bogus": (None, 1)}
+
+
+def test_the_quality_levers_train_log_and_resume_bit_for_bit(clean, tmp_path):
+    """train.accept_loss and train.state_noise in a real run: the logged loss is the soft CE plus
+    the weighted acceptance term per step, the weights differ from the plain run's, and a run
+    killed mid-way resumes to the uninterrupted run's weights bit for bit (the noise draws from
+    the generator the checkpoint restores)."""
+    tmp, base, plain = clean
+    levers = [*base, "train.accept_loss=tv", "train.accept_weight=0.5", "train.state_noise=0.05"]
+    run, log = train_on_copy(tmp, levers, "levers")
+    recs = [r for r in log if r["split"] == "train"]
+    assert recs
+    for r in recs:
+        terms = [r[f"accept_term_{j}"] for j in range(2)]
+        assert all(0 < t < 1 for t in terms)
+        assert r["loss"] == pytest.approx(sum(0.8**j * (r[f"loss_{j}"] + 0.5 * terms[j]) for j in range(2)), rel=1e-5)
+    wa, wb = _final(plain), _final(run)
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+    killed = _killed_copy(run, tmp_path / "killed", after=6)
+    _train(killed, levers)
+    _same_weights(run, killed)

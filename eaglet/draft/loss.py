@@ -14,13 +14,18 @@ shifted the target but not the mask (EAGLE issue 317); `step_mask` is the one pl
 decides which (row, step) pairs count, and the tests pin it down.
 
 Per step: soft cross-entropy against the teacher, averaged over the counted rows, and the
-top-1 agreement of draft and teacher. total = sum_j gamma^j * loss_j.
+top-1 agreement of draft and teacher. total = sum_j gamma^j * (loss_j + w * accept_j), where
+accept_j is an optional acceptance-targeting term (`accept_term`, train.accept_loss): with
+draft q and teacher p over the draft vocabulary, a sampled draft token is accepted with
+probability alpha = sum_v min(p_v, q_v) = 1 - TV(p, q); 'tv' adds 1 - alpha, 'log_accept'
+adds -log alpha (the LK family's objective), the cross-entropy staying as a trust region.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,6 +141,7 @@ class TTTLoss:
     correct: list[Tensor]  # rows where draft argmax == teacher argmax, per step
     counts: list[Tensor]  # counted rows per step
     in_vocab: Tensor | None = None  # the out-of-vocabulary mask's verdict the loss used [B, T]
+    accept: list[Tensor] | None = None  # the acceptance term of each step (train.accept_loss), when on
 
     def accs(self) -> list[Tensor]:
         return [c / n.clamp(min=1) for c, n in zip(self.correct, self.counts, strict=True)]
@@ -164,6 +170,23 @@ def masked_soft_ce(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, top_BL: Tens
     with torch.no_grad():
         correct = ((logits.argmax(-1) == top_BL) & m_BL).sum()
     return loss, correct, count
+
+
+ACCEPT_LOSSES = ("none", "tv", "log_accept")
+
+
+def accept_term(logits_BTN: Tensor, p_BLN: Tensor, m_BL: Tensor, kind: str, src: Tensor | None = None) -> Tensor:
+    """Mean over the rows where m of 1 - alpha ('tv') or -log alpha ('log_accept'), alpha =
+    sum_v min(p_v, softmax(z)_v), the chance that a token sampled from the draft is accepted;
+    the rows as `masked_soft_ce` takes them (first L rows of the logits, or `src` rows of p)."""
+    if kind not in ACCEPT_LOSSES[1:]:
+        raise ValueError(f"train.accept_loss {kind!r}: expected one of {ACCEPT_LOSSES}")
+    if src is not None:
+        p_BLN = p_BLN.flatten(0, 1).index_select(0, src).unsqueeze(0)
+    q = _acc(logits_BTN[:, : m_BL.shape[1]]).softmax(-1)
+    alpha = torch.minimum(q, p_BLN.to(q.dtype)).sum(-1)
+    term = 1 - alpha if kind == "tv" else -torch.log(alpha.clamp(min=1e-12))
+    return (term * m_BL).sum() / m_BL.sum().clamp(min=1)
 
 
 class _SoftCE(torch.autograd.Function):
@@ -250,8 +273,10 @@ def step_loss(
     teacher_top_BT: Tensor | None = None,
     soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] = chunked_soft_ce,
     rows: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(mean soft CE, correct, count) of one step, aligned as the module header says.
+    accept: Callable[..., Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(mean soft CE, correct, count) of one step, aligned as the module header says, and
+    with `accept` (`accept_term` with its kind bound) that term's mean as a fourth.
 
     teacher_top_BT: the teacher's argmax per position (computed here when not given);
     soft_ce: `chunked_soft_ce`, `masked_soft_ce` or `compiled_soft_ce()`;
@@ -264,11 +289,13 @@ def step_loss(
         T = loss_mask_BT.shape[1]
         src = rows + (1 + step)
         m_rows = m[rows // T, rows % T].unsqueeze(0)
-        return soft_ce(logits_BTN, teacher_BTN, m_rows, teacher_top_BT.flatten().index_select(0, src).unsqueeze(0),
-                       src)
+        out = soft_ce(logits_BTN, teacher_BTN, m_rows, teacher_top_BT.flatten().index_select(0, src).unsqueeze(0),
+                      src)
+        return out if accept is None else (*out, accept(logits_BTN, teacher_BTN, m_rows, src=src))
     p = teacher_BTN[:, 1 + step : 1 + step + L]
     top = teacher_top_BT[:, 1 + step : 1 + step + L]
-    return soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
+    out = soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
+    return out if accept is None else (*out, accept(logits_BTN, p, m))
 
 
 def ttt_loss(
@@ -280,23 +307,41 @@ def ttt_loss(
     gamma: float = 0.8,
     compiled: bool = False,
     head_rows: Sequence[Tensor] | None = None,
+    accept_loss: str = "none",
+    accept_weight: float = 1.0,
 ) -> TTTLoss:
     """The TTT loss over all steps; `logits_steps` may be the draft's `ttt_steps` generator.
     compiled: the soft CE through torch.compile (`compiled_soft_ce`); else `chunked_soft_ce`.
-    head_rows: the rows each step's logits are of, when the draft was given them."""
-    losses, correct, counts = [], [], []
+    head_rows: the rows each step's logits are of, when the draft was given them.
+    accept_loss, accept_weight: the acceptance term (`accept_term`) and its weight, added to
+    each step's soft CE in `total` (`losses` stay the soft CE, so logs compare across runs)."""
+    losses, correct, counts, accepts = [], [], [], []
     total: Tensor | float = 0.0
     teacher_top = teacher_BTN.argmax(-1)  # once, not once per step: the steps see shifted rows of it
     soft_ce = compiled_soft_ce() if compiled else chunked_soft_ce
+    accept = None
+    if accept_loss != "none":
+        accept = partial(_compiled_accept() if compiled else accept_term, kind=accept_loss)
     for j, logits in enumerate(logits_steps):
-        loss, c, n = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top, soft_ce,
-                               None if head_rows is None else head_rows[j])
-        total = total + gamma**j * loss
+        loss, c, n, *extra = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top,
+                                       soft_ce, None if head_rows is None else head_rows[j], accept)
+        total = total + gamma**j * (loss + accept_weight * extra[0] if extra else loss)
         losses.append(loss)
         correct.append(c)
         counts.append(n)
+        accepts.extend(extra)
     assert isinstance(total, Tensor), "no steps"
-    return TTTLoss(total, losses, correct, counts, in_vocab_BT)
+    return TTTLoss(total, losses, correct, counts, in_vocab_BT, accepts or None)
+
+
+_compiled_accept_term: Callable[..., Tensor] | None = None
+
+
+def _compiled_accept() -> Callable[..., Tensor]:
+    global _compiled_accept_term
+    if _compiled_accept_term is None:
+        _compiled_accept_term = torch.compile(accept_term)
+    return _compiled_accept_term
 
 
 def simulated_acceptance_length(accs: Sequence[float]) -> float:

@@ -99,22 +99,32 @@ def resolve_compile(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
-def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast) -> TTTLoss:
+def noisy_states(aux_BTA: Tensor, num_aux: int, scale: float) -> Tensor:
+    """aux plus Gaussian noise, each captured state's by `scale` times its own RMS per token
+    (train.state_noise: the states of a deep layer are many times a shallow one's)."""
+    parts = aux_BTA.unflatten(-1, (num_aux, -1))
+    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (parts.float() + torch.randn_like(parts, dtype=torch.float32) * (scale * rms)).to(aux_BTA.dtype).flatten(-2)
+
+
+def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast,
+                 training: bool = False) -> TTTLoss:
     """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
-    wrapper, or the bare draft for evaluation) and its loss."""
+    wrapper, or the bare draft for evaluation) and its loss. training: add train.state_noise."""
     teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
+    aux = noisy_states(b.aux, par.draft.config.num_aux, tc.state_noise) if training and tc.state_noise > 0 else b.aux
     with autocast:
-        steps = module(b.aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl,
+        steps = module(aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl,
                        head_rows=b.head_rows, active_rows=b.active_rows)
         return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled,
-                        head_rows=b.head_rows)
+                        head_rows=b.head_rows, accept_loss=tc.accept_loss, accept_weight=tc.accept_weight)
 
 
 def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
     """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
     across ranks only when `sync` (the step's last micro-batch)."""
     with par.grad_sync(sync):
-        out = forward_loss(par, par.module, b, tc, autocast)
+        out = forward_loss(par, par.module, b, tc, autocast, training=True)
         (out.total / tc.grad_accum).backward()
     par.reshard_frozen()
     return out
@@ -228,29 +238,37 @@ class Sums:
 
     def __init__(self) -> None:
         self.loss = self.total = self.correct = self.count = None
+        self.accept: Tensor | None = None  # the acceptance term per step (train.accept_loss), when on
         self.n = 0
         self.tokens = 0
 
     def add(self, out, tokens: int = 0) -> None:
         vals = {"loss": torch.stack(out.losses).detach().float(), "total": out.total.detach().float(),
                 "correct": torch.stack(out.correct), "count": torch.stack(out.counts)}
+        if out.accept is not None:
+            vals["accept"] = torch.stack(out.accept).detach().float()
         for k, v in vals.items():
             old = getattr(self, k)
             setattr(self, k, v if old is None else old + v)
         self.n += 1
         self.tokens += tokens
 
-    def all_reduce(self, num_steps: int, device: torch.device) -> None:
-        """Sum over ranks (two collectives; a no-op alone). A rank without micro-batches adds zeros."""
+    def all_reduce(self, num_steps: int, device: torch.device, accept: bool = False) -> None:
+        """Sum over ranks (two collectives; a no-op alone). A rank without micro-batches adds zeros.
+        accept: the acceptance term is on (every rank's sums then carry it)."""
         if not dist_env().active:
             return
         if self.loss is None:
             self.loss, self.total = torch.zeros(num_steps, device=device), torch.zeros((), device=device)
             self.correct = self.count = torch.zeros(num_steps, dtype=torch.int64, device=device)
-        floats = all_reduce_sum(torch.cat([self.loss, self.total.reshape(1)]))
+            self.accept = torch.zeros(num_steps, device=device) if accept else None
+        extra = [] if self.accept is None else [self.accept]
+        floats = all_reduce_sum(torch.cat([self.loss, self.total.reshape(1), *extra]))
         ints = all_reduce_sum(torch.cat([self.correct, self.count,
                                          torch.tensor([self.n, self.tokens], device=self.correct.device)]))
         self.loss, self.total = floats[:num_steps], floats[num_steps]
+        if self.accept is not None:
+            self.accept = floats[num_steps + 1:]
         self.correct, self.count = ints[:num_steps], ints[num_steps:2 * num_steps]
         self.n, self.tokens = int(ints[-2]), int(ints[-1])
 
@@ -262,6 +280,8 @@ class Sums:
         out = {"loss": float(self.total) / n}
         out.update({f"loss_{j}": v for j, v in enumerate(losses)})
         out.update({f"acc_{j}": v for j, v in enumerate(accs)})
+        if self.accept is not None:
+            out.update({f"accept_term_{j}": v for j, v in enumerate((self.accept / n).tolist())})
         out["sim_tau"] = simulated_acceptance_length(accs)
         out["counted"] = int(self.count[0])
         return out

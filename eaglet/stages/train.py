@@ -126,6 +126,10 @@ EXTEND_KEYS = ("train.epochs", "train.max_steps")
 _OLD_KEYS = {"data.grad_accum": "data.micro_batches_per_step", "data.max_tokens": "train.max_tokens",
              "data.eval_fraction": "train.eval_fraction", "data.seed": "run.seed"}
 
+# Trajectory settings added since checkpoints held the train.* settings, with the value a
+# checkpoint without them was trained with (so it resumes under the defaults).
+_ADDED_KEYS = {"train.accept_loss": "none", "train.accept_weight": 1.0, "train.state_noise": 0.0}
+
 
 def uses_bf16(tc: TrainSection, device: torch.device) -> bool:
     return tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
@@ -170,7 +174,7 @@ def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tupl
     """{key: (old, new)} of the keys whose values differ. An old fingerprint (`old_fingerprint`)
     is compared on the keys it has."""
     before = old_fingerprint(old)
-    old = {_OLD_KEYS.get(k, k): v for k, v in old.items()}
+    old = {**({} if before else _ADDED_KEYS), **{_OLD_KEYS.get(k, k): v for k, v in old.items()}}
     keys = set(old) if before else set(old) | set(new)
     return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
 
@@ -366,7 +370,7 @@ class Trainer:
                 sums.add(out)
             self.par.reshard_frozen()
         self.model.train()
-        sums.all_reduce(self.tc.ttt_steps, self.device)
+        sums.all_reduce(self.tc.ttt_steps, self.device, self.tc.accept_loss != "none")
         return sums.metrics()
 
     def _pick(self, ckpt_dir: Path, fp: dict[str, Any], settings: dict[str, Any], extend: bool,
@@ -502,7 +506,7 @@ class Trainer:
             if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
                 freeze_survivors()
             if step % tc.log_every == 0 or step == self.total_steps:
-                sums.all_reduce(tc.ttt_steps, self.device)
+                sums.all_reduce(tc.ttt_steps, self.device, tc.accept_loss != "none")
                 self.vocab_mask.share()
                 rec = sums.metrics()
                 dt = time.perf_counter() - t_log
