@@ -207,6 +207,9 @@ class VocabSection:
 @dataclass
 class TrainSection:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).", _ge(1))
+    seed: int | None = _f(
+        None, "Seed of the draft's initialisation, micro-batch order and state noise (None: run.seed). The held-out "
+        "split stays run.seed's, so drafts of several seeds are evaluated on the same prompts.", _ge(0))
     epochs: int = _f(1, "Passes over the training split.", _ge(1))
     max_tokens: int = _f(
         8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).", _ge(2))

@@ -350,3 +350,19 @@ def test_the_quality_levers_train_log_and_resume_bit_for_bit(clean, tmp_path):
     killed = _killed_copy(run, tmp_path / "killed", after=6)
     _train(killed, levers)
     _same_weights(run, killed)
+
+
+def test_train_seed_alone_changes_the_draft_not_the_split(clean):
+    """train.seed: None or run.seed's value trains the run.seed draft bit for bit; another value
+    another draft, from the same split (the held-out samples stay run.seed's)."""
+    tmp, base, plain = clean
+    same, _ = train_on_copy(tmp, base, "seed0", "train.seed=0")
+    _same_weights(plain, same)
+    other, _ = train_on_copy(tmp, base, "seed5", "train.seed=5")
+    wa, wb = _final(plain), _final(other)
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+    def held_out_rows(run):  # the rows the final evaluation counted: the held-out samples' loss rows
+        recs = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+        return [r["counted"] for r in recs if r["split"] == "eval"][-1]
+
+    assert held_out_rows(other) == held_out_rows(plain) > 0

@@ -90,7 +90,7 @@ def build_draft(cfg: Config, store: StoreReader, d2t: torch.Tensor, t2d: torch.T
             hf, draft_vocab_size=int(d2t.numel()), num_layers=tc.draft_layers, fc_norm=tc.fc_norm,
             norm_output=tc.norm_output, num_aux=store.n_aux,
         )
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(train_seed(cfg))
         model = Eagle3Draft(dcfg)
         model.reset_parameters()
         if tc.init_head_from_target:
@@ -128,7 +128,13 @@ _OLD_KEYS = {"data.grad_accum": "data.micro_batches_per_step", "data.max_tokens"
 
 # Trajectory settings added since checkpoints held the train.* settings, with the value a
 # checkpoint without them was trained with (so it resumes under the defaults).
-_ADDED_KEYS = {"train.accept_loss": "none", "train.accept_weight": 1.0, "train.state_noise": 0.0}
+_ADDED_KEYS = {"train.accept_loss": "none", "train.accept_weight": 1.0, "train.state_noise": 0.0, "train.seed": None}
+
+
+def train_seed(cfg: Config) -> int:
+    """The seed of the draft's initialisation, its micro-batch order and its noise: train.seed,
+    else run.seed (which alone sets the held-out split)."""
+    return cfg.run.seed if cfg.train.seed is None else cfg.train.seed
 
 
 def uses_bf16(tc: TrainSection, device: torch.device) -> bool:
@@ -287,7 +293,7 @@ class Trainer:
         self.held_out = pack(self.eval_ids, self.lengths, self.tc.max_tokens)  # every evaluation's micro-batches
         self.stream = store if isinstance(store, StreamedStates) else None
         self.micro_per_step = self.tc.grad_accum * self.env.world_size
-        batches = len(epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, cfg.run.seed, 0))
+        batches = len(epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, train_seed(cfg), 0))
         self.steps_per_epoch = max(batches // self.micro_per_step, 1)
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
@@ -309,7 +315,7 @@ class Trainer:
     def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
         """The global micro-batch stream (the same on every rank): (epoch, index in its plan, sample ids)."""
         while True:
-            plan = epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, self.cfg.run.seed, epoch)
+            plan = epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, train_seed(self.cfg), epoch)
             # Packing another permutation can give a different number of micro-batches than
             # epoch 0's plan, from which steps_per_epoch was counted: never index past it.
             usable = min(self.steps_per_epoch * self.micro_per_step, len(plan))
