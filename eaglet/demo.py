@@ -146,6 +146,25 @@ def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def cost_lines(ev: dict[str, Any], k: int, where: str) -> list[str]:
+    """Why speculative decoding is slower than plain decoding here, when it is, from the eval's
+    own timings: where a cycle's time goes, against one plain target step."""
+    cyc, step, tau = ev.get("ms_per_cycle"), ev.get("ms_per_plain_step"), ev["tau"]
+    if not cyc or not step or (ev.get("speedup") or 0) >= 1:
+        return []
+    total = sum(cyc.values())
+    return [f"  why slower here: a cycle takes {total:.0f} ms for {tau:.2f} tokens, a plain target step {step:.0f} ms "
+            f"for one. Of the cycle,",
+            f"    verifying {k + 1} tokens takes {cyc['verify']:.0f} ms ({cyc['verify'] / step:.1f} plain steps: "
+            "a CPU's cost grows with the tokens",
+            f"    a forward computes, where a GPU reads the same weights once for all of them), drafting {k} tokens "
+            f"and committing",
+            f"    the accepted ones {cyc['draft']:.0f} ms, and checking them {cyc['accept']:.0f} ms. "
+            f"Speculative decoding pays where a verification",
+            f"    costs about one plain step and the draft a fraction of it, as on a GPU serving a large target. "
+            f"({where}/eval/eval.json)"]
+
+
 def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
     lines = ["", "eaglet demo finished", f"  run directory   {s['run_dir']}"]
     for name, path in s["stages"].items():
@@ -161,6 +180,7 @@ def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
         if ev.get("speedup"):
             lines.append(f"  tokens/s: speculative {ev['tokens_per_s']:.1f}, plain target {ev['baseline_tokens_per_s']:.1f} "
                          f"(x{ev['speedup']:.2f})")
+            lines += cost_lines(ev, cfg.eval.chain_tokens, str(cfg.run_dir))
         lines.append(f"  lossless check (greedy output == target's own): {ev.get('lossless', 'n/a')}")
     print("\n".join(lines))
 

@@ -626,3 +626,25 @@ def test_heldout_prompts_are_each_evaluated_once(tmp_path):
     assert prompts.count(tuple(bare)) == 1
     every = heldout_prompts(data, data.sample_ids, 0.5, 0, 1000)  # all 20 held out
     assert sum(sid % 2 == 0 for sid, _ in every) == 1 and len(every) > 5
+
+
+def test_timed_decoding_splits_the_seconds_by_phase_and_changes_nothing(target):
+    tr = TargetRunner(target, AUX)
+    draft = make_draft(target, 300)
+    plain = speculative_generate(tr, DraftRunner(draft), PROMPT, CHAIN)
+    timed = speculative_generate(tr, DraftRunner(draft), PROMPT, CHAIN, timed=True)
+    assert (timed.tokens, timed.accepted) == (plain.tokens, plain.accepted) and plain.phases == {}
+    assert set(timed.phases) == {"draft", "verify", "accept", "prefill"}
+    assert all(v >= 0 for v in timed.phases.values()) and timed.phases["verify"] > 0
+    assert sum(timed.phases.values()) == pytest.approx(timed.seconds)
+
+
+def test_the_demo_says_where_a_cycle_goes_when_decoding_is_slower():
+    from eaglet.demo import cost_lines
+
+    ev = {"tau": 1.2, "speedup": 0.6, "ms_per_cycle": {"draft": 30.0, "verify": 40.0, "accept": 2.0},
+          "ms_per_plain_step": 36.0}
+    text = "\n".join(cost_lines(ev, 3, "runs/demo"))
+    assert "a cycle takes 72 ms for 1.20 tokens, a plain target step 36 ms" in text
+    assert "verifying 4 tokens takes 40 ms (1.1 plain steps" in text and "drafting 3 tokens" in text
+    assert cost_lines({**ev, "speedup": 1.3}, 3, "x") == [] and cost_lines({"tau": 1.0, "speedup": 0.5}, 3, "x") == []

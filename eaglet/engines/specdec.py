@@ -516,6 +516,7 @@ class Generation:
     tokens: list[int]  # new tokens (after the prompt), cut at max_new_tokens / the first EOS
     seconds: float
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verification forward
+    phases: dict[str, float] = field(default_factory=dict)  # seconds in drafting, verifying, the rest (`timed`)
 
     @property
     def verify_forwards(self) -> int:
@@ -543,9 +544,11 @@ def _first_token(logits_V: Tensor, temperature: float, generator: torch.Generato
 
 def speculative_generate(
     target: TargetRunner, draft: DraftRunner, prompt: Sequence[int], s: SpecSettings,
-    eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+    eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None, timed: bool = False,
 ) -> Generation:
-    """Decode `prompt` speculatively; see the module docstring for the cycle."""
+    """Decode `prompt` speculatively; see the module docstring for the cycle. timed: also the
+    seconds spent drafting and verifying (`Generation.phases`; on a GPU each phase then ends
+    with a device sync, which slows decoding a little)."""
     if not prompt:
         raise ValueError("speculative decoding needs a non-empty prompt")
     eos = set(eos_token_ids)
@@ -562,6 +565,18 @@ def speculative_generate(
     Q = P  # rows committed to both caches; `pending` sits at position Q
     accepted: list[int] = []
     new = tokens
+    phases = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
+    _sync(target.device)
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        if timed:
+            _sync(target.device)
+            now = time.perf_counter()
+            phases[phase] += now - clock
+            clock = now
+
     while not _finished(tokens, new, s.max_new_tokens, eos):
         qs: list[Tensor] = []
         if s.method == "chain":
@@ -572,8 +587,10 @@ def speculative_generate(
             mask = None if tree.is_chain() else target.tree_mask(tree, Q)
         else:
             raise ValueError(f"unknown drafting method {s.method!r} (expected 'chain' or 'tree')")
+        lap("draft")
         logits, aux = target.forward(cache, tree.tokens, [Q + d for d in tree.depths], mask)
         assert aux is not None
+        lap("verify")
         q_rows = [draft_q_on_target(q, draft.draft_to_target, logits.shape[-1]) for q in qs]
         path, bonus = accept(tree, logits, s.temperature, q_rows, generator)
         keep = [0, *path]
@@ -584,11 +601,16 @@ def speculative_generate(
         new = [tree.tokens[i] for i in path] + [bonus]
         accepted.append(len(path))
         tokens += new
+        lap("accept")
         hidden, dlogits = draft.extend(aux[keep], new, Q)
+        lap("draft")
         Q += len(keep)
         pending = bonus
     _sync(target.device)
-    return Generation(_cut(tokens, s.max_new_tokens, eos), time.perf_counter() - t0, accepted)
+    seconds = time.perf_counter() - t0
+    if timed:
+        phases["prefill"] = seconds - sum(phases.values())
+    return Generation(_cut(tokens, s.max_new_tokens, eos), seconds, accepted, phases if timed else {})
 
 
 @torch.no_grad()

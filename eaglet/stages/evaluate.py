@@ -140,7 +140,9 @@ class _Decoding:
 
     def _one(self, prompt: list[int], i: int) -> dict[str, Any]:
         s, runner = self.s, self.runner
-        g = speculative_generate(runner, self.drafter, prompt, s, self.eos, torch.Generator().manual_seed(self.seed * 1_000_003 + i))
+        g = speculative_generate(runner, self.drafter, prompt, s, self.eos,
+                                 torch.Generator().manual_seed(self.seed * 1_000_003 + i),
+                                 timed=runner.device.type == "cpu")  # no device syncs to add on a CPU
         stats = acceptance_stats(g.accepted, s.num_positions)
         rec: dict[str, Any] = {
             "index": i,
@@ -154,6 +156,8 @@ class _Decoding:
             "tokens_per_s": len(g.tokens) / g.seconds if g.seconds > 0 else None,
             "tokens": list(g.tokens),
         }
+        if g.phases:
+            rec["phase_seconds"] = {k: round(v, 5) for k, v in g.phases.items()}
         if self.run_plain:
             b = plain_generate(runner, prompt, s.max_new_tokens, s.temperature, self.eos,
                                torch.Generator().manual_seed(self.seed * 1_000_003 + i + 500_000))
@@ -203,9 +207,15 @@ class _Decoding:
             "seconds": round(spec_seconds, 4),
             "tokens_per_s": spec_tokens / spec_seconds if spec_seconds > 0 else None,
         }
+        timed = [r["phase_seconds"] for r in records if r.get("phase_seconds")]
+        if timed and total["verify_forwards"]:  # where a cycle's time goes (a CPU's decoding is timed by phase)
+            agg["ms_per_cycle"] = {k: round(1000 * sum(t[k] for t in timed) / total["verify_forwards"], 2)
+                                   for k in ("draft", "verify", "accept")}
         if self.run_plain:
             plain_tokens = sum(r["baseline_new_tokens"] for r in records)
             plain_seconds = sum(r["baseline_seconds"] for r in records)
+            if plain_tokens:
+                agg["ms_per_plain_step"] = round(1000 * plain_seconds / plain_tokens, 2)
             agg["baseline_seconds"] = round(plain_seconds, 4)
             agg["baseline_tokens_per_s"] = plain_tokens / plain_seconds if plain_seconds > 0 else None
             if agg["tokens_per_s"] and agg["baseline_tokens_per_s"]:
@@ -587,6 +597,8 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
     if ecfg.reference_prompts:
         firsts = list(inp.items)[: ecfg.reference_prompts]
         quiet = replace(ecfg, baseline=False, lossless_check=False)
+        if ecfg.method == "chain" and ecfg.temperature <= 0:  # replay gives decoding's counts at a fraction of the cost
+            quiet = replace(quiet, replay=True)
         log(f"[eval] the untrained reference draft on {len(firsts)} prompts")
         ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
                              [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
@@ -595,7 +607,8 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
     _write_result(ctx.out_dir, key, result)
     agg = result["aggregate"]
     stats = {k: agg.get(k) for k in ("num_prompts", "new_tokens", "verify_forwards", "tau", "tau_ceiling",
-                                      "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")}
+                                      "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
+                                      "ms_per_cycle", "ms_per_plain_step")}
     stats["result"] = f"{key}.json"
     if "reference" in result:
         stats["reference_tau"] = result["reference"]["tau"]
