@@ -49,14 +49,11 @@ from eaglet.utils import atomic_write_json, log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_drafts import opening_prompts  # noqa: E402  (the same unseen prompts compare_drafts takes)
+from quality import COMMON as QUALITY  # noqa: E402
 
-COMMON = [
-    "prepare.max_length=2048", "prepare.num_workers=12", "target.dtype=bfloat16",
-    "extract.mode=online", "extract.selfcheck_samples=8", "vocab.size=32000",
-    "train.max_tokens=8192", "train.ttt_steps=7", "train.lr=0.0003", "train.warmup_steps=100",
-    "train.log_every=50", "train.eval_every=0", "train.ckpt_every=100000", "train.eval_fraction=0.02",
-    "train.tensorboard=false", "train.epochs=1000",
-]
+# quality.sh's training settings (one place), without its export and eval settings
+COMMON = [s for s in QUALITY if not s.startswith(("export.", "eval."))] + ["train.ckpt_every=100000",
+                                                                          "train.epochs=1000"]
 SHARED = ("prepare", "extract", "vocab")  # stages every draft shares: W/base's
 
 
