@@ -43,7 +43,7 @@ SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # Sized for a 2-core CPU: 150 conversations cut to 256 tokens, a 3-step TTT. The training
 # settings won the demo's own A/B (docs/quality.md, "The demo's figures"): lr 3e-3 and three
 # epochs, the acceptance term, and no out-of-vocabulary mask (the teacher's draft columns only:
-# a fifth faster a step, which pays for the third epoch).
+# about a fifth less time a step, which pays for most of the third epoch).
 CPU_SETTINGS = [
     "prepare.max_records=150", "prepare.max_length=256", "target.dtype=float32",
     "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=4096",
@@ -158,15 +158,16 @@ def cost_lines(ev: dict[str, Any], k: int, where: str) -> list[str]:
         return []
     total = sum(cyc.values())
     return [f"  why slower here: a cycle takes {total:.0f} ms for {tau:.2f} tokens, a plain target step {step:.0f} ms "
-            f"for one. Of the cycle,",
-            f"    verifying {k + 1} tokens takes {cyc['verify']:.0f} ms ({cyc['verify'] / step:.1f} plain steps: "
-            "a CPU's cost grows with the tokens",
-            f"    a forward computes, where a GPU reads the same weights once for all of them), drafting {k} tokens "
-            f"and committing",
-            f"    the accepted ones {cyc['draft']:.0f} ms, and checking them {cyc['accept']:.0f} ms. "
-            f"Speculative decoding pays where a verification",
-            f"    costs about one plain step and the draft a fraction of it, as on a GPU serving a large target. "
-            f"({where}/eval/eval.json)"]
+            "for one.",
+            f"    Of the cycle, verifying {k + 1} tokens takes {cyc['verify']:.0f} ms ({cyc['verify'] / step:.1f} plain "
+            f"steps: a CPU's time grows with",
+            "    the tokens a forward computes, where a GPU reads the weights once for all of them), drafting "
+            f"{k} tokens and",
+            f"    committing the accepted ones {cyc['draft']:.0f} ms, checking them {cyc['accept']:.0f} ms. "
+            "Speculative decoding pays where",
+            "    a verification costs about one plain step and a draft step a fraction of one: on a GPU serving a "
+            "large target.",
+            f"    Per prompt and phase: {where}/eval/eval.json"]
 
 
 def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
