@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,18 +41,19 @@ from eaglet.config import TargetSection, load_config
 from eaglet.engines.replay import TargetSide, replay_chain, target_side
 from eaglet.engines.specdec import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
+from eaglet.stages.eval_sets import opening_prompts
 from eaglet.stages.evaluate import eos_ids
-from eaglet.targets.chat import load_tokenizer, resolve_chat_template
+from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_drafts import opening_prompts  # noqa: E402  (the same unseen prompts compare_drafts takes)
-from quality import COMMON as QUALITY  # noqa: E402
-
-# quality.sh's training settings (one place), without its export and eval settings
-COMMON = [s for s in QUALITY if not s.startswith(("export.", "eval."))] + ["train.ckpt_every=100000",
-                                                                          "train.epochs=1000"]
+COMMON = [  # quality.sh's training settings (bench/quality.py), without its export and eval ones
+    "prepare.max_length=2048", "prepare.num_workers=12", "target.dtype=bfloat16",
+    "extract.mode=online", "extract.selfcheck_samples=8", "vocab.size=32000",
+    "train.max_tokens=8192", "train.ttt_steps=7", "train.lr=0.0003", "train.warmup_steps=100",
+    "train.log_every=50", "train.eval_every=0", "train.ckpt_every=100000", "train.eval_fraction=0.02",
+    "train.tensorboard=false", "train.epochs=1000",
+]
 SHARED = ("prepare", "extract", "vocab")  # stages every draft shares: W/base's
 
 
@@ -116,8 +116,9 @@ def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: A
                               args.max_new_tokens, args.k)
         log(f"[ab] {meta}: made for other settings; making it again")
     tcfg = TargetSection(path=str(args.target))
-    prompts = opening_prompts(args.data, tok, resolve_chat_template(tok, tcfg), args.records, args.prompts,
-                              args.max_prompt_tokens)
+    template = resolve_chat_template(tok, tcfg)
+    prompts = opening_prompts(args.data, lambda msgs: generation_prompt(tok, template, msgs), args.records,
+                              args.prompts, args.max_prompt_tokens)
     t0 = time.perf_counter()
     side = target_side(target, aux_layers, prompts, args.max_new_tokens, args.k, batch=args.batch)
     log(f"[ab] target side: {len(prompts)} prompts, {sum(map(len, side.sequences))} tokens in "

@@ -17,46 +17,16 @@ import argparse
 import math
 import statistics
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from eaglet.config import EvalSection, TargetSection
-from eaglet.formats.datasets import RecordError, iter_records, normalize_record
 from eaglet.formats.draft import load_final
+from eaglet.stages.eval_sets import opening_prompts
 from eaglet.stages.evaluate import evaluate_draft
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
-
-
-def opening_prompts(data: Path, tokenizer: Any, template: str, skip: int, n: int, max_tokens: int) -> list[list[int]]:
-    """The token ids of the first `n` distinct opening user turns after record `skip`, each
-    rendered as `eaglet regenerate` renders what the target answers."""
-    out: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for row, rec in iter_records(data):
-        if row < skip or isinstance(rec, RecordError):
-            continue
-        try:
-            messages = normalize_record(rec)
-        except RecordError:
-            continue
-        head = []
-        for m in messages:
-            if m["role"] == "assistant":
-                break
-            head.append(m)
-        if not any(m["role"] == "user" and m["content"].strip() for m in head):
-            continue  # opens with the assistant's turn: no question to answer
-        ids = generation_prompt(tokenizer, template, head)
-        if len(ids) > max_tokens or tuple(ids) in seen:
-            continue
-        seen.add(tuple(ids))
-        out.append(ids)
-        if len(out) == n:
-            break
-    return out
 
 
 def main() -> None:
@@ -76,7 +46,8 @@ def main() -> None:
 
     tcfg = TargetSection(path=args.target, dtype=args.dtype)
     tokenizer = load_tokenizer(tcfg)
-    prompts = opening_prompts(args.data, tokenizer, resolve_chat_template(tokenizer, tcfg), args.skip,
+    template = resolve_chat_template(tokenizer, tcfg)
+    prompts = opening_prompts(args.data, lambda msgs: generation_prompt(tokenizer, template, msgs), args.skip,
                               args.num_prompts, args.max_prompt_tokens)
     if len(prompts) < 2:
         raise SystemExit(f"compare_drafts: {len(prompts)} usable prompt(s) in {args.data} after record {args.skip}")

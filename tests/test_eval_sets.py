@@ -238,3 +238,24 @@ def test_the_doctor_says_whether_the_run_ends_with_the_vllm_eval():
     auto = line("eval.vllm=auto")
     assert auto.status == "info" and "no GPU is visible" in auto.found
     assert line("eval.vllm=on").status == "FAIL"
+
+
+def test_opening_prompts_take_distinct_first_questions_after_the_skipped_records(tmp_path):
+    from eaglet.stages.eval_sets import opening_prompts
+
+    def conv(*turns):
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    recs = [conv(("human", "seen in training"), ("gpt", "a")),                 # row 0: skipped
+            conv(("gpt", "opens with the answer"), ("human", "q")),            # no question first
+            conv(("human", "what is x"), ("gpt", "b"), ("human", "more")),
+            conv(("human", "what is x"), ("gpt", "c")),                        # the same prompt again
+            conv(("human", "y" * 50), ("gpt", "d")),                           # too long
+            conv(("system", "be brief"), ("human", "why"), ("gpt", "e")),
+            conv(("human", "last"), ("gpt", "f"))]
+    data = write_jsonl(tmp_path / "d.jsonl", recs)
+    render = lambda msgs: [ord(c) for m in msgs for c in m["role"][0] + m["content"]]  # noqa: E731
+    got = opening_prompts(data, render, skip=1, n=2, max_tokens=20)
+    assert got == [render([{"role": "user", "content": "what is x"}]),
+                   render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"}])]
+    assert len(opening_prompts(data, render, skip=1, n=10, max_tokens=20)) == 3

@@ -34,7 +34,7 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
     lengths = {i: int(rng.integers(10, 300)) for i in ids}
     counts = [len(epoch_plan(ids, lengths, 512, 0, e)) for e in range(6)]
     assert len(set(counts)) > 1
-    fake = SimpleNamespace(train_ids=ids, lengths=lengths, cfg=SimpleNamespace(run=SimpleNamespace(seed=0)),
+    fake = SimpleNamespace(train_ids=ids, lengths=lengths, cfg=SimpleNamespace(run=SimpleNamespace(seed=0), train=SimpleNamespace(seed=None)),
                            tc=SimpleNamespace(max_tokens=512, grad_accum=1), steps_per_epoch=max(counts), micro_per_step=1)
     stream = list(islice(Trainer.micro_batches(fake, 0, 0), sum(counts)))
     seen = [(e, i) for e, i, _ in stream]

@@ -110,6 +110,38 @@ def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int,
 Decoder = Callable[[list[list[int]], list[EvalItem]], list[tuple[list[int], dict[str, Any]]]]
 
 
+def opening_prompts(data: str | Path, render: Callable[[list[Message]], list[int]], skip: int, n: int,
+                    max_tokens: int) -> list[list[int]]:
+    """The rendered token ids of the first `n` distinct opening user turns (with any system
+    message before them) of the records of `data` after the first `skip`: prompts no run trained
+    on its first `skip` records has seen. A record opening with the assistant's turn has no
+    question to answer and is passed over, as is a prompt over `max_tokens` or seen before."""
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for i, (_, rec) in enumerate(iter_records(data)):  # counted as prepare.max_records counts (rows of a
+        if i < skip or isinstance(rec, RecordError):    # .jsonl are 1-based line numbers, of an array 0-based)
+            continue
+        try:
+            messages = normalize_record(rec)
+        except RecordError:
+            continue
+        head = []
+        for m in messages:
+            if m["role"] == "assistant":
+                break
+            head.append(m)
+        if not any(m["role"] == "user" and m["content"].strip() for m in head):
+            continue
+        ids = render(head)
+        if len(ids) > max_tokens or tuple(ids) in seen:
+            continue
+        seen.add(tuple(ids))
+        out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
 def run_rounds(items: Sequence[EvalItem], render: Callable[[list[Message]], list[int]],
                text: Callable[[list[int]], str], decode: Decoder) -> list[dict[str, Any]]:
     """Every item's turns, round by round: `decode(prompts, items)` returns (new tokens, record)
