@@ -245,13 +245,15 @@ def chunked_soft_ce(
 
 
 _compiled_soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
+_compiled_accept_term: Callable[..., Tensor] | None = None
 
 
 def compile_soft_ce(**compile_kwargs: Any) -> None:
-    """Make `compiled_soft_ce` torch.compile(masked_soft_ce, **compile_kwargs) from now on
-    (e.g. another backend)."""
-    global _compiled_soft_ce
+    """Make `compiled_soft_ce` (and the compiled `accept_term` beside it) torch.compile(fn,
+    **compile_kwargs) from now on (e.g. another backend)."""
+    global _compiled_soft_ce, _compiled_accept_term
     _compiled_soft_ce = torch.compile(masked_soft_ce, **compile_kwargs)
+    _compiled_accept_term = torch.compile(accept_term, **compile_kwargs)
 
 
 def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
@@ -261,6 +263,14 @@ def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
         compile_soft_ce()
     assert _compiled_soft_ce is not None
     return _compiled_soft_ce
+
+
+def compiled_accept_term() -> Callable[..., Tensor]:
+    """torch.compile(accept_term), made once per process (with compile_soft_ce's settings when it ran)."""
+    global _compiled_accept_term
+    if _compiled_accept_term is None:
+        _compiled_accept_term = torch.compile(accept_term)
+    return _compiled_accept_term
 
 
 def step_loss(
@@ -289,9 +299,11 @@ def step_loss(
         T = loss_mask_BT.shape[1]
         src = rows + (1 + step)
         m_rows = m[rows // T, rows % T].unsqueeze(0)
-        out = soft_ce(logits_BTN, teacher_BTN, m_rows, teacher_top_BT.flatten().index_select(0, src).unsqueeze(0),
-                      src)
-        return out if accept is None else (*out, accept(logits_BTN, teacher_BTN, m_rows, src=src))
+        top_rows = teacher_top_BT.flatten().index_select(0, src).unsqueeze(0)
+        if accept is None:  # the soft CE gathers the teacher rows itself (compiled, in place)
+            return soft_ce(logits_BTN, teacher_BTN, m_rows, top_rows, src)
+        p_rows = teacher_BTN.flatten(0, 1).index_select(0, src).unsqueeze(0)  # once, for both terms
+        return (*soft_ce(logits_BTN, p_rows, m_rows, top_rows), accept(logits_BTN, p_rows, m_rows))
     p = teacher_BTN[:, 1 + step : 1 + step + L]
     top = teacher_top_BT[:, 1 + step : 1 + step + L]
     out = soft_ce(logits_BTN, p, m, top)  # the first L rows of the logits: sliced inside (see masked_soft_ce)
@@ -321,7 +333,7 @@ def ttt_loss(
     soft_ce = compiled_soft_ce() if compiled else chunked_soft_ce
     accept = None
     if accept_loss != "none":
-        accept = partial(_compiled_accept() if compiled else accept_term, kind=accept_loss)
+        accept = partial(compiled_accept_term() if compiled else accept_term, kind=accept_loss)
     for j, logits in enumerate(logits_steps):
         loss, c, n, *extra = step_loss(logits, j, teacher_BTN, in_vocab_BT, loss_mask_BT, doc_ids_BT, teacher_top,
                                        soft_ce, None if head_rows is None else head_rows[j], accept)
@@ -333,15 +345,6 @@ def ttt_loss(
     assert isinstance(total, Tensor), "no steps"
     return TTTLoss(total, losses, correct, counts, in_vocab_BT, accepts or None)
 
-
-_compiled_accept_term: Callable[..., Tensor] | None = None
-
-
-def _compiled_accept() -> Callable[..., Tensor]:
-    global _compiled_accept_term
-    if _compiled_accept_term is None:
-        _compiled_accept_term = torch.compile(accept_term)
-    return _compiled_accept_term
 
 
 def simulated_acceptance_length(accs: Sequence[float]) -> float:

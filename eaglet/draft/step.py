@@ -102,9 +102,9 @@ def resolve_compile(setting: str, device: torch.device) -> bool:
 def noisy_states(aux_BTA: Tensor, num_aux: int, scale: float) -> Tensor:
     """aux plus Gaussian noise, each captured state's by `scale` times its own RMS per token
     (train.state_noise: the states of a deep layer are many times a shallow one's)."""
-    parts = aux_BTA.unflatten(-1, (num_aux, -1))
-    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (parts.float() + torch.randn_like(parts, dtype=torch.float32) * (scale * rms)).to(aux_BTA.dtype).flatten(-2)
+    parts = aux_BTA.unflatten(-1, (num_aux, -1)).float()
+    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()
+    return (parts + torch.randn_like(parts) * (scale * rms)).to(aux_BTA.dtype).flatten(-2)
 
 
 def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast,

@@ -566,17 +566,18 @@ def speculative_generate(
     accepted: list[int] = []
     new = tokens
     phases = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
-    _sync(target.device)
-    clock = time.perf_counter()
+    clock = 0.0
 
-    def lap(phase: str) -> None:
+    def lap(phase: str) -> None:  # the seconds since the last lap go to `phase` (only when timed)
         nonlocal clock
         if timed:
             _sync(target.device)
             now = time.perf_counter()
-            phases[phase] += now - clock
+            if phase:
+                phases[phase] += now - clock
             clock = now
 
+    lap("")  # the prefill is behind us
     while not _finished(tokens, new, s.max_new_tokens, eos):
         qs: list[Tensor] = []
         if s.method == "chain":

@@ -143,19 +143,7 @@ class _Decoding:
         g = speculative_generate(runner, self.drafter, prompt, s, self.eos,
                                  torch.Generator().manual_seed(self.seed * 1_000_003 + i),
                                  timed=runner.device.type == "cpu")  # no device syncs to add on a CPU
-        stats = acceptance_stats(g.accepted, s.num_positions)
-        rec: dict[str, Any] = {
-            "index": i,
-            "prompt_tokens": len(prompt),
-            "new_tokens": len(g.tokens),
-            "verify_forwards": g.verify_forwards,
-            "tau": stats["tau"],
-            "acceptance_rate": stats["acceptance_rate"],
-            "accepted_per_forward": g.accepted,
-            "seconds": round(g.seconds, 4),
-            "tokens_per_s": len(g.tokens) / g.seconds if g.seconds > 0 else None,
-            "tokens": list(g.tokens),
-        }
+        rec = self._record(i, prompt, g.tokens, g.accepted, g.seconds)
         if g.phases:
             rec["phase_seconds"] = {k: round(v, 5) for k, v in g.phases.items()}
         if self.run_plain:
@@ -176,8 +164,6 @@ class _Decoding:
                         "target": b.tokens[diff] if diff < len(b.tokens) else None,
                         "target_top2_logit_gap": _top2_gap(runner, prompt + b.tokens[:diff]),
                     }
-        if self.tokenizer is not None:
-            rec["text"] = self.tokenizer.decode(g.tokens)
         if self.verbose:
             line = f"[eval] prompt {i + 1}: {len(g.tokens)} tokens, tau {_fmt(rec['tau'])}, " \
                    f"{_fmt(rec['tokens_per_s'], 1)} tok/s"
@@ -186,6 +172,26 @@ class _Decoding:
             if self.check:
                 line += ", lossless" if rec["lossless"] else f", MISMATCH at {rec['first_mismatch']}"
             log(line)
+        return rec
+
+    def _record(self, i: int, prompt: Sequence[int], tokens: Sequence[int], accepted: list[int],
+                seconds: float) -> dict[str, Any]:
+        """One prompt's record: its output, accepted counts, tau and per-position acceptance."""
+        stats = acceptance_stats(accepted, self.s.num_positions)
+        rec: dict[str, Any] = {
+            "index": i,
+            "prompt_tokens": len(prompt),
+            "new_tokens": len(tokens),
+            "verify_forwards": len(accepted),
+            "tau": stats["tau"],
+            "acceptance_rate": stats["acceptance_rate"],
+            "accepted_per_forward": accepted,
+            "seconds": round(seconds, 4),
+            "tokens_per_s": len(tokens) / seconds if seconds > 0 else None,
+            "tokens": list(tokens),
+        }
+        if self.tokenizer is not None:
+            rec["text"] = self.tokenizer.decode(tokens)
         return rec
 
     def aggregate(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -262,14 +268,7 @@ class _Replaying(_Decoding):
         side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.chain_tokens)
         records = []
         for prompt, (accepted, tokens) in zip(prompts, replay_chain(self.drafter.draft, side, eos=self.eos)):
-            stats = acceptance_stats(accepted, s.num_positions)
-            rec: dict[str, Any] = {"index": self.done, "prompt_tokens": len(prompt), "new_tokens": len(tokens),
-                                   "verify_forwards": len(accepted), "tau": stats["tau"],
-                                   "acceptance_rate": stats["acceptance_rate"], "accepted_per_forward": accepted,
-                                   "seconds": 0.0, "tokens_per_s": None, "tokens": tokens}
-            if self.tokenizer is not None:
-                rec["text"] = self.tokenizer.decode(tokens)
-            records.append(rec)
+            records.append(self._record(self.done, prompt, tokens, accepted, 0.0))  # nothing decoded: no time
             self.done += 1
         if self.verbose:
             tau = acceptance_stats([a for r in records for a in r["accepted_per_forward"]], s.num_positions)["tau"]
@@ -280,8 +279,11 @@ class _Replaying(_Decoding):
         return {**super().settings(), "replay": True}
 
 
-def _decoding(ecfg: EvalSection, *args: Any) -> _Decoding:
-    return (_Replaying if ecfg.replay else _Decoding)(*args)
+def _decoding(target: nn.Module, tokenizer: Any, draft: Eagle3Draft, aux_layers: Sequence[int], ecfg: EvalSection,
+              seed: int, eos_token_ids: Sequence[int] | None, verbose: bool) -> _Decoding:
+    """The measurement `ecfg` asks for: decoding, or replay (eval.replay)."""
+    return (_Replaying if ecfg.replay else _Decoding)(target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids,
+                                                      verbose)
 
 
 def evaluate_draft(
@@ -303,7 +305,7 @@ def evaluate_draft(
 
     The plain decode runs when ecfg.baseline is set, or when the lossless check needs it
     (greedy with ecfg.lossless_check)."""
-    d = _decoding(ecfg, target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids, verbose)
+    d = _decoding(target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids, verbose)
     if warmup and prompts:
         d.warmup(prompts[0])
     records = d.decode(prompts)
@@ -326,7 +328,7 @@ def evaluate_items(
     """evaluate_draft over eval items, turn by turn (eaglet/stages/eval_sets.py): a later turn is
     asked after the target's own answers (the speculative output, which greedy decoding keeps
     equal to the target's). Adds "by_category" when the items have categories."""
-    d = _decoding(ecfg, target, tokenizer, draft, aux_layers, ecfg, seed, None, verbose)
+    d = _decoding(target, tokenizer, draft, aux_layers, ecfg, seed, None, verbose)
 
     def decode(prompts: list[list[int]], _items: list[EvalItem]) -> list[tuple[list[int], dict[str, Any]]]:
         if warmup and not d.warm and prompts:
