@@ -101,13 +101,12 @@ def agreement_runs(draft: Eagle3Draft, side: TargetSide, k: int, max_tokens: int
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     d2t = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)).to(dev)
     out: list[Tensor] = []
-    order = list(range(len(side.sequences)))
-    i = 0
-    while i < len(order):  # pack whole sequences into [1, N] documents, as training packs samples
+    i, count = 0, len(side.sequences)
+    while i < count:  # pack whole sequences into [1, N] documents, as training packs samples
         group, n = [], 0
-        while i < len(order) and (not group or n + len(side.sequences[order[i]]) <= max_tokens):
-            group.append(order[i])
-            n += len(side.sequences[order[i]])
+        while i < count and (not group or n + len(side.sequences[i]) <= max_tokens):
+            group.append(i)
+            n += len(side.sequences[i])
             i += 1
         ids = torch.tensor([t for g in group for t in side.sequences[g]], device=dev)[None]
         aux = torch.cat([side.aux[g] for g in group]).to(dev, dtype)[None]
@@ -117,13 +116,13 @@ def agreement_runs(draft: Eagle3Draft, side: TargetSide, k: int, max_tokens: int
         for j, logits in enumerate(draft.reference_ttt_steps(aux, ids, pos, doc, num_steps=k, attn_impl=attn_impl)):
             want = ids[0, 2 + j:]  # row t of step j predicts token t+2+j
             hits[: n - 2 - j, j] = d2t[logits[0, : n - 2 - j].argmax(-1)] == want
-        start = 0
+        hits, start = hits.cpu(), 0  # one copy to the host per pack
         for g in group:
             L = len(side.sequences[g])
             h = hits[start : start + L].clone()
             for j in range(k):  # rows whose token t+2+j lies in the next document
                 h[max(L - 2 - j, 0):, j] = False
-            out.append(h.cpu())
+            out.append(h)
             start += L
     return out
 
