@@ -33,6 +33,14 @@ rate measured on the H200s lent here).
 each TTT step's forward, each step's loss, backward, optimizer. Events do not synchronise.
 --profile: torch.profiler over `--profile-steps` more steps; the top kernels by device time
 are printed and saved in the JSON (`--trace FILE` also writes the Chrome trace).
+--packed N (eaglet): N different micro-batches cycled, each of documents of varying lengths
+around `--doc-tokens` packed into at most `--tokens` (eaglet.testing.synthetic.packed_doc_lens),
+as real data gives: the warm-up then pays for every recompile real training meets. Each warm-up
+step is timed (`warmup_step_s`), tokens/s counts the tokens present, and `graphs_in_timed_steps`
+(dynamo's graph count over the timed steps) shows whether the warm-up made them all.
+--dynamic auto (eaglet): the pieces compiled with torch.compile's own default (sizes symbolic
+only after they change once), against eaglet's, symbolic from the first compile
+(eaglet.draft.compiling.PIECE_OPTIONS).
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
 --flops-only: the preset's FLOP figures alone, and every real preset's at 2048 and 4096 (nothing
 built, nothing run).
@@ -53,8 +61,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from eaglet.config import TrainSection
+from eaglet.draft import compiling
 from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.loss import compile_soft_ce
 from eaglet.draft.model import DraftConfig, Eagle3Draft
@@ -62,7 +72,8 @@ from eaglet.draft.parallelize import Parallel, parallelize
 from eaglet.draft.step import (TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda, micro_batch,
                                optimizer_step, resolve_compile)
 from eaglet.draft.unroll import use_fast_unroll
-from eaglet.testing.synthetic import IN_VOCAB, LOSS_SHARE, PRESETS, synthetic_batch, synthetic_loss_mask
+from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch,
+                                      synthetic_loss_mask)
 
 H200_BF16_PEAK = 790e12
 
@@ -135,6 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=25, help="Kernels listed by --profile.")
     ap.add_argument("--trace", default=None, help="With --profile: also write the Chrome trace here.")
     ap.add_argument("--check", action="store_true", help="First step's losses against an eager copy (eaglet).")
+    ap.add_argument("--packed", type=int, default=0, metavar="N",
+                    help="Cycle N micro-batches of documents of varying lengths around --doc-tokens, packed into at "
+                         "most --tokens (eaglet): real data's varying shapes.")
+    ap.add_argument("--dynamic", choices=["on", "auto"], default="on",
+                    help="eaglet's compiled pieces: sizes symbolic from the first compile (on, eaglet's setting) or "
+                         "torch.compile's default (auto: symbolic once they change).")
     ap.add_argument("--flops-only", action="store_true",
                     help="Report the FLOP figures of the preset's step (--tokens, --doc-tokens, --ttt-steps) and stop: "
                          "nothing built or run.")
@@ -261,10 +278,14 @@ def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.
     """Warm-up steps, then `steps` timed ones; with the host's time in each step call and the
     garbage collector's pauses (GCPauses) among the diagnostics."""
     t0 = time.perf_counter()
+    warm_each = []
     for _ in range(warmup):
+        t1 = time.perf_counter()
         step()
-    _sync(device)
+        _sync(device)
+        warm_each.append(time.perf_counter() - t1)
     warm_s = time.perf_counter() - t0
+    graphs = counters["stats"]["unique_graphs"]
     freeze_survivors()  # as the trainer has after its first steps
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -279,7 +300,8 @@ def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.
             host_ms.append(1000 * (time.perf_counter() - t1))
         _sync(device)
     seconds = (time.perf_counter() - t0) / steps
-    return {"step_ms": 1000 * seconds, "warmup_s": warm_s, "last_loss": float(last),
+    return {"step_ms": 1000 * seconds, "warmup_s": warm_s, "warmup_step_s": warm_each, "last_loss": float(last),
+            "graphs_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "host_ms_each": host_ms, "gc": pauses.summary(steps)}
 
@@ -359,6 +381,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                       mask_out_of_vocab=not args.no_vocab_mask)
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
     compiled = resolve_compile(tc.compile, device)
+    if args.dynamic == "auto":
+        compiling.PIECE_OPTIONS.pop("dynamic", None)
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
         compile_flex_attention()
     torch.manual_seed(0)
@@ -388,22 +412,28 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                           compiled)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    b = synthetic_batch(cfg, args.tokens, args.doc_tokens, device, frozen, seed=1, head=lm_head, in_vocab=args.in_vocab,
-                        loss_share=args.loss_share, ttt_steps=0 if args.all_head_rows else tc.ttt_steps)
-    with torch.no_grad():
-        known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
+    packings = [packed_doc_lens(args.tokens, args.doc_tokens, seed=i) for i in range(args.packed)] or [None]
+    batches = [synthetic_batch(cfg, sum(lens) if lens else args.tokens, args.doc_tokens, device, frozen, seed=1 + i,
+                               head=lm_head, in_vocab=args.in_vocab, loss_share=args.loss_share,
+                               ttt_steps=0 if args.all_head_rows else tc.ttt_steps, doc_lens=lens)
+               for i, lens in enumerate(packings)]
+    for b in batches:
+        with torch.no_grad():
+            known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
+        if args.all_step_rows:
+            b.active_rows = None
+        if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
+            b.in_vocab = known
+    b = batches[0]
     in_vocab_rows = float(known.float().mean())
-    if args.all_step_rows:
-        b.active_rows = None
-    if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
-        b.in_vocab = known
+    turn = iter(range(10**12))
 
     timer = PhaseTimer(args.breakdown, device)
     timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
 
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         timer.start_step()
-        out = micro_batch(timed, b, tc, autocast, sync=True)
+        out = micro_batch(timed, batches[next(turn) % len(batches)], tc, autocast, sync=True)
         timer.mark("backward")
         optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass)
         timer.mark("optimizer")
@@ -422,6 +452,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         res["profile"] = _profile(step, args.profile_steps, device, args.top, args.trace)
     if args.host_profile:
         res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
+    res.update(tokens_per_step=sum(x.tokens for x in batches) / len(batches), packed=args.packed,
+               dynamic=args.dynamic if compiled else None, doc_lens=packings if args.packed else None)
     res.update(optimizer=type(opt).__name__, compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
                trainable_params_m=sum(p.numel() for g in opt.param_groups for p in g["params"]) / 1e6,
@@ -529,6 +561,8 @@ def run_speculators(args: argparse.Namespace, device: torch.device) -> dict[str,
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.packed and args.system != "eaglet":
+        raise SystemExit("--packed: eaglet only")
     if args.tokens % args.doc_tokens:
         raise SystemExit(f"--tokens {args.tokens} is not a multiple of --doc-tokens {args.doc_tokens}")
     d = anchor_dims(PRESETS[args.preset])
@@ -554,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device = torch.device("cuda", device.index or 0)  # set_device needs an index
         torch.cuda.set_device(device)
     res = run_eaglet(args, device) if args.system == "eaglet" else run_speculators(args, device)
-    tok_s = args.tokens / (res["step_ms"] / 1000)
+    tok_s = res.get("tokens_per_step", args.tokens) / (res["step_ms"] / 1000)
     report = {
         "system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
         "docs": args.tokens // args.doc_tokens, "ttt_steps": args.ttt_steps, "tokens_per_s": tok_s,

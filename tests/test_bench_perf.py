@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_script
 
-from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, synthetic_batch
+from eaglet.draft.model import DraftConfig
+from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_BENCH = REPO / "bench" / "train_throughput.py"
@@ -113,6 +115,43 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
         assert abs(got - share) < 0.05, (share, got)
     b = synthetic_batch(cfg, tokens, tokens, torch.device("cpu"), torch.float32, seed=1)  # random states
     assert teacher_targets(b.final, head, t2d, d2t)[1].float().mean().item() < 0.5
+
+
+def test_packed_documents_of_varying_lengths():
+    """packed_doc_lens: documents of varying lengths up to the micro-batch's tokens, different
+    per seed; synthetic_batch over them gives each document its own positions, id and turns,
+    and over equal lengths exactly the batch of fixed documents."""
+    packs = [packed_doc_lens(2048, 256, seed) for seed in range(4)]
+    assert all(1 < len(p) and sum(p) <= 2048 and min(p) >= 16 for p in packs)
+    assert len({tuple(p) for p in packs}) == 4 and len({n for p in packs for n in p}) > 8
+    cfg = DraftConfig(target_hidden_size=64, **PRESETS["tiny"])
+    lens = packs[0]
+    b = synthetic_batch(cfg, sum(lens), 256, torch.device("cpu"), torch.float32, seed=1, ttt_steps=3, doc_lens=lens)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    assert b.position_ids[0, starts].tolist() == [0] * len(lens)
+    assert b.doc_ids[0, starts].tolist() == list(range(len(lens))) and b.doc_ids[0, -1] == len(lens) - 1
+    assert abs(b.loss_mask.float().mean().item() - LOSS_SHARE) < 0.05
+    fixed = synthetic_batch(cfg, 1024, 256, torch.device("cpu"), torch.float32, seed=1, ttt_steps=3)
+    same = synthetic_batch(cfg, 1024, 256, torch.device("cpu"), torch.float32, seed=1, ttt_steps=3, doc_lens=[256] * 4)
+    for k in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids", "active_rows"):
+        assert torch.equal(getattr(fixed, k), getattr(same, k)), k
+    assert all(torch.equal(a, c) for a, c in zip(fixed.head_rows, same.head_rows))
+    with pytest.raises(ValueError, match="sum to"):
+        synthetic_batch(cfg, 1000, 256, torch.device("cpu"), torch.float32, seed=1, doc_lens=[256] * 4)
+
+
+def test_packed_bench_times_each_warmup_step_and_counts_later_graphs(tmp_path):
+    """--packed N: N micro-batches of different shapes cycled; every warm-up step timed, tokens/s
+    over the tokens present, and no graph made in the timed steps once the warm-up has met
+    every shape (the pieces compiled through dynamo's capture alone, --compile-backend eager)."""
+    args = ["--preset", "tiny", "--device", "cpu", "--tokens", "512", "--doc-tokens", "64", "--packed", "3",
+            "--warmup", "3", "--steps", "3", "--compile", "on", "--compile-backend", "eager"]
+    r = run_bench(TRAIN_BENCH, args, tmp_path / "p.json")
+    sizes = [sum(p) for p in r["doc_lens"]]
+    assert len(set(sizes)) > 1 or len({len(p) for p in r["doc_lens"]}) > 1
+    assert r["tokens_per_step"] == pytest.approx(sum(sizes) / 3)
+    assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1000))
+    assert len(r["warmup_step_s"]) == 3 and r["graphs_in_timed_steps"] == 0 and r["dynamic"] == "on"
 
 
 def test_host_profile_lists_where_a_steps_host_time_goes(tmp_path):

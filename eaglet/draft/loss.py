@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .compiling import compile_piece
+
 
 def _acc(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
@@ -249,11 +251,11 @@ _compiled_accept_term: Callable[..., Tensor] | None = None
 
 
 def compile_soft_ce(**compile_kwargs: Any) -> None:
-    """Make `compiled_soft_ce` (and the compiled `accept_term` beside it) torch.compile(fn,
+    """Make `compiled_soft_ce` (and the compiled `accept_term` beside it) compiling.compile_piece(fn,
     **compile_kwargs) from now on (e.g. another backend)."""
     global _compiled_soft_ce, _compiled_accept_term
-    _compiled_soft_ce = torch.compile(masked_soft_ce, **compile_kwargs)
-    _compiled_accept_term = torch.compile(accept_term, **compile_kwargs)
+    _compiled_soft_ce = compile_piece(masked_soft_ce, **compile_kwargs)
+    _compiled_accept_term = compile_piece(accept_term, **compile_kwargs)
 
 
 def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:

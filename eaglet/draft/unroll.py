@@ -21,7 +21,8 @@ computes the same logits (tests hold it to the reference) and skips what they do
   (a few kernels, not a few per step: at the 8B dims a step is a couple of milliseconds of GPU
   work, so the host's time per step counts).
 - Compiled pieces (`compile`): each layer's two halves around the attention call, layer 0's
-  embedding products, the head and the diagonal merge, one graph each whatever the step
+  embedding products, the head and the diagonal merge, each compiled once with the sizes that
+  follow the data symbolic (eaglet/draft/compiling.py), so a new packing compiles nothing
   (the attention call has its own compile, `attention.compile_flex_attention`).
 
 Under FSDP2 (`sharded`) each decoder layer is an FSDP unit, sharded outside its own forward:
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from .attention import TTTAttend, merge_diagonal_stacked
 from .casts import Weights, cast_linears, linear, sharded
+from .compiling import compile_piece
 from .model import MLP, DecoderLayer, Eagle3Draft, SelfAttention, shift_ids
 
 Casts = Literal["accumulate", "sum", "per_product"]
@@ -154,19 +156,21 @@ class FastUnroll:
         self.model, self.embeds_once, self.casts = model, embeds_once, casts
 
         def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return torch.compile(fn, **compile_kwargs) if compile else fn
+            return compile_piece(fn, **compile_kwargs) if compile else fn
 
+        # Each function compiled itself, then bound to its module (compiling.py says why)
         layers = list(model.layers)
-        self.inputs = [compiled(partial(attn_inputs, layer)) for layer in layers]
-        self.outputs = [compiled(partial(attn_output, layer)) for layer in layers]
-        self.embed_projection = compiled(partial(embed_projection, layers[0]))
-        self.head = compiled(partial(head, model))
+        inputs, outputs = compiled(attn_inputs), compiled(attn_output)
+        self.inputs = [partial(inputs, layer) for layer in layers]
+        self.outputs = [partial(outputs, layer) for layer in layers]
+        self.embed_projection = partial(compiled(embed_projection), layers[0])
+        self.head = partial(compiled(head), model)
         # None: ttt_attention's reference merge of the diagonal keys; compiled: the stacked one
         self.merge: Callable[..., Tensor] | None = compiled(merge_diagonal_stacked) if compile else None
         if compile and sharded:  # FSDP2 runs these layers through their own forward: compile its halves
             for layer in layers:
-                layer.attn_inputs = torch.compile(layer.attn_inputs, **compile_kwargs)
-                layer.attn_output = torch.compile(layer.attn_output, **compile_kwargs)
+                layer.attn_inputs = compile_piece(layer.attn_inputs, **compile_kwargs)
+                layer.attn_output = compile_piece(layer.attn_output, **compile_kwargs)
 
     def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None] | None:
         """The linear weights every step uses (per layer, lm_head's), cast to `dtype` once

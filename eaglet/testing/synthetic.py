@@ -47,12 +47,26 @@ def synthetic_loss_mask(tokens: int, doc_tokens: int, share: float = LOSS_SHARE)
     return ((torch.arange(tokens) % doc_tokens) % turn >= round((1 - share) * turn)).unsqueeze(0)
 
 
+def packed_doc_lens(max_tokens: int, mean_doc: int, seed: int) -> list[int]:
+    """The documents of one micro-batch packed as the trainer packs real ones, of varying
+    lengths: drawn log-normally around `mean_doc` (16 to max_tokens tokens), taken while the
+    next one fits. Real micro-batches differ in tokens, documents and trained rows."""
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while True:
+        n = int(np.clip(rng.lognormal(np.log(mean_doc), 0.7), 16, max_tokens))
+        if lens and sum(lens) + n > max_tokens:
+            return lens
+        lens.append(min(n, max_tokens - sum(lens)))
+
+
 def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torch.device, frozen: torch.dtype,
            seed: int, head: torch.Tensor | None = None, in_vocab: float = IN_VOCAB, loss_share: float = LOSS_SHARE,
-           ttt_steps: int = 0) -> Batch:
+           ttt_steps: int = 0, doc_lens: list[int] | None = None) -> Batch:
     """One packed micro-batch of random inputs, as load_batch returns them (with the rows each
     TTT step's loss can count, and those steps 1.. run over, when ttt_steps > 0), trained on a
-    share `loss_share` of its tokens (`synthetic_loss_mask`).
+    share `loss_share` of its tokens (`synthetic_loss_mask`). Its documents: `tokens` in
+    documents of `doc_tokens`, or those of `doc_lens` (`packed_doc_lens`; `tokens` their sum).
 
     With `head` (the target's LM head [V, H] the teacher uses), each row's final state is that
     head's row for a token picked per row, plus noise, so that the teacher's argmax is that
@@ -62,7 +76,17 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
     backward whose gradients are mostly zero rows runs faster than on real data (the GEMMs draw
     less power), which flatters the step."""
     g = torch.Generator().manual_seed(seed)
-    docs = torch.arange(tokens) // doc_tokens
+    if doc_lens is not None:
+        if sum(doc_lens) != tokens:
+            raise ValueError(f"doc_lens sum to {sum(doc_lens)} tokens, not {tokens}")
+        lens = torch.tensor(doc_lens)
+        docs = torch.arange(len(doc_lens)).repeat_interleave(lens)
+        positions = torch.cat([torch.arange(n) for n in doc_lens])
+        turn = lens.clamp(max=TURN_TOKENS).repeat_interleave(lens)
+        mask = (positions % turn >= ((1 - loss_share) * turn).round()).unsqueeze(0)
+    else:
+        docs, positions = torch.arange(tokens) // doc_tokens, torch.arange(tokens) % doc_tokens
+        mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
     if head is None:
         final = torch.randn(1, tokens, cfg.target_hidden_size, generator=g)
     else:
@@ -71,14 +95,13 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
                           torch.randint(n, V, (tokens,), generator=g))
         rows = head[tok].float()
         final = (rows + 0.5 * rows.std() * torch.randn(rows.shape, generator=g)).unsqueeze(0)
-    mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
     rows, active = device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else (None, None)
     return Batch(
         aux=torch.randn(1, tokens, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device),
         final=final.to(device, frozen),
         input_ids=torch.randint(0, cfg.vocab_size, (1, tokens), generator=g).to(device),
         loss_mask=mask.to(device),
-        position_ids=(torch.arange(tokens) % doc_tokens).unsqueeze(0).to(device),
+        position_ids=positions.unsqueeze(0).to(device),
         doc_ids=docs.unsqueeze(0).to(device),
         tokens=tokens,
         head_rows=rows,
