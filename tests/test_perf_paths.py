@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import eaglet.draft.compiling as compiling
 import eaglet.draft.loss as loss_mod
 from eaglet.config import TrainSection
 from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
@@ -265,8 +266,6 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
     it runs in: none comes near dynamo's recompile limit (8 per function; past it a function
     runs eager without a word, as the pieces did when they were compiled as partials of one
     wrapper: 3 functions, 8 graphs in one)."""
-    import eaglet.draft.compiling as compiling
-
     made = []
 
     def counting(gm, example_inputs):  # records the frame (function) and attempt of each graph
@@ -343,7 +342,9 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
 
         comp = Eagle3Draft(CFG)
         comp.load_state_dict(model.state_dict())
-        use_fast_unroll(comp, compile=True, backend=backend, casts="accumulate" if cast else "per_product")
+        # static sizes: which weights the graphs take does not depend on them, and tracing is faster
+        use_fast_unroll(comp, compile=True, backend=backend, dynamic=False,
+                        casts="accumulate" if cast else "per_product")
         out, grads = _loss_and_grads(comp, bf16=True)
         torch._dynamo.reset()
         return sum(x.dtype == torch.float32 and tuple(x.shape) in shapes for x in seen), out, grads
@@ -774,3 +775,87 @@ def test_clip_in_the_fused_step_is_clip_grad_norm(clip):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
     total = torch.cat([g.flatten() for g in grads.values()]).norm()
     assert (total > clip) == (clip < 1)  # the two cases are what they say
+
+
+def _shapes_past_the_limit(fn):
+    """fn over 12 distinct static shapes (the global recompile limit is 8)."""
+    for n in range(1, 13):
+        fn(torch.ones(n))
+
+
+@pytest.mark.skipif(not compiling.takes_recompile_limit(), reason="this torch has no per-call recompile_limit")
+def test_pieces_get_a_recompile_limit_of_their_own_and_the_watch_sees_a_give_up():
+    """Where torch.compile takes recompile_limit per call (torch 2.13 on), compile_piece gives
+    each piece PIECE_RECOMPILE_LIMIT: 12 shapes compile 12 graphs. A plain torch.compile stops
+    at the global 8 and runs eager after: CompileWatch counts the graphs and that give-up."""
+    torch._dynamo.reset()
+    watch = compiling.CompileWatch()
+    _shapes_past_the_limit(compiling.compile_piece(lambda x: x * 2, backend="eager", dynamic=False))
+    assert watch.since_last() == (12, 0)
+    _shapes_past_the_limit(torch.compile(lambda x: x * 3, backend="eager", dynamic=False))
+    assert watch.since_last() == (8, 1)
+    assert watch.since_last() == (0, 0)
+    torch._dynamo.reset()
+
+
+def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(monkeypatch):
+    """torch 2.11 and 2.12's torch.compile have no recompile_limit argument: compile_piece then
+    leaves it out (and the global limit holds); 2.13's gets PIECE_RECOMPILE_LIMIT."""
+    seen = []
+
+    def old_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                    disable=False):
+        seen.append({"dynamic": dynamic, "backend": backend})
+        return model
+
+    def new_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                    disable=False, recompile_limit=None):
+        seen.append({"dynamic": dynamic, "backend": backend, "recompile_limit": recompile_limit})
+        return model
+
+    for fake in (old_compile, new_compile):
+        monkeypatch.setattr(compiling.torch, "compile", fake)
+        assert compiling.compile_piece(abs, backend="eager") is abs
+    assert seen == [{"dynamic": True, "backend": "eager"},
+                    {"dynamic": True, "backend": "eager", "recompile_limit": compiling.PIECE_RECOMPILE_LIMIT}]
+
+
+def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tmp_path, monkeypatch, capfd):
+    """`eaglet train` compiled (dynamo's capture alone, backend eager) on a real store's packed
+    micro-batches, which differ in tokens, documents and trained rows: the log's compile_graphs
+    is the first step's alone, and nothing is said about compiling."""
+    from conftest import tiny_pipeline_upto_vocab, train_on_copy
+
+    base = tiny_pipeline_upto_vocab(tmp_path, 12, 3, [
+        "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
+        "train.log_every=1", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
+        "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=3"])  # no evaluation
+    monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
+    monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
+    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
+    torch._dynamo.reset()
+    _, log = train_on_copy(tmp_path, base, "watched")
+    torch._dynamo.reset()
+    train = [r for r in log if r.get("split") == "train"]
+    shapes = {r["tokens"] for r in train}
+    assert len(train) == 3 and len(shapes) == 3, shapes
+    assert train[0]["compile_graphs"] > 0 and [r["compile_graphs"] for r in train[1:]] == [0] * 2
+    said = capfd.readouterr()
+    assert "[train] done in" in said.err and "torch.compile" not in said.out + said.err
+
+
+def test_the_trainer_says_when_compiling_goes_on_or_gives_up(capfd):
+    """After the first logging interval, graphs still made get a line naming the step and
+    TORCH_LOGS; a function given up on gets one at any step; the warm-up's graphs none."""
+    from eaglet.stages.train import _say_if_compiling
+
+    _say_if_compiling(1, 40, 0, warmed=False, show=True)
+    _say_if_compiling(9, 0, 0, warmed=True, show=True)
+    _say_if_compiling(9, 2, 1, warmed=True, show=False)  # not the main rank
+    assert capfd.readouterr().err == ""
+    _say_if_compiling(7, 3, 0, warmed=True, show=True)
+    _say_if_compiling(2, 5, 1, warmed=False, show=True)
+    err = capfd.readouterr().err.splitlines()
+    assert err[0].startswith("[train] step 7: torch.compile made 3 more graph(s)") and "TORCH_LOGS" in err[0]
+    assert err[1].startswith("[train] step 2: torch.compile reached its recompile limit for 1 function(s)")
+    assert "eager" in err[1] and len(err) == 2

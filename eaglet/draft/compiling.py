@@ -11,21 +11,79 @@ Two things make the default torch.compile a poor fit for training on packed data
   `dynamic=True` makes them symbolic from the first compile; the model's own sizes stay fixed,
   as dynamo specializes the sizes it meets in the parameters' shapes.
 - dynamo keeps its graphs per code object, at most `recompile_limit` (8) of them, and past the
-  limit runs the function eager without a word. Pieces compiled as `partial`s all sit behind
-  one wrapper's code object, so their graphs share those 8: compile the function itself and
-  bind its module afterwards (`partial(compile_piece(fn), module)`).
+  limit runs the function eager with one warning in the log. Pieces compiled as `partial`s all
+  sit behind one wrapper's code object, so their graphs share those 8: compile the function
+  itself and bind its module afterwards (`partial(compile_piece(fn), module)`). Where torch
+  takes a limit per call, each piece gets a larger one of its own.
+
+`CompileWatch` reads dynamo's counters, so the trainer can say when graphs are still being
+made after the warm-up, or a function was given up on.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 PIECE_OPTIONS: dict[str, Any] = {"dynamic": True}
+# Where torch.compile takes a limit of its own per call (torch 2.13 on), each piece gets this
+# one: a layer's halves keep a graph or two per layer, and evaluation's no-grad graphs count too.
+PIECE_RECOMPILE_LIMIT = 32
+
+
+def takes_recompile_limit() -> bool:
+    """Whether this torch's torch.compile takes `recompile_limit` (per call; older ones: only
+    the global torch._dynamo.config.recompile_limit)."""
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def distinct_sizes() -> None:
+    """Give every symbolic size its own symbol (no duck shaping), for this process: dynamo would
+    otherwise give sizes that happen to be equal at the first compile one symbol, and a data
+    size equal to a model size (64 trained rows in a draft of hidden size 64) would be fixed at
+    it, to be compiled again at the next micro-batch. A torch without the setting keeps its own."""
+    try:
+        import torch.fx.experimental._config as fx_config
+    except ImportError:
+        return
+    if hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
 
 
 def compile_piece(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
-    """torch.compile(fn) with `PIECE_OPTIONS` under `compile_kwargs` (e.g. a test's backend)."""
-    return torch.compile(fn, **{**PIECE_OPTIONS, **compile_kwargs})
+    """torch.compile(fn) with `PIECE_OPTIONS` (and `PIECE_RECOMPILE_LIMIT`, where this torch
+    takes one per call) under `compile_kwargs` (e.g. a test's backend), sizes kept distinct
+    (`distinct_sizes`)."""
+    distinct_sizes()
+    options = {**PIECE_OPTIONS, **compile_kwargs}
+    if takes_recompile_limit():
+        options.setdefault("recompile_limit", PIECE_RECOMPILE_LIMIT)
+    return torch.compile(fn, **options)
+
+
+class CompileWatch:
+    """What torch.compile did since the last look (`since_last`): the graphs dynamo made, and
+    the functions it gave up on at its recompile limit, which run eager from then on. From
+    dynamo's own counters; zeros on a torch without them."""
+
+    def __init__(self) -> None:
+        self._last = self._now()
+
+    @staticmethod
+    def _now() -> tuple[int, int]:
+        try:
+            from torch._dynamo.utils import counters
+        except ImportError:
+            return 0, 0
+        graphs = int(counters["stats"].get("unique_graphs", 0))
+        gave_up = sum(int(n) for k, n in counters["unimplemented"].items() if "recompile limit" in str(k).lower())
+        return graphs, gave_up
+
+    def since_last(self) -> tuple[int, int]:
+        """(graphs made, functions given up on) since the last call or the watch's start."""
+        now = self._now()
+        made, self._last = (now[0] - self._last[0], now[1] - self._last[1]), now
+        return made

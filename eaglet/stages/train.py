@@ -49,6 +49,7 @@ from tqdm import tqdm
 from ..config import Config, TrainSection
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
 from ..draft.attention import compile_flex_attention, resolve_attn_impl
+from ..draft.compiling import CompileWatch
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
@@ -261,6 +262,20 @@ def _memory_gib(device: torch.device) -> float:
 BEHIND = 0.05  # share of a logging interval spent waiting for the stream that the log calls out
 
 
+def _say_if_compiling(step: int, graphs: int, gave_up: int, warmed: bool, show: bool) -> None:
+    """Log torch.compile's work past the warm-up: `graphs` made once `warmed` (after the first
+    logging interval: shapes the compiled pieces had not met), and any function it gave up on
+    (`gave_up`: eager from then on)."""
+    if not show:
+        return
+    if gave_up:
+        log(f"[train] step {step}: torch.compile reached its recompile limit for {gave_up} function(s) of the step, "
+            "which run eager from now on (slower); TORCH_LOGS=recompiles names them and says why")
+    elif warmed and graphs:
+        log(f"[train] step {step}: torch.compile made {graphs} more graph(s) since the last log line, for shapes it "
+            "had not met; TORCH_LOGS=recompiles says which")
+
+
 def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
     """Log that the engine fell behind when training waited for its states (a stream run)."""
     if show and seconds > 0 and rec["stream_wait_s"] > BEHIND * seconds:
@@ -304,6 +319,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
         self._picked = None  # rank 0: the checkpoint _pick chose, its weights read
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
+        self.compile_watch = CompileWatch() if self.par.compiled else None
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
@@ -521,12 +537,17 @@ class Trainer:
                 if self.stream is not None:
                     rec.update(self.stream.progress())
                     _say_if_behind(rec, dt, env.is_main)
+                if self.compile_watch is not None:
+                    rec["compile_graphs"], gave_up = self.compile_watch.since_last()
+                    _say_if_compiling(step, rec["compile_graphs"], gave_up, warmed=ran > tc.log_every, show=env.is_main)
                 metrics.write({"split": "train", **rec})
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_0']:.2f}", tau=f"{rec['sim_tau']:.2f}")
                 sums, t_log = Sums(), time.perf_counter()
             if self.evaluates_at(step):
                 last_eval = self.evaluate()
                 freeze_survivors()
+                if self.compile_watch is not None:  # the first evaluation's graphs (no grad) are expected
+                    _say_if_compiling(step, 0, self.compile_watch.since_last()[1], warmed=False, show=env.is_main)
                 if last_eval is not None:
                     metrics.write({"split": "eval", "step": step, **last_eval})
             if step % tc.ckpt_every == 0 or step == self.total_steps:
