@@ -38,9 +38,9 @@ around `--doc-tokens` packed into at most `--tokens` (eaglet.testing.synthetic.p
 as real data gives: the warm-up then pays for every recompile real training meets. Each warm-up
 step is timed (`warmup_step_s`), tokens/s counts the tokens present, and `graphs_in_timed_steps`
 (dynamo's graph count over the timed steps) shows whether the warm-up made them all.
---dynamic auto (eaglet): the pieces compiled with torch.compile's own default (sizes symbolic
-only after they change once), against eaglet's, symbolic from the first compile
-(eaglet.draft.compiling.PIECE_OPTIONS).
+--dynamic on (eaglet): the pieces compiled with `dynamic=True` (sizes symbolic from the first
+compile), against eaglet's setting, torch.compile's default (`auto`: symbolic once they change;
+eaglet.draft.compiling.PIECE_OPTIONS).
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
 --flops-only: the preset's FLOP figures alone, and every real preset's at 2048 and 4096 (nothing
 built, nothing run).
@@ -149,9 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--packed", type=int, default=0, metavar="N",
                     help="Cycle N micro-batches of documents of varying lengths around --doc-tokens, packed into at "
                          "most --tokens (eaglet): real data's varying shapes.")
-    ap.add_argument("--dynamic", choices=["on", "auto"], default="on",
-                    help="eaglet's compiled pieces: sizes symbolic from the first compile (on, eaglet's setting) or "
-                         "torch.compile's default (auto: symbolic once they change).")
+    ap.add_argument("--dynamic", choices=["auto", "on"], default="auto",
+                    help="eaglet's compiled pieces: torch.compile's default (auto, eaglet's setting: sizes symbolic "
+                         "once they change) or dynamic=True (on: symbolic from the first compile).")
     ap.add_argument("--flops-only", action="store_true",
                     help="Report the FLOP figures of the preset's step (--tokens, --doc-tokens, --ttt-steps) and stop: "
                          "nothing built or run.")
@@ -381,8 +381,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                       mask_out_of_vocab=not args.no_vocab_mask)
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
     compiled = resolve_compile(tc.compile, device)
-    if args.dynamic == "auto":
-        compiling.PIECE_OPTIONS.pop("dynamic", None)
+    if args.dynamic == "on":
+        compiling.PIECE_OPTIONS["dynamic"] = True
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
         compile_flex_attention()
     torch.manual_seed(0)

@@ -151,7 +151,7 @@ def test_packed_bench_times_each_warmup_step_and_counts_later_graphs(tmp_path):
     assert len(set(sizes)) > 1 or len({len(p) for p in r["doc_lens"]}) > 1
     assert r["tokens_per_step"] == pytest.approx(sum(sizes) / 2)
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1000))
-    assert len(r["warmup_step_s"]) == 2 and r["graphs_in_timed_steps"] == 0 and r["dynamic"] == "on"
+    assert len(r["warmup_step_s"]) == 2 and r["graphs_in_timed_steps"] == 0 and r["dynamic"] == "auto"
 
 
 def test_host_profile_lists_where_a_steps_host_time_goes(tmp_path):

@@ -1,20 +1,23 @@
 """torch.compile for the training step's pieces, shaped for packed micro-batches.
 
-    fn = compile_piece(fn)            # torch.compile(fn, dynamic=True), kwargs override
+    fn = compile_piece(fn)            # torch.compile(fn), PIECE_OPTIONS, kwargs override
 
-Two things make the default torch.compile a poor fit for training on packed data:
+Packed micro-batches change their sizes from one step to the next (the packed tokens, the rows
+each TTT step's head and loss count, the rows steps 1.. run over), and that meets dynamo in
+three places:
 
-- Every size that follows the data varies from one micro-batch to the next: the packed tokens,
-  the rows each TTT step's head and loss count, the rows steps 1.. run over. Left to itself,
-  dynamo compiles each piece for the first micro-batch's sizes, then again with those sizes
-  symbolic at the first micro-batch that differs: the warm-up pays for every piece twice.
-  `dynamic=True` makes them symbolic from the first compile; the model's own sizes stay fixed,
-  as dynamo specializes the sizes it meets in the parameters' shapes.
 - dynamo keeps its graphs per code object, at most `recompile_limit` (8) of them, and past the
   limit runs the function eager with one warning in the log. Pieces compiled as `partial`s all
   sit behind one wrapper's code object, so their graphs share those 8: compile the function
   itself and bind its module afterwards (`partial(compile_piece(fn), module)`). Where torch
   takes a limit per call, each piece gets a larger one of its own.
+- Duck shaping gives sizes that happen to be equal one symbol: a data size equal to a model
+  size would be fixed with it, and compiled again when it moves (`distinct_sizes`).
+- dynamo compiles a function for the sizes of its first call, then once more with the sizes
+  that changed made symbolic (torch.compile's default, kept: `PIECE_OPTIONS`). `dynamic=True`
+  would make them symbolic from the first compile and save that second compile; on a CPU its
+  steps ran at 0.85x the rate (docs/performance.md), and the GPU is not measured
+  (`bench/train_throughput.py --dynamic on`).
 
 `CompileWatch` reads dynamo's counters, so the trainer can say when graphs are still being
 made after the warm-up, or a function was given up on.
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-PIECE_OPTIONS: dict[str, Any] = {"dynamic": True}
+PIECE_OPTIONS: dict[str, Any] = {}  # e.g. {"dynamic": True} (module doc)
 # Where torch.compile takes a limit of its own per call (torch 2.13 on), each piece gets this
 # one: a layer's halves keep a graph or two per layer, and evaluation's no-grad graphs count too.
 PIECE_RECOMPILE_LIMIT = 32

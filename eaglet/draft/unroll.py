@@ -21,9 +21,10 @@ computes the same logits (tests hold it to the reference) and skips what they do
   (a few kernels, not a few per step: at the 8B dims a step is a couple of milliseconds of GPU
   work, so the host's time per step counts).
 - Compiled pieces (`compile`): each layer's two halves around the attention call, layer 0's
-  embedding products, the head and the diagonal merge, each compiled once with the sizes that
-  follow the data symbolic (eaglet/draft/compiling.py), so a new packing compiles nothing
-  (the attention call has its own compile, `attention.compile_flex_attention`).
+  embedding products, the head and the diagonal merge, each function compiled on its own
+  (eaglet/draft/compiling.py): once the sizes that follow the data are symbolic, a new
+  packing compiles nothing (the attention call has its own compile,
+  `attention.compile_flex_attention`).
 
 Under FSDP2 (`sharded`) each decoder layer is an FSDP unit, sharded outside its own forward:
 the unroll runs those layers through their forward (where FSDP2 gathers them), without cast
