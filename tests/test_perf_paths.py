@@ -800,7 +800,7 @@ def test_pieces_get_a_recompile_limit_of_their_own_and_the_watch_sees_a_give_up(
 
 def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(monkeypatch):
     """torch 2.11 and 2.12's torch.compile have no recompile_limit argument: compile_piece then
-    leaves it out (and the global limit holds); 2.13's gets PIECE_RECOMPILE_LIMIT."""
+    leaves it out and raises the global limit to PIECE_RECOMPILE_LIMIT; 2.13's gets it per call."""
     seen = []
 
     def old_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
@@ -813,11 +813,15 @@ def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(m
         seen.append({"dynamic": dynamic, "backend": backend, "recompile_limit": recompile_limit})
         return model
 
-    for fake in (old_compile, new_compile):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    limits = []
+    for fake in (new_compile, old_compile):
         monkeypatch.setattr(compiling.torch, "compile", fake)
         assert compiling.compile_piece(abs, backend="eager") is abs
-    assert seen == [{"dynamic": None, "backend": "eager"},
-                    {"dynamic": None, "backend": "eager", "recompile_limit": compiling.PIECE_RECOMPILE_LIMIT}]
+        limits.append(torch._dynamo.config.recompile_limit)
+    assert limits == [8, compiling.PIECE_RECOMPILE_LIMIT]  # the global limit raised for the old one only
+    assert seen == [{"dynamic": None, "backend": "eager", "recompile_limit": compiling.PIECE_RECOMPILE_LIMIT},
+                    {"dynamic": None, "backend": "eager"}]
 
 
 def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tmp_path, monkeypatch, capfd):

@@ -9,8 +9,8 @@ three places:
 - dynamo keeps its graphs per code object, at most `recompile_limit` (8) of them, and past the
   limit runs the function eager with one warning in the log. Pieces compiled as `partial`s all
   sit behind one wrapper's code object, so their graphs share those 8: compile the function
-  itself and bind its module afterwards (`partial(compile_piece(fn), module)`). Where torch
-  takes a limit per call, each piece gets a larger one of its own.
+  itself and bind its module afterwards (`partial(compile_piece(fn), module)`). Each piece gets
+  a larger limit: its own where torch takes one per call, else the global one raised.
 - Duck shaping gives sizes that happen to be equal one symbol: a data size equal to a model
   size would be fixed with it, and compiled again when it moves (`distinct_sizes`).
 - dynamo compiles a function for the sizes of its first call, then once more with the sizes
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 PIECE_OPTIONS: dict[str, Any] = {}  # e.g. {"dynamic": True} (module doc)
-# Where torch.compile takes a limit of its own per call (torch 2.13 on), each piece gets this
-# one: a layer's halves keep a graph or two per layer, and evaluation's no-grad graphs count too.
+# Each piece's recompile limit: its own where torch.compile takes one per call (torch 2.13 on),
+# else the global one raised to it. A layer's halves keep graphs per layer, and evaluation's
+# no-grad graphs count too.
 PIECE_RECOMPILE_LIMIT = 32
 
 
@@ -64,6 +65,9 @@ def compile_piece(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[...
     options = {**PIECE_OPTIONS, **compile_kwargs}
     if takes_recompile_limit():
         options.setdefault("recompile_limit", PIECE_RECOMPILE_LIMIT)
+    else:  # only the global limit: raised to the pieces' (this process compiles eaglet's step)
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, PIECE_RECOMPILE_LIMIT)
     return torch.compile(fn, **options)
 
 
