@@ -813,12 +813,12 @@ def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(m
         seen.append({"dynamic": dynamic, "backend": backend, "recompile_limit": recompile_limit})
         return model
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     limits = []
-    for fake in (new_compile, old_compile):
-        monkeypatch.setattr(compiling.torch, "compile", fake)
-        assert compiling.compile_piece(abs, backend="eager") is abs
-        limits.append(torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored on exit (a monkeypatch of it is not)
+        for fake in (new_compile, old_compile):
+            monkeypatch.setattr(compiling.torch, "compile", fake)
+            assert compiling.compile_piece(abs, backend="eager") is abs
+            limits.append(torch._dynamo.config.recompile_limit)
     assert limits == [8, compiling.PIECE_RECOMPILE_LIMIT]  # the global limit raised for the old one only
     assert seen == [{"dynamic": None, "backend": "eager", "recompile_limit": compiling.PIECE_RECOMPILE_LIMIT},
                     {"dynamic": None, "backend": "eager"}]
