@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import json
 import math
 import platform
@@ -417,23 +418,24 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                                head=lm_head, in_vocab=args.in_vocab, loss_share=args.loss_share,
                                ttt_steps=0 if args.all_head_rows else tc.ttt_steps, doc_lens=lens)
                for i, lens in enumerate(packings)]
+    shares = []
     for b in batches:
         with torch.no_grad():
             known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
+        shares.append(float(known.float().mean()))
         if args.all_step_rows:
             b.active_rows = None
         if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
             b.in_vocab = known
-    b = batches[0]
-    in_vocab_rows = float(known.float().mean())
-    turn = iter(range(10**12))
+    b, in_vocab_rows = batches[0], shares[0]  # the first micro-batch's figures below
+    turn = itertools.cycle(batches)
 
     timer = PhaseTimer(args.breakdown, device)
     timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
 
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         timer.start_step()
-        out = micro_batch(timed, batches[next(turn) % len(batches)], tc, autocast, sync=True)
+        out = micro_batch(timed, next(turn), tc, autocast, sync=True)
         timer.mark("backward")
         optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass)
         timer.mark("optimizer")

@@ -61,7 +61,7 @@ def compile_piece(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[...
     """torch.compile(fn) with `PIECE_OPTIONS` (and `PIECE_RECOMPILE_LIMIT`, where this torch
     takes one per call) under `compile_kwargs` (e.g. a test's backend), sizes kept distinct
     (`distinct_sizes`)."""
-    distinct_sizes()
+    distinct_sizes()  # lazily, at the first compile: eaglet's training process, not its importers
     options = {**PIECE_OPTIONS, **compile_kwargs}
     if takes_recompile_limit():
         options.setdefault("recompile_limit", PIECE_RECOMPILE_LIMIT)

@@ -76,7 +76,10 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
     backward whose gradients are mostly zero rows runs faster than on real data (the GEMMs draw
     less power), which flatters the step."""
     g = torch.Generator().manual_seed(seed)
-    if doc_lens is not None:
+    if doc_lens is None:
+        docs, positions = torch.arange(tokens) // doc_tokens, torch.arange(tokens) % doc_tokens
+        mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
+    else:  # synthetic_loss_mask's turns, within each document of its own length
         if sum(doc_lens) != tokens:
             raise ValueError(f"doc_lens sum to {sum(doc_lens)} tokens, not {tokens}")
         lens = torch.tensor(doc_lens)
@@ -84,9 +87,6 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
         positions = torch.cat([torch.arange(n) for n in doc_lens])
         turn = lens.clamp(max=TURN_TOKENS).repeat_interleave(lens)
         mask = (positions % turn >= ((1 - loss_share) * turn).round()).unsqueeze(0)
-    else:
-        docs, positions = torch.arange(tokens) // doc_tokens, torch.arange(tokens) % doc_tokens
-        mask = synthetic_loss_mask(tokens, doc_tokens, loss_share)
     if head is None:
         final = torch.randn(1, tokens, cfg.target_hidden_size, generator=g)
     else:
