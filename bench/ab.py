@@ -21,6 +21,23 @@ one call: its figures are
     and its standard error over prompts, and the spread of tau between seeds.
 Results accumulate in W/results/ (a draft already measured is not trained again), so one A/B
 can span several calls; ab.json and ab.md hold the summary.
+
+--sets heldout mt_bench: also replay on the opening turns of the 80 MT-bench questions (each set
+has its own target side; the summary pairs prompt by prompt within a set).
+
+A variant's settings may also hold keys without a section, read by this script:
+  trainer=speculators      train with speculators' own model, TTT and loss (bench/speculators_train.py,
+                           its own loss mask and initialisation: the "native" draft; needs the
+                           speculators package); trainer=speculators-parity: eaglet's mask and init
+  time_of=REF,rate_of=CAL  equal training time: as many steps as variant CAL's trainer ran in the
+                           time variant REF's took (same seed): steps(CAL) x train_s(REF) / train_s(CAL)
+Every draft's train_s is the wall time of its training call here, setup and compiling included;
+the time_of draft's own train_s is measured too, so the equality is checked, not assumed.
+
+--decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
+eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
+greedy chains) for drafts trained already; one JSON per draft, set, method and temperature in
+W/decode/. Several such calls can run at once (each loads the target).
 """
 
 from __future__ import annotations
@@ -37,12 +54,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet import pipeline
-from eaglet.config import TargetSection, load_config
+from eaglet.config import EvalSection, TargetSection, load_config
 from eaglet.engines.replay import TargetSide, replay_chain, target_side
 from eaglet.engines.specdec import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
-from eaglet.stages.eval_sets import opening_prompts
-from eaglet.stages.evaluate import eos_ids
+from eaglet.formats.serving import load_draft_model
+from eaglet.formats.store import StoreReader
+from eaglet.stages.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
+from eaglet.stages.evaluate import eos_ids, evaluate_draft
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
@@ -55,11 +74,33 @@ COMMON = [  # quality.sh's training settings (bench/quality.py), without its exp
     "train.tensorboard=false", "train.epochs=1000",
 ]
 SHARED = ("prepare", "extract", "vocab")  # stages every draft shares: W/base's
+TRAINERS = {"eaglet": None, "speculators": ("speculators", "speculators"), "speculators-parity": ("eaglet", "eaglet")}
+CONTROLS = ("trainer", "time_of", "rate_of")  # variant keys without a section: read here, not by the config
+SPEC_DIR = "speculators"  # run/train/speculators: the speculators-trained draft (save_pretrained)
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, sets = text.partition(":")
     return name, [s for s in sets.split(",") if s]
+
+
+def split_controls(name: str, sets: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(this script's own keys, the config settings) of a variant's settings."""
+    controls, config = {}, []
+    for s in sets:
+        key, _, value = s.partition("=")
+        if "." in key:
+            config.append(s)
+        elif key in CONTROLS:
+            controls[key] = value
+        else:
+            raise SystemExit(f"[ab] variant {name}: {key!r} is neither section.key nor one of {', '.join(CONTROLS)}")
+    trainer = controls.setdefault("trainer", "eaglet")
+    if trainer not in TRAINERS:
+        raise SystemExit(f"[ab] variant {name}: trainer={trainer}: expected one of {', '.join(TRAINERS)}")
+    if ("time_of" in controls) != ("rate_of" in controls):
+        raise SystemExit(f"[ab] variant {name}: time_of and rate_of go together")
+    return controls, config
 
 
 def _sets(args: argparse.Namespace, run: Path, extra: list[str] = ()) -> list[str]:
@@ -72,18 +113,61 @@ def prepare_base(args: argparse.Namespace) -> None:
     pipeline.run_all(load_config(None, _sets(args, args.work / "base")), upto="vocab")
 
 
-def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int) -> Path:
+def equal_time_steps(name: str, controls: dict[str, str], done: dict[str, dict[int, dict[str, Any]]], seed: int) -> int:
+    """time_of/rate_of: the steps variant rate_of's trainer runs in variant time_of's training time."""
+    ref, cal = controls["time_of"], controls["rate_of"]
+    missing = [v for v in (ref, cal) if seed not in done.get(v, {})]
+    if missing:
+        raise SystemExit(f"[ab] variant {name} seed {seed}: time_of/rate_of need {', '.join(missing)} measured "
+                         f"first (list them before {name})")
+    r, c = done[ref][seed]["train"], done[cal][seed]["train"]
+    return max(1, round(c["steps"] * r["train_s"] / c["train_s"]))
+
+
+def run_folder(args: argparse.Namespace, name: str, seed: int) -> Path:
     run = args.work / "runs" / f"{name}-s{seed}"
     run.mkdir(parents=True, exist_ok=True)
     for stage in SHARED:  # the same prepared data, states and vocabulary as every other draft
         link = run / stage
         if not link.exists():
             link.symlink_to(args.work / "base" / stage, target_is_directory=True)
-    pipeline.run_all(load_config(None, _sets(args, run, [*sets, f"train.seed={seed}"])), upto="train")
     return run
 
 
+def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str = "eaglet") -> Path:
+    run = run_folder(args, name, seed)
+    cfg = load_config(None, _sets(args, run, [*sets, f"train.seed={seed}"]))
+    if TRAINERS[trainer] is None:
+        pipeline.run_all(cfg, upto="train")
+    else:  # speculators is an optional dependency of this script only
+        from speculators_train import train_with_speculators
+
+        mask, init = TRAINERS[trainer]
+        train_with_speculators(cfg, run, run / "train" / SPEC_DIR, cfg.train.max_steps, mask=mask, init=init,
+                               log_every=cfg.train.log_every)
+    return run
+
+
+def load_trained(run: Path) -> tuple[Any, list[int]]:
+    """(the draft, its aux layers) trained in `run`, by either trainer."""
+    spec = run / "train" / SPEC_DIR
+    if not spec.is_dir():
+        return load_final(run / "train" / FINAL_DIR)
+    embed = StoreReader(run / "extract", verify=False).target_head(torch.device("cpu")).embed
+    draft, meta = load_draft_model(spec, embed)
+    return draft, list(meta["aux_layer_ids"] or StoreReader(run / "extract", verify=False).meta["layers"])
+
+
 def train_summary(run: Path) -> dict[str, Any]:
+    spec = run / "train" / SPEC_DIR
+    if spec.is_dir():  # bench/speculators_train.py's log: accuracies as prefixes, no held-out eval
+        result = json.loads((spec / "bench.json").read_text())
+        recs = [json.loads(x) for x in (spec / "train_log.jsonl").read_text().splitlines()]
+        rates = [r["tokens_per_s"] for r in recs[1:] if r.get("tokens_per_s")]
+        return {"steps": result["steps"], "seconds": result["seconds"],
+                "tokens_per_s": statistics.median(rates) if rates else None,
+                "sim_tau_train": recs[-1].get("prefix_tau") if recs else None, "sim_tau_heldout": None,
+                "acc_train": None}
     manifest = json.loads((run / "train" / "manifest.json").read_text())
     recs = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["split"] == "train"]
@@ -99,15 +183,32 @@ def train_summary(run: Path) -> dict[str, Any]:
 # ---- the target's side, computed once --------------------------------------------------------
 
 
-def side_key(args: argparse.Namespace) -> dict[str, Any]:
-    return {"target": str(args.target), "data": str(args.data), "records": args.records, "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "k": args.k, "max_prompt_tokens": args.max_prompt_tokens}
+def side_key(args: argparse.Namespace, prompt_set: str = HELDOUT) -> dict[str, Any]:
+    key = {"target": str(args.target), "data": str(args.data), "records": args.records, "prompts": args.prompts,
+           "max_new_tokens": args.max_new_tokens, "k": args.k, "max_prompt_tokens": args.max_prompt_tokens}
+    return key if prompt_set == HELDOUT else {**key, "set": prompt_set}
 
 
-def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any) -> TargetSide:
-    folder = args.work / "side"
+def side_folder(work: Path, prompt_set: str) -> Path:
+    return work / ("side" if prompt_set == HELDOUT else f"side-{prompt_set}")
+
+
+def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[list[int]]:
+    """The prompts of a set: distinct opening user turns of the records after --records, or the
+    first turns of the MT-bench questions (at most --prompts of them)."""
+    template = resolve_chat_template(tok, TargetSection(path=str(args.target)))
+    render = lambda msgs: generation_prompt(tok, template, msgs)  # noqa: E731
+    if prompt_set == MT_BENCH:
+        items = mt_bench_items(args.prompts)
+        return [render([{"role": "user", "content": item.asks[0]}]) for item in items]
+    return opening_prompts(args.data, render, args.records, args.prompts, args.max_prompt_tokens)
+
+
+def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
+                      prompt_set: str = HELDOUT) -> TargetSide:
+    folder = side_folder(args.work, prompt_set)
     meta = folder / "side.json"
-    key = {**side_key(args), "aux_layers": aux_layers}
+    key = {**side_key(args, prompt_set), "aux_layers": aux_layers}
     if meta.is_file():
         saved = json.loads(meta.read_text())
         if saved["key"] == key:
@@ -115,13 +216,10 @@ def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: A
             return TargetSide(saved["prompts"], saved["sequences"], [aux[f"s{i}"] for i in range(len(saved["sequences"]))],
                               args.max_new_tokens, args.k)
         log(f"[ab] {meta}: made for other settings; making it again")
-    tcfg = TargetSection(path=str(args.target))
-    template = resolve_chat_template(tok, tcfg)
-    prompts = opening_prompts(args.data, lambda msgs: generation_prompt(tok, template, msgs), args.records,
-                              args.prompts, args.max_prompt_tokens)
+    prompts = set_prompts(args, prompt_set, tok)
     t0 = time.perf_counter()
     side = target_side(target, aux_layers, prompts, args.max_new_tokens, args.k, batch=args.batch)
-    log(f"[ab] target side: {len(prompts)} prompts, {sum(map(len, side.sequences))} tokens in "
+    log(f"[ab] target side ({prompt_set}): {len(prompts)} prompts, {sum(map(len, side.sequences))} tokens in "
         f"{time.perf_counter() - t0:.1f} s")
     folder.mkdir(parents=True, exist_ok=True)
     save_file({f"s{i}": a.contiguous() for i, a in enumerate(side.aux)}, str(folder / "aux.safetensors"))
@@ -140,18 +238,59 @@ def measure(draft: Any, side: TargetSide, eos: list[int], k: int, dev: torch.dev
             "replay_s": round(time.perf_counter() - t0, 2)}
 
 
+# ---- decoding (trees, sampling) ---------------------------------------------------------------
+
+
+def parse_decode(text: str) -> tuple[str, float]:
+    method, _, temp = text.partition(":")
+    if method not in ("chain", "tree") or not temp:
+        raise SystemExit(f"[ab] --decode {text}: expected chain:T or tree:T (T the temperature)")
+    return method, float(temp)
+
+
+def decode_file(work: Path, name: str, seed: int, prompt_set: str, method: str, temperature: float) -> Path:
+    return work / "decode" / f"{name}-s{seed}-{prompt_set}-{method}-t{temperature:g}.json"
+
+
+def decode(args: argparse.Namespace, draft: Any, aux: list[int], target: Any, tok: Any, prompts: list[list[int]],
+           method: str, temperature: float, seed: int) -> dict[str, Any]:
+    """eaglet's decoder on `prompts`: tau and acceptance per position (no plain decode)."""
+    ecfg = EvalSection(method=method, chain_tokens=args.k, temperature=temperature, max_new_tokens=args.decode_new_tokens,
+                       baseline=False, lossless_check=False)
+    t0 = time.perf_counter()
+    out = evaluate_draft(target, tok, draft, aux, prompts, ecfg, seed=seed, verbose=False)
+    agg = out["aggregate"]
+    return {"method": method, "temperature": temperature, "prompts": len(prompts), "tau": agg["tau"],
+            "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
+            "per_prompt": [p["tau"] for p in out["prompts"]], "decode_s": round(time.perf_counter() - t0, 1)}
+
+
 # ---- the summary ----------------------------------------------------------------------------
 
 
-def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+def set_result(r: dict[str, Any], prompt_set: str) -> dict[str, Any] | None:
+    """A draft's replay on one set (a result written before --sets holds the held-out one alone)."""
+    return r.get("eval", {HELDOUT: r}).get(prompt_set)
+
+
+def summarize(results: dict[str, dict[int, dict[str, Any]]], prompt_set: str = HELDOUT) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    base = results.get("base", {})
-    for name, by_seed in results.items():
+    by_set = {name: {s: e for s, r in by_seed.items() if (e := set_result(r, prompt_set)) is not None}
+              for name, by_seed in results.items()}
+    base = by_set.get("base", {})
+    for name, by_seed in by_set.items():
+        if not by_seed:
+            continue
         taus = [r["tau"] for r in by_seed.values()]
+        trains = [results[name][s]["train"] for s in by_seed]
         row: dict[str, Any] = {"seeds": sorted(by_seed), "tau": statistics.mean(taus),
                                "seed_sd": statistics.stdev(taus) if len(taus) > 1 else None,
-                               "sim_tau_heldout": statistics.mean(r["train"]["sim_tau_heldout"] or 0 for r in by_seed.values()),
-                               "tokens_per_s": statistics.mean(r["train"]["tokens_per_s"] or 0 for r in by_seed.values())}
+                               "sim_tau_heldout": statistics.mean(t["sim_tau_heldout"] or 0 for t in trains),
+                               "tokens_per_s": statistics.mean(t["tokens_per_s"] or 0 for t in trains),
+                               "steps": statistics.mean(t["steps"] or 0 for t in trains),
+                               "train_s": statistics.mean(t.get("train_s") or t["seconds"] or 0 for t in trains),
+                               "acceptance": [statistics.mean(r["acceptance_rate"][j] or 0 for r in by_seed.values())
+                                              for j in range(len(next(iter(by_seed.values()))["acceptance_rate"]))]}
         paired = sorted(set(by_seed) & set(base))
         if name != "base" and paired:
             per_prompt = [statistics.mean(by_seed[s]["per_prompt"][i] - base[s]["per_prompt"][i] for s in paired)
@@ -166,18 +305,29 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def table(summary: dict[str, Any], results: dict[str, dict[int, dict[str, Any]]]) -> str:
-    lines = ["| variant | seeds | tau | seed sd | vs base | ± se (prompts) | acceptance 1..3 | sim tau (held-out) | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in summary.items():
-        first = next(iter(results[name].values()))["acceptance_rate"]
-        acc = [statistics.mean(x["acceptance_rate"][j] or 0 for x in results[name].values())
-               for j in range(min(3, len(first)))]
-        vs = f"{100 * r['rel_diff']:+.1f}%" if "rel_diff" in r else ""
-        se = f"{100 * r['rel_se']:.1f}%" if "rel_se" in r else ""
-        sd = f"{r['seed_sd']:.3f}" if r["seed_sd"] is not None else ""
-        lines.append(f"| {name} | {len(r['seeds'])} | {r['tau']:.3f} | {sd} | {vs} | {se} | "
-                     f"{' '.join(f'{a:.2f}' for a in acc)} | {r['sim_tau_heldout']:.3f} | {r['tokens_per_s']:.0f} |")
+def table(by_set: dict[str, dict[str, Any]]) -> str:
+    lines = ["| set | variant | seeds | steps | train s | tau | seed sd | vs base | ± se (prompts) | acceptance 1..3 "
+             "| sim tau (held-out) | tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for prompt_set, summary in by_set.items():
+        for name, r in summary.items():
+            vs = f"{100 * r['rel_diff']:+.1f}%" if "rel_diff" in r else ""
+            se = f"{100 * r['rel_se']:.1f}%" if "rel_se" in r else ""
+            sd = f"{r['seed_sd']:.3f}" if r["seed_sd"] is not None else ""
+            lines.append(f"| {prompt_set} | {name} | {len(r['seeds'])} | {r['steps']:.0f} | {r['train_s']:.1f} | "
+                         f"{r['tau']:.3f} | {sd} | {vs} | {se} | {' '.join(f'{a:.2f}' for a in r['acceptance'][:3])} | "
+                         f"{r['sim_tau_heldout']:.3f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def decode_table(decoded: list[dict[str, Any]]) -> str:
+    if not decoded:
+        return ""
+    lines = ["| set | variant | seed | method | temperature | prompts | tau | acceptance by position |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in sorted(decoded, key=lambda d: (d["set"], d["method"], d["temperature"], d["variant"], d["seed"])):
+        acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in d["acceptance_rate"])
+        lines.append(f"| {d['set']} | {d['variant']} | {d['seed']} | {d['method']} | {d['temperature']:g} | "
+                     f"{d['prompts']} | {d['tau']:.3f} | {acc} |")
     return "\n".join(lines)
 
 
@@ -189,56 +339,121 @@ def read_results(work: Path) -> dict[str, dict[int, dict[str, Any]]]:
     return out
 
 
+def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tok = load_tokenizer(TargetSection(path=str(args.target)))
+    target, _ = load_target(TargetSection(path=str(args.target), dtype=str(dtype).removeprefix("torch."), device=str(dev)))
+    for name, _sets_ in variants:
+        if args.only and name not in args.only:
+            continue
+        for seed in args.seeds:
+            run = args.work / "runs" / f"{name}-s{seed}"
+            if not (args.work / "results" / f"{name}-s{seed}.json").is_file():
+                raise SystemExit(f"[ab] --decode: {name} seed {seed} is not trained and measured yet ({run})")
+            draft, aux = load_trained(run)
+            for prompt_set in args.sets:
+                side = json.loads((side_folder(args.work, prompt_set) / "side.json").read_text())
+                prompts = side["prompts"][: args.decode_prompts]
+                for text in args.decode:
+                    method, temperature = parse_decode(text)
+                    out = decode_file(args.work, name, seed, prompt_set, method, temperature)
+                    if out.is_file():
+                        continue
+                    res = {"variant": name, "seed": seed, "set": prompt_set,
+                           **decode(args, draft, aux, target, tok, prompts, method, temperature, seed)}
+                    atomic_write_json(out, res)
+                    log(f"[ab] decode {name} s{seed} {prompt_set} {method} T={temperature:g}: tau {res['tau']:.3f} "
+                        f"({res['decode_s']} s)")
+
+
+def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    prepare_base(args)
+    if dev.type == "cuda":  # the device's start-up is no draft's training time
+        torch.zeros(1, device=dev)
+    tok = load_tokenizer(TargetSection(path=str(args.target)))
+    target = eos = None
+    sides: dict[str, TargetSide] = {}
+    for name, sets in variants:
+        controls, config = split_controls(name, sets)
+        for seed in args.seeds:
+            out = args.work / "results" / f"{name}-s{seed}.json"
+            if out.is_file():
+                log(f"[ab] {name} seed {seed}: measured already ({out})")
+                continue
+            steps = []
+            if "time_of" in controls:
+                n = equal_time_steps(name, controls, read_results(args.work), seed)
+                steps = [f"train.max_steps={n}"]
+                log(f"[ab] {name} seed {seed}: {n} steps, the time of {controls['time_of']} at the rate of "
+                    f"{controls['rate_of']}")
+            t0 = time.perf_counter()
+            run = train_draft(args, name, [*config, *steps], seed, controls["trainer"])
+            train_s = time.perf_counter() - t0
+            if "time_of" in controls:
+                ref = read_results(args.work)[controls["time_of"]][seed]["train"]["train_s"]
+                log(f"[ab] {name} seed {seed}: trained in {train_s:.1f} s against {ref:.1f} s for {controls['time_of']}")
+            draft, aux = load_trained(run)
+            if target is None:
+                target, _ = load_target(TargetSection(path=str(args.target), dtype=str(dtype).removeprefix("torch."),
+                                                      device=str(dev)))
+                eos = eos_ids(target, tok)
+            evals = {}
+            for prompt_set in args.sets:
+                if prompt_set not in sides:
+                    sides[prompt_set] = load_or_make_side(args, list(aux), target, tok, prompt_set)
+                evals[prompt_set] = measure(draft, sides[prompt_set], eos, args.k, dev, dtype)
+            res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"],
+                   "train": {**train_summary(run), "train_s": round(train_s, 1)},
+                   **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}
+            atomic_write_json(out, res)
+            log(f"[ab] {name} seed {seed}: tau " + ", ".join(f"{k} {v['tau']:.3f}" for k, v in evals.items())
+                + f" (sim tau held-out {res['train']['sim_tau_heldout']}); trained in {train_s:.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
-    ap.add_argument("--variant", action="append", default=[], help="name[:section.key=value,...]")
+    ap.add_argument("--variant", action="append", default=[], help="name[:section.key=value,...] (module header)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--records", type=int, default=8000, help="records trained on; the prompts come after them")
     ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--sets", nargs="+", default=[HELDOUT], choices=[HELDOUT, MT_BENCH],
+                    help="prompt sets replayed (and decoded); the first is the summary's")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64, help="prompts per batch of the greedy continuations")
     ap.add_argument("--set", action="append", help="a section.key=value for every draft")
+    ap.add_argument("--decode", nargs="+", metavar="METHOD:T", help="decode trained drafts instead (module header)")
+    ap.add_argument("--decode-prompts", type=int, default=32, help="--decode: the first N prompts of each set")
+    ap.add_argument("--decode-new-tokens", type=int, default=128)
+    ap.add_argument("--only", nargs="+", help="--decode: these variants only")
     ap.add_argument("--report", action="store_true", help="only write ab.json and ab.md from W/results")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    if not args.report:
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        prepare_base(args)
-        tok = load_tokenizer(TargetSection(path=str(args.target)))
-        target = side = eos = None
-        for text in args.variant:
-            name, sets = parse_variant(text)
-            for seed in args.seeds:
-                out = args.work / "results" / f"{name}-s{seed}.json"
-                if out.is_file():
-                    log(f"[ab] {name} seed {seed}: measured already ({out})")
-                    continue
-                t0 = time.perf_counter()
-                run = train_draft(args, name, sets, seed)
-                draft, aux = load_final(run / "train" / FINAL_DIR)
-                if side is None:
-                    target, _ = load_target(TargetSection(path=str(args.target), dtype=str(dtype).removeprefix("torch."),
-                                                          device=str(dev)))
-                    side = load_or_make_side(args, list(aux), target, tok)
-                    eos = eos_ids(target, tok)
-                res = {"variant": name, "seed": seed, "sets": sets, "train": train_summary(run),
-                       **measure(draft, side, eos, args.k, dev, dtype), "wall_s": round(time.perf_counter() - t0, 1)}
-                atomic_write_json(out, res)
-                log(f"[ab] {name} seed {seed}: tau {res['tau']:.3f} (sim tau held-out "
-                    f"{res['train']['sim_tau_heldout']}), {res['wall_s']} s")
+    variants = [parse_variant(v) for v in args.variant]
+    for name, sets in variants:
+        split_controls(name, sets)  # a bad variant stops before any training
+    if args.decode:
+        run_decodes(args, variants)
+    elif not args.report:
+        train_and_measure(args, variants)
     results = read_results(args.work)
-    summary = summarize(results)
+    sets = sorted({s for by_seed in results.values() for r in by_seed.values() for s in r.get("eval", {HELDOUT: 0})},
+                  key=lambda s: (s != HELDOUT, s))
+    by_set = {s: summarize(results, s) for s in sets}
+    decoded = [json.loads(p.read_text()) for p in sorted((args.work / "decode").glob("*.json"))]
     atomic_write_json(args.work / "ab.json", {"args": {k: str(v) for k, v in vars(args).items()},
                                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                                              "summary": summary, "results": results})
-    md = table(summary, results)
+                                              "summary": by_set.get(HELDOUT, {}), "by_set": by_set,
+                                              "results": results, "decoded": decoded})
+    md = "\n\n".join(t for t in (table(by_set), decode_table(decoded)) if t)
     (args.work / "ab.md").write_text(md + "\n")
     print(md)
 

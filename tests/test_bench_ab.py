@@ -60,3 +60,56 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     run_script(SCRIPT, args)
     assert (work / "side" / "aux.safetensors").stat().st_mtime_ns == before
     assert "| noise | 2 |" in (work / "ab.md").read_text()
+
+
+SPECULATORS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-speculators" / "bin" / "python"
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON.exists(),
+                    reason="no .venv-speculators: `bash scripts/speculators_venv.sh` creates it (speculators 0.9.0)")
+def test_ab_against_speculators_in_equal_time_on_two_sets_and_decoded(tmp_path):
+    """A speculators-trained variant, an eaglet variant given the steps that fit in its training
+    time, replay on held-out and MT-bench prompts, then --decode: the speculators draft's replay
+    is what eaglet's decoder gives on the same prompts."""
+    import subprocess
+
+    from eaglet.testing import tiny
+
+    target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(40, seed=3))
+    work = tmp_path / "ab"
+    common = ["--work", str(work), "--target", str(target), "--data", str(data), "--records", "30", "--prompts", "3",
+              "--steps", "3", "--max-new-tokens", "10", "--k", "2", "--seeds", "0", "--sets", "heldout", "mt_bench",
+              *(f"--set={s}" for s in ["target.dtype=float32", "prepare.num_workers=1", "vocab.size=128",
+                                       "train.max_tokens=256", "train.ttt_steps=2", "train.device=cpu",
+                                       "train.warmup_steps=1", "train.log_every=1", "train.eval_fraction=0.1"])]
+    variants = ["--variant", "spec:trainer=speculators", "--variant", "base",
+                "--variant", "eq:time_of=spec,rate_of=base,train.lr=0.001"]
+    subprocess.run([str(SPECULATORS_PYTHON), str(SCRIPT), *common, *variants], check=True, timeout=600)
+    out = json.loads((work / "ab.json").read_text())
+    res = {name: by_seed["0"] for name, by_seed in out["results"].items()}
+    assert res["spec"]["trainer"] == "speculators" and (work / "runs" / "spec-s0" / "train" / "speculators").is_dir()
+    assert res["spec"]["train"]["steps"] == 3 and res["base"]["train"]["steps"] == 3
+    # equal time: the steps base's trainer runs in spec's training time, and eq's own time measured
+    spec_s, base_s = res["spec"]["train"]["train_s"], res["base"]["train"]["train_s"]
+    assert res["eq"]["train"]["steps"] == max(1, round(3 * spec_s / base_s)) and res["eq"]["train"]["train_s"] > 0
+    for r in res.values():
+        assert set(r["eval"]) == {"heldout", "mt_bench"} and all(len(e["per_prompt"]) == 3 for e in r["eval"].values())
+        assert r["tau"] == r["eval"]["heldout"]["tau"]
+    assert set(out["by_set"]) == {"heldout", "mt_bench"} and "spec" in out["by_set"]["mt_bench"]
+    mt = json.loads((work / "side-mt_bench" / "side.json").read_text())
+    assert len(mt["prompts"]) == 3 and mt["key"]["set"] == "mt_bench"
+
+    # decoding the speculators draft: greedy chain = its replay, prompt by prompt; a tree runs too
+    run_script(SCRIPT, [*common, *variants, "--only", "spec", "--decode", "chain:0", "tree:0", "--decode-prompts", "3",
+                        "--decode-new-tokens", "10"])
+    for prompt_set in ("heldout", "mt_bench"):
+        chain = json.loads((work / "decode" / f"spec-s0-{prompt_set}-chain-t0.json").read_text())
+        assert chain["per_prompt"] == pytest.approx(res["spec"]["eval"][prompt_set]["per_prompt"])
+        tree = json.loads((work / "decode" / f"spec-s0-{prompt_set}-tree-t0.json").read_text())
+        assert tree["prompts"] == 3 and tree["tau"] >= 1.0
+    assert not list((work / "decode").glob("base-*")) and "| tree | 0 |" in (work / "ab.md").read_text()
+
+    # a setting the script does not know stops it before training, naming the variant
+    with pytest.raises(AssertionError, match="variant bad: 'epochs' is neither section.key"):
+        run_script(SCRIPT, [*common, "--variant", "bad:epochs=2"])
