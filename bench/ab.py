@@ -31,8 +31,10 @@ A variant's settings may also hold keys without a section, read by this script:
                            speculators package); trainer=speculators-parity: eaglet's mask and init
   time_of=REF,rate_of=CAL  equal training time: as many steps as variant CAL's trainer ran in the
                            time variant REF's took (same seed): steps(CAL) x train_s(REF) / train_s(CAL)
-Every draft's train_s is the wall time of its training call here, setup and compiling included;
-the time_of draft's own train_s is measured too, so the equality is checked, not assumed.
+Every draft's train_s is the wall time of its training call here, setup and compiling included
+(a speculators draft trains in a process of its own, so its train_s also holds that process's
+start and imports, a few seconds); the time_of draft's own train_s is measured too, so the
+equality is checked, not assumed.
 
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
 eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
@@ -46,6 +48,8 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,12 +143,14 @@ def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int,
     cfg = load_config(None, _sets(args, run, [*sets, f"train.seed={seed}"]))
     if TRAINERS[trainer] is None:
         pipeline.run_all(cfg, upto="train")
-    else:  # speculators is an optional dependency of this script only
-        from speculators_train import train_with_speculators
-
+    else:  # bench/speculators_train.py in its own process (speculators: an optional dependency)
         mask, init = TRAINERS[trainer]
-        train_with_speculators(cfg, run, run / "train" / SPEC_DIR, cfg.train.max_steps, mask=mask, init=init,
-                               log_every=cfg.train.log_every)
+        cmd = [sys.executable, str(Path(__file__).with_name("speculators_train.py")), "--run-dir", str(run),
+               "--out", str(run / "train" / SPEC_DIR), "--mask", mask, "--init", init,
+               "--log-every", str(cfg.train.log_every),
+               *(a for s in _sets(args, run, [*sets, f"train.seed={seed}"]) for a in ("--set", s))]
+        if subprocess.run(cmd).returncode:
+            raise SystemExit(f"[ab] variant {name} seed {seed}: bench/speculators_train.py failed (its log above)")
     return run
 
 
