@@ -59,13 +59,14 @@ from safetensors.torch import load_file, save_file
 
 from eaglet import pipeline
 from eaglet.config import EvalSection, TargetSection, load_config
+from eaglet.distributed import resolve_device
 from eaglet.engines.replay import TargetSide, replay_chain, target_side
 from eaglet.engines.specdec import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
 from eaglet.formats.store import StoreReader
 from eaglet.stages.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
-from eaglet.stages.evaluate import eos_ids, evaluate_draft
+from eaglet.stages.evaluate import eos_ids, evaluate_draft, resolve_eval_dtype
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log
@@ -140,7 +141,8 @@ def run_folder(args: argparse.Namespace, name: str, seed: int) -> Path:
 
 def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str = "eaglet") -> Path:
     run = run_folder(args, name, seed)
-    cfg = load_config(None, _sets(args, run, [*sets, f"train.seed={seed}"]))
+    settings = _sets(args, run, [*sets, f"train.seed={seed}"])
+    cfg = load_config(None, settings)
     if TRAINERS[trainer] is None:
         pipeline.run_all(cfg, upto="train")
     else:  # bench/speculators_train.py in its own process (speculators: an optional dependency)
@@ -148,7 +150,7 @@ def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int,
         cmd = [sys.executable, str(Path(__file__).with_name("speculators_train.py")), "--run-dir", str(run),
                "--out", str(run / "train" / SPEC_DIR), "--mask", mask, "--init", init,
                "--log-every", str(cfg.train.log_every),
-               *(a for s in _sets(args, run, [*sets, f"train.seed={seed}"]) for a in ("--set", s))]
+               *(a for s in settings for a in ("--set", s))]
         if subprocess.run(cmd).returncode:
             raise SystemExit(f"[ab] variant {name} seed {seed}: bench/speculators_train.py failed (its log above)")
     return run
@@ -159,9 +161,9 @@ def load_trained(run: Path) -> tuple[Any, list[int]]:
     spec = run / "train" / SPEC_DIR
     if not spec.is_dir():
         return load_final(run / "train" / FINAL_DIR)
-    embed = StoreReader(run / "extract", verify=False).target_head(torch.device("cpu")).embed
-    draft, meta = load_draft_model(spec, embed)
-    return draft, list(meta["aux_layer_ids"] or StoreReader(run / "extract", verify=False).meta["layers"])
+    store = StoreReader(run / "extract", verify=False)
+    draft, meta = load_draft_model(spec, store.target_head(torch.device("cpu")).embed)
+    return draft, list(meta["aux_layer_ids"] or store.meta["layers"])
 
 
 def train_summary(run: Path) -> dict[str, Any]:
@@ -274,14 +276,14 @@ def decode(args: argparse.Namespace, draft: Any, aux: list[int], target: Any, to
 # ---- the summary ----------------------------------------------------------------------------
 
 
-def set_result(r: dict[str, Any], prompt_set: str) -> dict[str, Any] | None:
-    """A draft's replay on one set (a result written before --sets holds the held-out one alone)."""
-    return r.get("eval", {HELDOUT: r}).get(prompt_set)
+def set_results(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A draft's replays by set (a result written before --sets holds the held-out one alone)."""
+    return r.get("eval", {HELDOUT: r})
 
 
 def summarize(results: dict[str, dict[int, dict[str, Any]]], prompt_set: str = HELDOUT) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    by_set = {name: {s: e for s, r in by_seed.items() if (e := set_result(r, prompt_set)) is not None}
+    by_set = {name: {s: e for s, r in by_seed.items() if (e := set_results(r).get(prompt_set)) is not None}
               for name, by_seed in results.items()}
     base = by_set.get("base", {})
     for name, by_seed in by_set.items():
@@ -345,53 +347,61 @@ def read_results(work: Path) -> dict[str, dict[int, dict[str, Any]]]:
     return out
 
 
-def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    tok = load_tokenizer(TargetSection(path=str(args.target)))
+def eval_device() -> tuple[torch.device, torch.dtype]:
+    """Where drafts are measured, as eaglet's eval picks it: a GPU in bf16, else the CPU in fp32."""
+    dev = resolve_device("auto")
+    return dev, getattr(torch, resolve_eval_dtype(EvalSection(device=str(dev))))
+
+
+def load_eval_target(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> Any:
     target, _ = load_target(TargetSection(path=str(args.target), dtype=str(dtype).removeprefix("torch."), device=str(dev)))
-    for name, _sets_ in variants:
-        if args.only and name not in args.only:
-            continue
+    return target
+
+
+def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
+    dev, dtype = eval_device()
+    tok = load_tokenizer(TargetSection(path=str(args.target)))
+    target = load_eval_target(args, dev, dtype)
+    prompts = {s: json.loads((side_folder(args.work, s) / "side.json").read_text())["prompts"][: args.decode_prompts]
+               for s in args.sets}
+    for name in (n for n, _ in variants if not args.only or n in args.only):
         for seed in args.seeds:
             run = args.work / "runs" / f"{name}-s{seed}"
             if not (args.work / "results" / f"{name}-s{seed}.json").is_file():
                 raise SystemExit(f"[ab] --decode: {name} seed {seed} is not trained and measured yet ({run})")
             draft, aux = load_trained(run)
             for prompt_set in args.sets:
-                side = json.loads((side_folder(args.work, prompt_set) / "side.json").read_text())
-                prompts = side["prompts"][: args.decode_prompts]
                 for text in args.decode:
                     method, temperature = parse_decode(text)
                     out = decode_file(args.work, name, seed, prompt_set, method, temperature)
                     if out.is_file():
                         continue
                     res = {"variant": name, "seed": seed, "set": prompt_set,
-                           **decode(args, draft, aux, target, tok, prompts, method, temperature, seed)}
+                           **decode(args, draft, aux, target, tok, prompts[prompt_set], method, temperature, seed)}
                     atomic_write_json(out, res)
                     log(f"[ab] decode {name} s{seed} {prompt_set} {method} T={temperature:g}: tau {res['tau']:.3f} "
                         f"({res['decode_s']} s)")
 
 
 def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dev, dtype = eval_device()
     prepare_base(args)
     if dev.type == "cuda":  # the device's start-up is no draft's training time
         torch.zeros(1, device=dev)
     tok = load_tokenizer(TargetSection(path=str(args.target)))
     target = eos = None
     sides: dict[str, TargetSide] = {}
+    done = read_results(args.work)
     for name, sets in variants:
         controls, config = split_controls(name, sets)
         for seed in args.seeds:
             out = args.work / "results" / f"{name}-s{seed}.json"
-            if out.is_file():
+            if seed in done.get(name, {}):
                 log(f"[ab] {name} seed {seed}: measured already ({out})")
                 continue
             steps = []
             if "time_of" in controls:
-                n = equal_time_steps(name, controls, read_results(args.work), seed)
+                n = equal_time_steps(name, controls, done, seed)
                 steps = [f"train.max_steps={n}"]
                 log(f"[ab] {name} seed {seed}: {n} steps, the time of {controls['time_of']} at the rate of "
                     f"{controls['rate_of']}")
@@ -399,12 +409,11 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
             run = train_draft(args, name, [*config, *steps], seed, controls["trainer"])
             train_s = time.perf_counter() - t0
             if "time_of" in controls:
-                ref = read_results(args.work)[controls["time_of"]][seed]["train"]["train_s"]
+                ref = done[controls["time_of"]][seed]["train"]["train_s"]
                 log(f"[ab] {name} seed {seed}: trained in {train_s:.1f} s against {ref:.1f} s for {controls['time_of']}")
             draft, aux = load_trained(run)
             if target is None:
-                target, _ = load_target(TargetSection(path=str(args.target), dtype=str(dtype).removeprefix("torch."),
-                                                      device=str(dev)))
+                target = load_eval_target(args, dev, dtype)
                 eos = eos_ids(target, tok)
             evals = {}
             for prompt_set in args.sets:
@@ -415,6 +424,7 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                    "train": {**train_summary(run), "train_s": round(train_s, 1)},
                    **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}
             atomic_write_json(out, res)
+            done.setdefault(name, {})[seed] = res
             log(f"[ab] {name} seed {seed}: tau " + ", ".join(f"{k} {v['tau']:.3f}" for k, v in evals.items())
                 + f" (sim tau held-out {res['train']['sim_tau_heldout']}); trained in {train_s:.1f} s")
 
@@ -451,7 +461,7 @@ def main() -> None:
     elif not args.report:
         train_and_measure(args, variants)
     results = read_results(args.work)
-    sets = sorted({s for by_seed in results.values() for r in by_seed.values() for s in r.get("eval", {HELDOUT: 0})},
+    sets = sorted({s for by_seed in results.values() for r in by_seed.values() for s in set_results(r)},
                   key=lambda s: (s != HELDOUT, s))
     by_set = {s: summarize(results, s) for s in sets}
     decoded = [json.loads(p.read_text()) for p in sorted((args.work / "decode").glob("*.json"))]
