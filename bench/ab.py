@@ -39,12 +39,15 @@ equality is checked, not assumed.
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
 eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
 greedy chains) for drafts trained already; one JSON per draft, set, method and temperature in
-W/decode/. Several such calls can run at once (each loads the target).
+W/decode/. Several such calls can run at once (each loads the target), and so can training calls
+with different --variant or --seeds: W/base and the target sides are made under a lock, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import statistics
@@ -114,8 +117,21 @@ def _sets(args: argparse.Namespace, run: Path, extra: list[str] = ()) -> list[st
             *extra]
 
 
+@contextlib.contextmanager
+def work_lock(work: Path):
+    """Held while W/base or a target side is made, so ab.py calls that run at once make each once."""
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def prepare_base(args: argparse.Namespace) -> None:
-    pipeline.run_all(load_config(None, _sets(args, args.work / "base")), upto="vocab")
+    with work_lock(args.work):
+        pipeline.run_all(load_config(None, _sets(args, args.work / "base")), upto="vocab")
 
 
 def equal_time_steps(name: str, controls: dict[str, str], done: dict[str, dict[int, dict[str, Any]]], seed: int) -> int:
@@ -214,6 +230,12 @@ def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[lis
 
 def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
                       prompt_set: str = HELDOUT) -> TargetSide:
+    with work_lock(args.work):
+        return _load_or_make_side(args, aux_layers, target, tok, prompt_set)
+
+
+def _load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
+                       prompt_set: str) -> TargetSide:
     folder = side_folder(args.work, prompt_set)
     meta = folder / "side.json"
     key = {**side_key(args, prompt_set), "aux_layers": aux_layers}
