@@ -35,7 +35,7 @@ from eaglet.distributed import barrier, init_distributed
 from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import parallelize, resolve_strategy
-from eaglet.draft.step import TeacherHead, lr_lambda, micro_batch, optimizer_step, resolve_compile
+from eaglet.draft.step import TeacherHead, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile
 from eaglet.testing.synthetic import PRESETS, synthetic_batch
 
 
@@ -79,7 +79,7 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
                           mask_out_of_vocab=tc.mask_out_of_vocab)
     par = parallelize(draft, teacher, strategy, device, frozen_dtype=frozen, compile=resolve_compile(tc.compile, device))
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=peak_lr(tc, cfg.hidden_size), betas=tuple(tc.betas), fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, args.warmup + args.steps))
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)

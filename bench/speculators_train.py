@@ -313,7 +313,7 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and dev.type == "cuda")
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=plan.tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=dev.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total_steps))
     loss_config = resolve_loss_config("kl_div", implementation=loss_impl)
     k = tc.ttt_steps

@@ -221,7 +221,10 @@ class TrainSection:
         "auto", "Under torchrun: 'ddp' (draft replicated, gradients all-reduced) or 'fsdp' (FSDP2 fully_shard: draft, "
         "frozen embedding and teacher head sharded); 'none': one process. auto: ddp with several ranks, else none."
     )
-    lr: float = _f(1e-4, "Peak learning rate (AdamW).", _gt(0))
+    lr: float | Literal["auto"] = _f(
+        "auto", "Peak learning rate (AdamW). auto: 0.6912 / the draft's hidden size, which is 1.2e-3 at width 576 "
+        "(SmolLM2-135M, where it beat 3e-4 by 9-10% in tau: docs/quality.md), 1.7e-4 at 4096 and 9.6e-5 at 7168; "
+        "the widths above 576 are not measured.", _gt(0))
     betas: list[float] = _f([0.9, 0.95], "AdamW betas (beta1, beta2).", Range(0, 1, hi_open=True, items=2))
     weight_decay: float = _f(0.0, "AdamW weight decay.", _ge(0))
     warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.", _ge(0))
@@ -234,7 +237,7 @@ class TrainSection:
     ttt_steps: int = _f(7, "Training-time-test steps unrolled per position (k).", _ge(1))
     gamma: float = _f(0.8, "Weight of step j's loss is gamma**j.", Range(0, 1, lo_open=True))
     accept_loss: Literal["none", "tv", "log_accept"] = _f(
-        "none", "An acceptance-targeting term added to each step's soft cross-entropy: 'tv' (1 - alpha, the total "
+        "log_accept", "An acceptance-targeting term added to each step's soft cross-entropy: 'tv' (1 - alpha, the total "
         "variation between draft and teacher) or 'log_accept' (-log alpha), alpha = sum min(p, q), the chance a "
         "sampled draft token is accepted (eaglet/draft/loss.py).")
     accept_weight: float = _f(1.0, "Weight of train.accept_loss's term beside the cross-entropy.", _ge(0))
@@ -459,11 +462,14 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         if len(arms) == 1:  # Optional[X]: X's own message says more than the union's
             return _coerce(key, value, arms[0])
+        errors = {}
         for arm in arms:
             try:
                 return _coerce(key, value, arm)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                errors[arm] = e
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and float in errors:
+            raise errors[float]  # a number for a number-or-word setting: the number's own message
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:
@@ -513,7 +519,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 def _check(key: str, value: Any, rng: Range | None) -> None:
     """Raise ConfigError, naming the key, when `value` (each item of a list) is outside `rng`."""
-    if rng is None or value is None:
+    if rng is None or value is None or isinstance(value, str):  # a range bounds the numbers; "auto" is a Literal's
         return
     if isinstance(value, list):
         if rng.items is not None and len(value) != rng.items:

@@ -55,7 +55,7 @@ CPU_SETTINGS = [
 GPU_SETTINGS = [
     "prepare.max_records=20000", "prepare.max_length=2048", "target.dtype=bfloat16",
     "extract.batch_tokens=65536", "vocab.size=32000", "train.epochs=2", "train.max_tokens=8192",
-    "train.ttt_steps=7", "train.lr=0.0003", "train.log_every=20", "train.eval_every=200",
+    "train.ttt_steps=7", "train.log_every=20", "train.eval_every=200",  # train.lr, accept_loss: the defaults
     "eval.num_prompts=40", "eval.max_new_tokens=256", "eval.chain_tokens=7",
 ]
 

@@ -150,7 +150,9 @@ def test_trainer_with_unroll_adamw_trains_as_with_adamw(store_run, monkeypatch):
     a run stopped after three steps and resumed from its checkpoint gives the uninterrupted
     run's losses exactly (the bf16 copies made again from the loaded weights)."""
     tmp, base = store_run
-    six = ["train.max_steps=6", "train.ckpt_every=3"]
+    # lr 1e-4, not auto's 1.1e-2 at this width: Adam moves a weight whose gradient is near zero by
+    # about +-lr on the gradient's sign, which two implementations' rounding may flip
+    six = ["train.max_steps=6", "train.ckpt_every=3", "train.lr=0.0001"]
     plain, n_plain, w_plain = _train(tmp, base, "plain", monkeypatch, *six, "train.unroll_optimizer=false")
     fast, n_fast, w_fast = _train(tmp, base, "fast", monkeypatch, *six)
     assert n_plain == 0 and n_fast == 6
@@ -172,3 +174,25 @@ def test_trainer_with_unroll_adamw_trains_as_with_adamw(store_run, monkeypatch):
     assert n_rest == 3 and [r["step"] for r in both] == list(range(1, 7))
     assert [r["loss"] for r in both] == [r["loss"] for r in fast]
     assert all(torch.equal(w_rest[k], w_fast[k]) for k in w_fast)
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 1024])
+def test_auto_learning_rate_is_the_measured_rate_scaled_by_width(hidden):
+    """train.lr auto (the default): 1.2e-3 at width 576, where the A/B measured it, scaled as
+    1/width; a number is used as given."""
+    from eaglet.config import TrainSection, load_config
+    from eaglet.draft.model import DraftConfig, Eagle3Draft
+    from eaglet.draft.step import build_optimizer, peak_lr
+
+    draft = Eagle3Draft(DraftConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=32,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=40,
+                                    draft_vocab_size=16))
+    cpu = torch.device("cpu")
+    assert TrainSection().lr == "auto"
+    auto = build_optimizer(draft, TrainSection(), "none", cpu, bf16=False, compiled=False)
+    assert auto.param_groups[0]["lr"] == pytest.approx(1.2e-3 * 576 / hidden, rel=1e-12)
+    assert peak_lr(TrainSection(), 576) == pytest.approx(1.2e-3, rel=1e-12)
+    given = build_optimizer(draft, TrainSection(lr=3e-4), "none", cpu, bf16=False, compiled=False)
+    assert given.param_groups[0]["lr"] == 3e-4
+    assert load_config(None, ["train.lr=auto"]).train.lr == "auto"
+    assert load_config(None, ["train.lr=0.0012"]).train.lr == 0.0012

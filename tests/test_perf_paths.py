@@ -263,7 +263,8 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
     """The trainer's compiled step (parallelize(compile=True), micro_batch) over packed
     micro-batches whose tokens, documents and trained rows all differ: the graphs are made in
     the first micro-batch and, with the sizes that changed made symbolic, the second; none
-    after. Each of the six functions keeps its own, a few per layer it runs in, far from its
+    after. Each of the seven functions (the layers' pieces, the soft cross-entropy and the
+    default train.accept_loss's term) keeps its own, a few per layer it runs in, far from its
     recompile limit (past it a function runs eager, as the pieces did when they were compiled
     as partials of one wrapper, whose graphs they shared: 3 functions, 12 graphs in one)."""
     made = []
@@ -275,6 +276,7 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", counting)
     monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)  # made again with the counting backend
+    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 3})
     torch.manual_seed(0)
     model = Eagle3Draft(cfg)
@@ -292,7 +294,8 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
         after.append(len(made))
     assert after[0] < after[1] and after[2:] == [after[1]] * 3, after  # the sizes that changed, symbolic: once
     per_function = collections.Counter(i.split("/")[0] for i in made)  # the layers' halves: graphs per layer
-    assert len(per_function) == 6 and max(per_function.values()) <= 4 * cfg.num_layers, per_function
+    assert tc.accept_loss == "log_accept"
+    assert len(per_function) == 7 and max(per_function.values()) <= 4 * cfg.num_layers, per_function
     torch._dynamo.reset()
 
 

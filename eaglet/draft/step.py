@@ -154,6 +154,15 @@ def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: 
     return ((norm + 1e-6) / max_norm).clamp(min=1.0)
 
 
+AUTO_LR_WIDTH = 1.2e-3 * 576  # train.lr auto: the peak rate times the width, fixed where it was measured
+
+
+def peak_lr(tc: TrainSection, hidden_size: int) -> float:
+    """train.lr as a number: auto is AUTO_LR_WIDTH / the draft's hidden size (1/width, as Adam's
+    step on a wider layer moves its output more)."""
+    return AUTO_LR_WIDTH / hidden_size if tc.lr == "auto" else float(tc.lr)
+
+
 def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device: torch.device, bf16: bool,
                     compiled: bool) -> torch.optim.Optimizer:
     """AdamW over the draft's trainable parameters (on the device, before any forward). One
@@ -161,7 +170,8 @@ def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device:
     the unroll's bf16 gradient accumulators and writes its bf16 weight copies (eaglet/draft/optim.py);
     otherwise torch's, fused on the GPU."""
     params = [p for p in model.parameters() if p.requires_grad]
-    adamw: dict[str, Any] = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    adamw: dict[str, Any] = dict(lr=peak_lr(tc, model.config.hidden_size), betas=tuple(tc.betas),
+                                 weight_decay=tc.weight_decay)
     if tc.unroll_optimizer and strategy == "none" and bf16 and tc.grad_accum == 1:
         return UnrollAdamW(params, attach_unroll_copies(unroll_linears(model)), compile=compiled, **adamw)
     return torch.optim.AdamW(params, fused=device.type == "cuda", **adamw)

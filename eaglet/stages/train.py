@@ -40,6 +40,7 @@ import hashlib
 import json
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,7 +54,7 @@ from ..draft.compiling import CompileWatch
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
-                          freeze_survivors, lr_lambda, micro_batch, optimizer_step, resolve_compile)
+                          freeze_survivors, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile)
 from ..errors import CorruptDataError, ResumeError
 from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
@@ -161,6 +162,7 @@ def fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, cfg: 
     for k, v in cfg.section("train").items():
         if k not in RESUME_SAFE_KEYS and k != "grad_accum":
             fp[f"train.{k}"] = v
+    fp["train.lr"] = peak_lr(cfg.train, model.config.hidden_size)  # auto as the number it is at this width
     fp["train.precision"] = "bf16" if uses_bf16(cfg.train, device or resolve_device(cfg.train.device)) else "fp32"
     return _jsonable(fp)
 
@@ -288,7 +290,11 @@ def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
-        self.cfg, self.tc, self.store, self.out_dir = cfg, cfg.train, store, out_dir
+        # train.lr auto resolved once, from the draft's width: every later use reads a number
+        self.tc = replace(cfg.train, lr=peak_lr(cfg.train, model.config.hidden_size))
+        if cfg.train.lr == "auto":
+            log(f"[train] train.lr auto: {self.tc.lr:.3g} for hidden size {model.config.hidden_size}")
+        self.cfg, self.store, self.out_dir = cfg, store, out_dir
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
