@@ -39,7 +39,9 @@ equality is checked, not assumed.
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
 eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
 greedy chains) for drafts trained already; one JSON per draft, set, method and temperature in
-W/decode/. Several such calls can run at once (each loads the target), and so can training calls
+W/decode/. `tree-replay:0` gives the greedy tree by replay instead (eaglet/engines/replay.py's
+replay_tree: the decoder's own tree drafting, followed along the target's greedy continuation,
+no target forward; the tree settings are eval's defaults). Several such calls can run at once (each loads the target), and so can training calls
 with different --variant or --seeds: W/base and the target sides are made under a lock, once.
 """
 
@@ -63,7 +65,7 @@ from safetensors.torch import load_file, save_file
 from eaglet import pipeline
 from eaglet.config import EvalSection, TargetSection, load_config
 from eaglet.distributed import resolve_device
-from eaglet.engines.replay import TargetSide, replay_chain, target_side
+from eaglet.engines.replay import TargetSide, replay_chain, replay_tree, target_side
 from eaglet.engines.specdec import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
@@ -271,10 +273,13 @@ def measure(draft: Any, side: TargetSide, eos: list[int], k: int, dev: torch.dev
 # ---- decoding (trees, sampling) ---------------------------------------------------------------
 
 
+TREE_REPLAY = "tree-replay"  # --decode tree-replay:0: the greedy tree by replay (no target forward)
+
+
 def parse_decode(text: str) -> tuple[str, float]:
     method, _, temp = text.partition(":")
-    if method not in ("chain", "tree") or not temp:
-        raise SystemExit(f"[ab] --decode {text}: expected chain:T or tree:T (T the temperature)")
+    if method not in ("chain", "tree", TREE_REPLAY) or not temp or (method == TREE_REPLAY and float(temp) != 0):
+        raise SystemExit(f"[ab] --decode {text}: expected chain:T, tree:T (T the temperature) or {TREE_REPLAY}:0")
     return method, float(temp)
 
 
@@ -293,6 +298,22 @@ def decode(args: argparse.Namespace, draft: Any, aux: list[int], target: Any, to
     return {"method": method, "temperature": temperature, "prompts": len(prompts), "tau": agg["tau"],
             "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
             "per_prompt": [p["tau"] for p in out["prompts"]], "decode_s": round(time.perf_counter() - t0, 1)}
+
+
+def tree_by_replay(draft: Any, side: TargetSide, n: int, max_new_tokens: int, eos: list[int], dev: torch.device,
+                   dtype: torch.dtype) -> dict[str, Any]:
+    """The greedy EAGLE-2 tree (eval's tree settings) on the first `n` prompts of `side`, by
+    replay: the decoder's accepted counts without the target's forwards."""
+    e = EvalSection()
+    part = TargetSide(side.prompts[:n], side.sequences[:n], side.aux[:n], side.max_new_tokens, side.k)
+    t0 = time.perf_counter()
+    runs = replay_tree(draft.to(dev, dtype).eval(), part, e.tree_top_k, e.tree_depth, e.tree_total_tokens,
+                       max_new_tokens, eos)
+    agg = acceptance_stats([a for acc, _ in runs for a in acc], e.tree_depth)
+    return {"method": TREE_REPLAY, "temperature": 0.0, "prompts": len(runs), "tau": agg["tau"],
+            "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
+            "per_prompt": [acceptance_stats(acc, e.tree_depth)["tau"] for acc, _ in runs],
+            "decode_s": round(time.perf_counter() - t0, 1)}
 
 
 # ---- the summary ----------------------------------------------------------------------------
@@ -398,8 +419,13 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
                     out = decode_file(args.work, name, seed, prompt_set, method, temperature)
                     if out.is_file():
                         continue
-                    res = {"variant": name, "seed": seed, "set": prompt_set,
-                           **decode(args, draft, aux, target, tok, prompts[prompt_set], method, temperature, seed)}
+                    if method == TREE_REPLAY:
+                        side = load_or_make_side(args, list(aux), target, tok, prompt_set)
+                        got = tree_by_replay(draft, side, args.decode_prompts, args.decode_new_tokens,
+                                             eos_ids(target, tok), dev, dtype)
+                    else:
+                        got = decode(args, draft, aux, target, tok, prompts[prompt_set], method, temperature, seed)
+                    res = {"variant": name, "seed": seed, "set": prompt_set, **got}
                     atomic_write_json(out, res)
                     log(f"[ab] decode {name} s{seed} {prompt_set} {method} T={temperature:g}: tau {res['tau']:.3f} "
                         f"({res['decode_s']} s)")

@@ -61,6 +61,18 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     assert (work / "side" / "aux.safetensors").stat().st_mtime_ns == before
     assert "| noise | 2 |" in (work / "ab.md").read_text()
 
+    # the greedy tree by replay (the side's continuations, no target forward) is the tree
+    # decoder's on the same prompts (tests/test_replay.py holds replay_tree to the decoder itself)
+    run_script(SCRIPT, [*args, "--only", "base", "--decode", "tree-replay:0", "tree:0", "--decode-prompts", "4",
+                        "--decode-new-tokens", "5"])
+    for seed in (0, 1):
+        rep = json.loads((work / "decode" / f"base-s{seed}-heldout-tree-replay-t0.json").read_text())
+        dec = json.loads((work / "decode" / f"base-s{seed}-heldout-tree-t0.json").read_text())
+        assert rep["prompts"] == dec["prompts"] == 4 and rep["method"] == "tree-replay"
+        assert rep["per_prompt"] == pytest.approx(dec["per_prompt"]) and rep["tau"] == pytest.approx(dec["tau"])
+    with pytest.raises(AssertionError, match="tree-replay:0"):
+        run_script(SCRIPT, [*args, "--decode", "tree-replay:1"])
+
 
 SPECULATORS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-speculators" / "bin" / "python"
 

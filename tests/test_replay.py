@@ -2,7 +2,8 @@
 
 The reference is `speculative_generate`: for a draft trained until it agrees with the target
 part of the time, the replay's accepted count per verification and its new tokens must be the
-decoder's, prompt by prompt, with and without an EOS that cuts the output short. The batched,
+decoder's, prompt by prompt, with and without an EOS that cuts the output short; the same for
+greedy EAGLE-2 trees (replay_tree). The batched,
 left-padded greedy continuations must be the batch-1 greedy decode's.
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines.replay import greedy_continuations, replay_chain, target_side
+from eaglet.engines.replay import greedy_continuations, replay_chain, replay_tree, target_side
 from eaglet.engines.specdec import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
 from eaglet.testing.tiny import build_model
@@ -91,6 +92,28 @@ def test_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     assert 1.3 < tau < K + 1
 
 
+@pytest.mark.parametrize("eos", [False, True], ids=["no-eos", "eos"])
+def test_tree_replay_gives_the_decoders_accepted_counts(target, setup, eos):
+    """Greedy trees: the decoder's own tree drafting, followed along the known continuation
+    instead of verified by the target, gives the decoder's accepted counts and tokens."""
+    side, draft = setup
+    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)}) if eos else []
+    s = SpecSettings("tree", max_new_tokens=NEW, tree_top_k=2, tree_depth=K, tree_total_tokens=5)
+    runs = replay_tree(draft, side, top_k=2, depth=K, total_tokens=5, eos=stop)
+    all_accepted = []
+    for p, (accepted, tokens) in zip(PROMPTS, runs, strict=True):
+        g = speculative_generate(tr, dr, p, s, stop)
+        assert (accepted, tokens) == (g.accepted, g.tokens)
+        all_accepted += accepted
+    assert len(set(all_accepted)) >= 3 and min(all_accepted) < 2 < K == max(all_accepted)  # several lengths
+    chain = [a for accepted, _ in replay_chain(draft, side, eos=stop, attn_impl="naive") for a in accepted]
+    assert acceptance_stats(all_accepted, K)["tau"] > acceptance_stats(chain, K)["tau"]  # a tree holds more
+    with pytest.raises(ValueError, match="hold 44 tokens: too few for 40 new tokens and a tree of depth 5"):
+        replay_tree(draft, side, depth=5)
+    assert replay_tree(draft, side, top_k=2, depth=5, total_tokens=5, max_new_tokens=39)  # 39 + 5 fit in 44
+
+
 def test_replay_of_a_shorter_chain_and_fewer_tokens(target, setup):
     side, draft = setup
     tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
@@ -104,7 +127,8 @@ def test_replay_of_a_shorter_chain_and_fewer_tokens(target, setup):
 
 def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
     """evaluate_items with eval.replay: the same records as decoding, second turns included
-    (asked after the replayed answer), with the replay's settings and no speed or lossless."""
+    (asked after the replayed answer), with the replay's settings and no speed or lossless;
+    for chains and greedy trees."""
     from eaglet.config import EvalSection
     from eaglet.stages.eval_sets import EvalItem
     from eaglet.stages.evaluate import evaluate_items, setting_key
@@ -131,5 +155,12 @@ def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
     assert rep["aggregate"]["tau"] == dec["aggregate"]["tau"] and rep["by_category"].keys() == {"a", "b"}
     assert rep["settings"]["replay"] is True and "lossless" not in rep["aggregate"]
     assert setting_key(EvalSection(replay=True)) == "heldout-chain7-greedy-replay"
-    with pytest.raises(Exception, match="eval.replay measures greedy chains only"):
-        evaluate_items(target, tok, draft, AUX, items, EvalSection(method="tree", replay=True), render, verbose=False)
+    # a greedy tree replays too, as the tree decoder gives it; sampling does not
+    trees = [evaluate_items(target, tok, draft, AUX, items, EvalSection(
+        method="tree", tree_top_k=2, tree_depth=K, tree_total_tokens=5, max_new_tokens=24, baseline=False,
+        lossless_check=False, replay=replay), render, warmup=False, verbose=False) for replay in (False, True)]
+    for a, b in zip(trees[0]["prompts"], trees[1]["prompts"], strict=True):
+        assert (b["accepted_per_forward"], b["tokens"]) == (a["accepted_per_forward"], a["tokens"])
+    assert trees[1]["aggregate"]["tau"] == trees[0]["aggregate"]["tau"] > rep["aggregate"]["tau"]
+    with pytest.raises(Exception, match="eval.replay measures greedy decoding only, not temperature 1"):
+        evaluate_items(target, tok, draft, AUX, items, EvalSection(temperature=1.0, replay=True), render, verbose=False)

@@ -2,6 +2,7 @@
 
     side = target_side(target_model, aux_layers, prompts, max_new_tokens, k)   # once per prompt set
     runs = replay_chain(draft, side, k, max_new_tokens, eos)                   # once per draft
+    runs = replay_tree(draft, side, top_k, depth, total_tokens, max_new_tokens, eos)   # EAGLE-2 tree
 
 Greedy, the tokens a chain cycle accepts are the target's own greedy tokens, so every input the
 draft sees on an accepted path is known before any decoding: the target's states along its greedy
@@ -17,7 +18,14 @@ the decoder's accepted count per verification (tests hold it to `speculative_gen
 The target's side is the cost, and it is the same for every draft: it is computed once and
 reused, so an A/B of many drafts on hundreds of prompts takes a target pass and a few batched
 draft forwards per draft. What replay does not give: speed (nothing is decoded), the lossless
-check, trees (a tree's off-path nodes decide which nodes survive its pruning), and sampling.
+check, and sampling.
+
+A greedy tree cycle accepts the target's greedy tokens too, but which nodes the tree holds
+depends on the draft's scores of its off-path nodes, so `replay_tree` runs the decoder's own
+tree drafting (`draft_tree`, the draft's KV cache kept across cycles) and, where the decoder
+would verify with the target, follows the tree along the known continuation instead: no target
+forward, one draft forward per tree level. It costs more than the chain's one unroll per draft,
+but far less than decoding.
 On a GPU the continuations are decoded in batches; their bf16 rounding can part from batch-1
 decoding near ties, as any batch shape does (every draft is replayed against the same ones).
 """
@@ -31,7 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from ..draft.model import Eagle3Draft
-from .specdec import TargetRunner, cache_kwarg, forward_params, new_cache
+from .specdec import (DraftRunner, TargetRunner, Tree, cache_kwarg, cut_at_eos, draft_tree, forward_params,
+                      new_cache)
 
 
 @dataclass
@@ -149,12 +158,52 @@ def walk_cycles(hits_LK: Tensor, sequence: Sequence[int], prompt_len: int, max_n
         accepted.append(a)
         tokens += new
         Q += a + 1
-    out = tokens[:max_new_tokens]
-    for i, t in enumerate(out):
-        if t in stop:
-            out = out[: i + 1]
+    return accepted, cut_at_eos(tokens, max_new_tokens, stop)
+
+
+def greedy_path(tree: Tree, continuation: Sequence[int]) -> list[int]:
+    """The tree nodes greedy verification accepts: from the root, the child holding the next
+    token of `continuation` (the target's greedy tokens after the root), as long as there is one."""
+    path, node = [], 0
+    while len(path) < len(continuation):
+        node = next((c for c in tree.children(node) if tree.tokens[c] == continuation[len(path)]), -1)
+        if node < 0:
             break
-    return accepted, out
+        path.append(node)
+    return path
+
+
+@torch.no_grad()
+def replay_tree(draft: Eagle3Draft, side: TargetSide, top_k: int = 10, depth: int = 6, total_tokens: int = 60,
+                max_new_tokens: int | None = None, eos: Sequence[int] = ()) -> list[tuple[list[int], list[int]]]:
+    """Per prompt of `side`, (accepted per verification, new tokens) of greedy EAGLE-2 tree
+    decoding with `draft` (speculative_generate's tree settings: top_k, depth, total_tokens)."""
+    max_new_tokens = side.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if max_new_tokens > side.max_new_tokens or max_new_tokens + depth > side.max_new_tokens + side.k:
+        raise ValueError(f"the target side's continuations hold {side.max_new_tokens + side.k} tokens: too few for "
+                         f"{max_new_tokens} new tokens and a tree of depth {depth}")
+    runner, stop = DraftRunner(draft), set(eos)
+    out = []
+    for prompt, seq, aux in zip(side.prompts, side.sequences, side.aux, strict=True):
+        runner.reset()
+        Q = len(prompt)  # rows committed; the pending token seq[Q] sits at position Q
+        tokens = [int(seq[Q])]
+        hidden, logits = runner.extend(aux[:Q], [*prompt[1:], seq[Q]], 0)
+        accepted: list[int] = []
+        new = tokens
+        while len(tokens) < max_new_tokens and not any(t in stop for t in new):
+            if Q + depth + 1 >= len(seq):
+                raise ValueError(f"continuation of {len(seq) - len(prompt)} tokens is too short for "
+                                 f"{max_new_tokens} new tokens and depth {depth}")
+            tree = draft_tree(runner, hidden, logits, int(seq[Q]), Q, top_k, depth, total_tokens)
+            path = greedy_path(tree, seq[Q + 1 : Q + 1 + depth])
+            new = [int(t) for t in seq[Q + 1 : Q + len(path) + 2]]  # the accepted tokens and the bonus
+            accepted.append(len(path))
+            tokens += new
+            hidden, logits = runner.extend(aux[Q : Q + len(path) + 1], new, Q)
+            Q += len(path) + 1
+        out.append((accepted, cut_at_eos(tokens, max_new_tokens, stop)))
+    return out
 
 
 def replay_chain(draft: Eagle3Draft, side: TargetSide, k: int | None = None, max_new_tokens: int | None = None,

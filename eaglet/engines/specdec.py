@@ -528,8 +528,9 @@ def _finished(tokens: list[int], new: Sequence[int], max_new_tokens: int, eos: s
     return len(tokens) >= max_new_tokens or any(t in eos for t in new)
 
 
-def _cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    out = tokens[:max_new_tokens]
+def cut_at_eos(tokens: Sequence[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """The first max_new_tokens of `tokens`, ending at the first EOS among them."""
+    out = list(tokens[:max_new_tokens])
     for i, t in enumerate(out):
         if t in eos:
             return out[: i + 1]
@@ -611,7 +612,7 @@ def speculative_generate(
     seconds = time.perf_counter() - t0
     if timed:
         phases["prefill"] = seconds - sum(phases.values())
-    return Generation(_cut(tokens, s.max_new_tokens, eos), seconds, accepted, phases if timed else {})
+    return Generation(cut_at_eos(tokens, s.max_new_tokens, eos), seconds, accepted, phases if timed else {})
 
 
 @torch.no_grad()
@@ -631,7 +632,7 @@ def plain_generate(
         logits, _ = target.forward(cache, [tokens[-1]], [pos], capture=False, last_only=True)
         tokens.append(_first_token(logits[-1], temperature, generator))
     _sync(target.device)
-    return Generation(_cut(tokens, max_new_tokens, eos), time.perf_counter() - t0)
+    return Generation(cut_at_eos(tokens, max_new_tokens, eos), time.perf_counter() - t0)
 
 
 # ---- metrics ----------------------------------------------------------------------------------
