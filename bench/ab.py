@@ -39,9 +39,15 @@ equality is checked, not assumed.
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
 eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
 greedy chains) for drafts trained already; one JSON per draft, set, method and temperature in
-W/decode/. `tree-replay:0` gives the greedy tree by replay instead (eaglet/engines/replay.py's
-replay_tree: the decoder's own tree drafting, followed along the target's greedy continuation,
-no target forward; the tree settings are eval's defaults). Several such calls can run at once (each loads the target), and so can training calls
+W/decode/. `tree-replay:T` gives the tree by replay instead (eaglet/engines/replay.py's
+replay_tree: the decoder's own tree drafting, followed along the target's continuation, no
+target forward; the tree settings are eval's defaults): greedy at 0, and at T > 0 on
+continuations sampled at T (W/side*-tT/, seed 0), where the output token decides the tree's path.
+
+--replay-temperature T: every draft is also replayed, chain of --k, on continuations sampled at T
+(the results' sets `heldout-tT`, `mt_bench-tT`): given each output token y, a step's draft token
+was accepted with chance min(1, q(y) / p(y)) (eaglet/engines/replay.py), drawn once (seed 0). The
+sampled continuation is one per prompt, the same for every draft. Several such calls can run at once (each loads the target), and so can training calls
 with different --variant or --seeds: W/base and the target sides are made under a lock, once.
 """
 
@@ -209,14 +215,21 @@ def train_summary(run: Path) -> dict[str, Any]:
 # ---- the target's side, computed once --------------------------------------------------------
 
 
-def side_key(args: argparse.Namespace, prompt_set: str = HELDOUT) -> dict[str, Any]:
+def side_key(args: argparse.Namespace, prompt_set: str = HELDOUT, temperature: float = 0.0) -> dict[str, Any]:
     key = {"target": str(args.target), "data": str(args.data), "records": args.records, "prompts": args.prompts,
            "max_new_tokens": args.max_new_tokens, "k": args.k, "max_prompt_tokens": args.max_prompt_tokens}
-    return key if prompt_set == HELDOUT else {**key, "set": prompt_set}
+    key = key if prompt_set == HELDOUT else {**key, "set": prompt_set}
+    return {**key, "temperature": temperature, "seed": 0} if temperature > 0 else key
 
 
-def side_folder(work: Path, prompt_set: str) -> Path:
-    return work / ("side" if prompt_set == HELDOUT else f"side-{prompt_set}")
+def side_folder(work: Path, prompt_set: str, temperature: float = 0.0) -> Path:
+    name = "side" if prompt_set == HELDOUT else f"side-{prompt_set}"
+    return work / (f"{name}-t{temperature:g}" if temperature > 0 else name)
+
+
+def sampled_set(prompt_set: str, temperature: float) -> str:
+    """The results' name of a set replayed at a temperature (the continuations sampled at it)."""
+    return f"{prompt_set}-t{temperature:g}"
 
 
 def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[list[int]]:
@@ -231,30 +244,35 @@ def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[lis
 
 
 def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
-                      prompt_set: str = HELDOUT) -> TargetSide:
+                      prompt_set: str = HELDOUT, temperature: float = 0.0) -> TargetSide:
     with work_lock(args.work):
-        return _load_or_make_side(args, aux_layers, target, tok, prompt_set)
+        return _load_or_make_side(args, aux_layers, target, tok, prompt_set, temperature)
 
 
 def _load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
-                       prompt_set: str) -> TargetSide:
-    folder = side_folder(args.work, prompt_set)
+                       prompt_set: str, temperature: float) -> TargetSide:
+    folder = side_folder(args.work, prompt_set, temperature)
     meta = folder / "side.json"
-    key = {**side_key(args, prompt_set), "aux_layers": aux_layers}
+    key = {**side_key(args, prompt_set, temperature), "aux_layers": aux_layers}
     if meta.is_file():
         saved = json.loads(meta.read_text())
         if saved["key"] == key:
             aux = load_file(str(folder / "aux.safetensors"))
-            return TargetSide(saved["prompts"], saved["sequences"], [aux[f"s{i}"] for i in range(len(saved["sequences"]))],
-                              args.max_new_tokens, args.k)
+            n = len(saved["sequences"])
+            p_token = [aux[f"p{i}"] for i in range(n)] if temperature > 0 else None
+            return TargetSide(saved["prompts"], saved["sequences"], [aux[f"s{i}"] for i in range(n)],
+                              args.max_new_tokens, args.k, temperature, p_token)
         log(f"[ab] {meta}: made for other settings; making it again")
     prompts = set_prompts(args, prompt_set, tok)
     t0 = time.perf_counter()
-    side = target_side(target, aux_layers, prompts, args.max_new_tokens, args.k, batch=args.batch)
-    log(f"[ab] target side ({prompt_set}): {len(prompts)} prompts, {sum(map(len, side.sequences))} tokens in "
-        f"{time.perf_counter() - t0:.1f} s")
+    side = target_side(target, aux_layers, prompts, args.max_new_tokens, args.k, batch=args.batch,
+                       temperature=temperature, seed=0)
+    log(f"[ab] target side ({prompt_set}, temperature {temperature:g}): {len(prompts)} prompts, "
+        f"{sum(map(len, side.sequences))} tokens in {time.perf_counter() - t0:.1f} s")
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"s{i}": a.contiguous() for i, a in enumerate(side.aux)}, str(folder / "aux.safetensors"))
+    tensors = {f"s{i}": a.contiguous() for i, a in enumerate(side.aux)}
+    tensors.update({f"p{i}": t.contiguous() for i, t in enumerate(side.p_token or [])})
+    save_file(tensors, str(folder / "aux.safetensors"))
     atomic_write_json(meta, {"key": key, "prompts": side.prompts, "sequences": side.sequences})
     return side
 
@@ -273,13 +291,13 @@ def measure(draft: Any, side: TargetSide, eos: list[int], k: int, dev: torch.dev
 # ---- decoding (trees, sampling) ---------------------------------------------------------------
 
 
-TREE_REPLAY = "tree-replay"  # --decode tree-replay:0: the greedy tree by replay (no target forward)
+TREE_REPLAY = "tree-replay"  # --decode tree-replay:T: the tree by replay (no target forward)
 
 
 def parse_decode(text: str) -> tuple[str, float]:
     method, _, temp = text.partition(":")
-    if method not in ("chain", "tree", TREE_REPLAY) or not temp or (method == TREE_REPLAY and float(temp) != 0):
-        raise SystemExit(f"[ab] --decode {text}: expected chain:T, tree:T (T the temperature) or {TREE_REPLAY}:0")
+    if method not in ("chain", "tree", TREE_REPLAY) or not temp:
+        raise SystemExit(f"[ab] --decode {text}: expected chain:T, tree:T or {TREE_REPLAY}:T (T the temperature)")
     return method, float(temp)
 
 
@@ -302,15 +320,17 @@ def decode(args: argparse.Namespace, draft: Any, aux: list[int], target: Any, to
 
 def tree_by_replay(draft: Any, side: TargetSide, n: int, max_new_tokens: int, eos: list[int], dev: torch.device,
                    dtype: torch.dtype) -> dict[str, Any]:
-    """The greedy EAGLE-2 tree (eval's tree settings) on the first `n` prompts of `side`, by
-    replay: the decoder's accepted counts without the target's forwards."""
+    """The EAGLE-2 tree (eval's tree settings) on the first `n` prompts of `side`, by replay:
+    the decoder's accepted counts without the target's forwards (at the side's temperature,
+    on its sampled continuations)."""
     e = EvalSection()
-    part = TargetSide(side.prompts[:n], side.sequences[:n], side.aux[:n], side.max_new_tokens, side.k)
+    part = TargetSide(side.prompts[:n], side.sequences[:n], side.aux[:n], side.max_new_tokens, side.k,
+                      side.temperature, side.p_token[:n] if side.p_token else None)
     t0 = time.perf_counter()
     runs = replay_tree(draft.to(dev, dtype).eval(), part, e.tree_top_k, e.tree_depth, e.tree_total_tokens,
                        max_new_tokens, eos)
     agg = acceptance_stats([a for acc, _ in runs for a in acc], e.tree_depth)
-    return {"method": TREE_REPLAY, "temperature": 0.0, "prompts": len(runs), "tau": agg["tau"],
+    return {"method": TREE_REPLAY, "temperature": side.temperature, "prompts": len(runs), "tau": agg["tau"],
             "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
             "per_prompt": [acceptance_stats(acc, e.tree_depth)["tau"] for acc, _ in runs],
             "decode_s": round(time.perf_counter() - t0, 1)}
@@ -420,7 +440,7 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
                     if out.is_file():
                         continue
                     if method == TREE_REPLAY:
-                        side = load_or_make_side(args, list(aux), target, tok, prompt_set)
+                        side = load_or_make_side(args, list(aux), target, tok, prompt_set, temperature)
                         got = tree_by_replay(draft, side, args.decode_prompts, args.decode_new_tokens,
                                              eos_ids(target, tok), dev, dtype)
                     else:
@@ -465,9 +485,11 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 eos = eos_ids(target, tok)
             evals = {}
             for prompt_set in args.sets:
-                if prompt_set not in sides:
-                    sides[prompt_set] = load_or_make_side(args, list(aux), target, tok, prompt_set)
-                evals[prompt_set] = measure(draft, sides[prompt_set], eos, args.k, dev, dtype)
+                for T in (0.0, *([args.replay_temperature] if args.replay_temperature > 0 else [])):
+                    name_t = sampled_set(prompt_set, T) if T > 0 else prompt_set
+                    if name_t not in sides:
+                        sides[name_t] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)
+                    evals[name_t] = measure(draft, sides[name_t], eos, args.k, dev, dtype)
             res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"],
                    "train": {**train_summary(run), "train_s": round(train_s, 1)},
                    **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -499,6 +521,8 @@ def main() -> None:
     ap.add_argument("--decode-new-tokens", type=int, default=128)
     ap.add_argument("--only", nargs="+", help="--decode: these variants only")
     ap.add_argument("--report", action="store_true", help="only write ab.json and ab.md from W/results")
+    ap.add_argument("--replay-temperature", type=float, default=0.0,
+                    help="also replay chains at this temperature, on continuations sampled at it (module header)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     variants = [parse_variant(v) for v in args.variant]

@@ -28,7 +28,7 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(40, seed=3))
     work = tmp_path / "ab"
     args = ["--work", str(work), "--target", str(target), "--data", str(data), "--records", "30", "--prompts", "4",
-            "--steps", "3", "--max-new-tokens", "10", "--k", "2", "--seeds", "0", "1",
+            "--steps", "3", "--max-new-tokens", "10", "--k", "2", "--seeds", "0", "1", "--replay-temperature", "1",
             "--variant", "base", "--variant", "noise:train.state_noise=0.2",
             *(f"--set={s}" for s in ["target.dtype=float32", "prepare.num_workers=1", "vocab.size=128",
                                      "train.max_tokens=256", "train.ttt_steps=2", "train.device=cpu",
@@ -39,6 +39,11 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     assert set(res) == {"base", "noise"} and all(set(r) == {"0", "1"} for r in res.values())
     for r in (x for v in res.values() for x in v.values()):
         assert len(r["per_prompt"]) == 4 and r["train"]["steps"] == 3
+        assert set(r["eval"]) == {"heldout", "heldout-t1"} and len(r["eval"]["heldout-t1"]["per_prompt"]) == 4
+    # the sampled side: the same prompts, continuations sampled at temperature 1, each token's p kept
+    greedy, sampled = (json.loads((work / f / "side.json").read_text()) for f in ("side", "side-t1"))
+    assert sampled["prompts"] == greedy["prompts"] and sampled["sequences"] != greedy["sequences"]
+    assert sampled["key"]["temperature"] == 1.0 and "heldout-t1" in out["by_set"]
     assert {p.name for p in (work / "runs" / "noise-s1").iterdir()} >= {"prepare", "extract", "vocab", "train"}
     assert (work / "runs" / "noise-s1" / "prepare").is_symlink()
     noise = summary["noise"]
@@ -63,15 +68,16 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
 
     # the greedy tree by replay (the side's continuations, no target forward) is the tree
     # decoder's on the same prompts (tests/test_replay.py holds replay_tree to the decoder itself)
-    run_script(SCRIPT, [*args, "--only", "base", "--decode", "tree-replay:0", "tree:0", "--decode-prompts", "4",
-                        "--decode-new-tokens", "5"])
+    run_script(SCRIPT, [*args, "--only", "base", "--decode", "tree-replay:0", "tree:0", "tree-replay:1",
+                        "--decode-prompts", "4", "--decode-new-tokens", "5"])
     for seed in (0, 1):
         rep = json.loads((work / "decode" / f"base-s{seed}-heldout-tree-replay-t0.json").read_text())
         dec = json.loads((work / "decode" / f"base-s{seed}-heldout-tree-t0.json").read_text())
         assert rep["prompts"] == dec["prompts"] == 4 and rep["method"] == "tree-replay"
         assert rep["per_prompt"] == pytest.approx(dec["per_prompt"]) and rep["tau"] == pytest.approx(dec["tau"])
-    with pytest.raises(AssertionError, match="tree-replay:0"):
-        run_script(SCRIPT, [*args, "--decode", "tree-replay:1"])
+    assert json.loads((work / "decode" / "base-s0-heldout-tree-replay-t1.json").read_text())["temperature"] == 1.0
+    with pytest.raises(AssertionError, match="tree-replay:T"):
+        run_script(SCRIPT, [*args, "--decode", "tree-replay"])
 
 
 SPECULATORS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-speculators" / "bin" / "python"

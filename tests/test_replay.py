@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines.replay import greedy_continuations, replay_chain, replay_tree, target_side
+from eaglet.engines.replay import agreement_runs, greedy_continuations, replay_chain, replay_tree, side_of, \
+    target_side
 from eaglet.engines.specdec import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
 from eaglet.testing.tiny import build_model
@@ -112,6 +113,66 @@ def test_tree_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     with pytest.raises(ValueError, match="hold 44 tokens: too few for 40 new tokens and a tree of depth 5"):
         replay_tree(draft, side, depth=5)
     assert replay_tree(draft, side, top_k=2, depth=5, total_tokens=5, max_new_tokens=39)  # 39 + 5 fit in 44
+
+
+def test_a_sampled_tree_replays_exactly_what_the_decoder_gave(target, setup):
+    """At temperature 1 the output token decides a tree's path: replaying the decoder's own
+    sampled output gives its accepted count for every cycle."""
+    _, draft = setup
+    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    s = SpecSettings("tree", temperature=1.0, max_new_tokens=NEW + K, tree_top_k=4, tree_depth=K, tree_total_tokens=12)
+    counts = []
+    for seed, p in enumerate(PROMPTS):
+        g = speculative_generate(tr, dr, p, s, generator=torch.Generator().manual_seed(seed))
+        side = side_of(target, AUX, [p], [p + g.tokens], NEW, K, temperature=1.0)
+        [(accepted, tokens)] = replay_tree(draft, side, top_k=4, depth=K, total_tokens=12)
+        assert accepted == g.accepted[: len(accepted)] and tokens == g.tokens[:NEW]
+        counts += accepted
+    assert len(set(counts)) >= 2 and 0 < sum(counts) < K * len(counts)  # some accepted, some not
+
+
+def test_a_sampled_chains_acceptance_chances_are_the_decoders_rates(target, setup):
+    """At temperature 1, given the decoder's sampled output, each chain step was accepted with
+    the chance agreement_runs gives (min(1, q(y) / p(y))): over the decoder's own cycles the
+    accepted steps match the chances' sum within 4 standard deviations; and a sampled side's
+    replay draws them. The target's LM head is scaled by 10 (its greedy tokens, which the
+    draft fits, unchanged): the tiny target's own distributions at temperature 1 are nearly
+    uniform, p(y) the same everywhere, which would leave a wrong p unseen."""
+    import copy
+
+    _, draft = setup
+    sharp = copy.deepcopy(target)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(10.0)
+    temp = 1.0
+    tr, dr = TargetRunner(sharp, AUX), DraftRunner(draft)
+    s = SpecSettings("chain", chain_tokens=K, temperature=temp, max_new_tokens=NEW + K)
+    trials = []  # (chance, accepted) of every draft step the decoder verified
+    for seed in range(8):
+        for p in PROMPTS:
+            g = speculative_generate(tr, dr, p, s, generator=torch.Generator().manual_seed(seed))
+            side = side_of(sharp, AUX, [p], [p + g.tokens], NEW, K, temperature=temp)
+            [chance] = agreement_runs(draft, side, K, attn_impl="naive")
+            Q = len(p)
+            for a in g.accepted:
+                if Q + K >= len(p) + NEW:
+                    break
+                for j in range(min(a + 1, K)):  # steps 0..a: accepted, then (unless a == K) the rejected one
+                    trials.append((float(chance[Q - 1, j]), j < a))
+                Q += a + 1
+    # q(y) >= p(y): y cannot come from the residual, so it was the accepted draft token; q(y) = 0: never
+    sure = [ok for r, ok in trials if r >= 1 - 1e-9]
+    never = [ok for r, ok in trials if r <= 1e-12]
+    assert len(sure) > 50 and all(sure) and not any(never)
+    for lo, hi in ((1e-12, 0.2), (0.2, 1 - 1e-9)):  # between: as many accepted as the chances add up to
+        some = [(r, ok) for r, ok in trials if lo < r < hi]
+        surplus, var = sum(ok - r for r, ok in some), sum(r * (1 - r) for r, _ in some)
+        assert len(some) > 100 and var > 10 and abs(surplus) < 4 * var ** 0.5, (lo, hi, surplus, var, len(some))
+    sampled = target_side(sharp, AUX, PROMPTS, NEW, K, temperature=temp, seed=1)
+    assert sampled.sequences != setup[0].sequences and len(sampled.p_token[0]) == len(sampled.sequences[0])
+    runs = replay_chain(draft, sampled, attn_impl="naive")
+    assert [t for _, t in runs] == [q[len(p):][:NEW] for p, q in zip(PROMPTS, sampled.sequences)]
+    assert len({a for acc, _ in runs for a in acc}) >= 3
 
 
 def test_replay_of_a_shorter_chain_and_fewer_tokens(target, setup):

@@ -3,6 +3,7 @@
     side = target_side(target_model, aux_layers, prompts, max_new_tokens, k)   # once per prompt set
     runs = replay_chain(draft, side, k, max_new_tokens, eos)                   # once per draft
     runs = replay_tree(draft, side, top_k, depth, total_tokens, max_new_tokens, eos)   # EAGLE-2 tree
+    side = target_side(target_model, aux_layers, prompts, max_new_tokens, k, temperature=1.0)   # sampled
 
 Greedy, the tokens a chain cycle accepts are the target's own greedy tokens, so every input the
 draft sees on an accepted path is known before any decoding: the target's states along its greedy
@@ -17,8 +18,16 @@ the decoder's accepted count per verification (tests hold it to `speculative_gen
 
 The target's side is the cost, and it is the same for every draft: it is computed once and
 reused, so an A/B of many drafts on hundreds of prompts takes a target pass and a few batched
-draft forwards per draft. What replay does not give: speed (nothing is decoded), the lossless
-check, and sampling.
+draft forwards per draft. What replay does not give: speed (nothing is decoded) and the lossless
+check.
+
+Sampling at temperature T: the output of speculative sampling is distributed as the target's
+own sampling, whatever the draft, so a side can hold one continuation sampled from the target
+(`target_side(..., temperature=T)`) and the draft's acceptances are then drawn given it. Given
+that a position outputs y, a chain's draft token there was accepted with probability
+min(p(y), q(y)) / p(y) (the draft proposes y with q(y) and keeps it with min(1, p/q)); a tree's
+child is accepted exactly when y is its token. So a sampled chain replays with one draw per
+step, and a sampled tree replays exactly, on the same continuation for every draft.
 
 A greedy tree cycle accepts the target's greedy tokens too, but which nodes the tree holds
 depends on the draft's scores of its off-path nodes, so `replay_tree` runs the decoder's own
@@ -52,12 +61,16 @@ class TargetSide:
     aux: list[Tensor]  # per sequence [len, num_aux*H], the captured states, on the CPU
     max_new_tokens: int
     k: int
+    temperature: float = 0.0  # > 0: the continuations were sampled at this temperature
+    p_token: list[Tensor] | None = None  # sampled: per sequence [len] fp64, p_T(token i | tokens < i) (row 0: 1)
 
 
 @torch.no_grad()
-def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64) -> list[list[int]]:
+def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64,
+                         temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
     """The target's greedy continuation of each prompt, `n` tokens, not stopped at EOS:
-    `batch` prompts at a time, left-padded, one forward per token with a KV cache."""
+    `batch` prompts at a time, left-padded, one forward per token with a KV cache.
+    temperature > 0: sampled from softmax(logits / temperature) instead (on the CPU, from `generator`)."""
     kw = cache_kwarg(model)
     if "logits_to_keep" in forward_params(model):
         kw_extra = {"logits_to_keep": 1}  # the prefill's logits of every position would take B x width x V
@@ -79,7 +92,11 @@ def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: 
         for _ in range(n):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache},
                            **kw_extra).logits
-            nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+            if temperature > 0:
+                probs = torch.softmax(logits[:, -1].double().cpu() / temperature, -1)
+                nxt = torch.multinomial(probs, 1, generator=generator).to(device)
+            else:
+                nxt = logits[:, -1].float().argmax(-1, keepdim=True)
             new.append(nxt)
             ids, pos = nxt, pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
@@ -90,25 +107,53 @@ def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: 
 
 @torch.no_grad()
 def target_side(model: nn.Module, aux_layers: Sequence[int], prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                k: int, batch: int = 64) -> TargetSide:
-    """Greedy continuations of `prompts` and the target's captured states along them."""
-    seqs = greedy_continuations(model, prompts, max_new_tokens + k, batch)
+                k: int, batch: int = 64, temperature: float = 0.0, seed: int = 0) -> TargetSide:
+    """Greedy continuations of `prompts` and the target's captured states along them;
+    temperature > 0: continuations sampled at that temperature (seeded), with each token's
+    probability under the target (`p_token`), which a sampled chain's replay needs."""
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    seqs = greedy_continuations(model, prompts, max_new_tokens + k, batch, temperature, gen)
+    return side_of(model, aux_layers, prompts, seqs, max_new_tokens, k, temperature)
+
+
+@torch.no_grad()
+def side_of(model: nn.Module, aux_layers: Sequence[int], prompts: Sequence[Sequence[int]],
+            sequences: Sequence[Sequence[int]], max_new_tokens: int, k: int, temperature: float = 0.0) -> TargetSide:
+    """The target's side along given sequences (prompt + continuation of max_new_tokens + k
+    tokens): its captured states and, temperature > 0, each token's probability at that temperature."""
+    sampled = temperature > 0
+    seqs = [list(map(int, s)) for s in sequences]
     runner = TargetRunner(model, aux_layers)
-    aux = []
+    aux, p_token = [], []
     for s in seqs:
-        _, a = runner.forward(new_cache(), s, range(len(s)), last_only=True)
+        logits, a = runner.forward(new_cache(), s, range(len(s)), last_only=not sampled)
         assert a is not None
         aux.append(a.cpu())
-    return TargetSide([list(map(int, p)) for p in prompts], seqs, aux, max_new_tokens, k)
+        if sampled:
+            logp = torch.log_softmax(logits[:-1].double() / temperature, -1)
+            picked = logp.gather(-1, torch.tensor(s[1:], device=logp.device)[:, None])[:, 0].exp().cpu()
+            p_token.append(torch.cat([torch.ones(1, dtype=torch.float64), picked]))
+    return TargetSide([list(map(int, p)) for p in prompts], seqs, aux, max_new_tokens, k, temperature,
+                      p_token if sampled else None)
 
 
 @torch.no_grad()
 def agreement_runs(draft: Eagle3Draft, side: TargetSide, k: int, max_tokens: int = 8192,
                    attn_impl: str = "auto") -> list[Tensor]:
-    """Per sequence, int [len, k]: whether step j of row t drafts the continuation's token
-    t+2+j (as a target id), for the rows and steps where that token exists."""
+    """Per sequence, [len, k]: the chance that step j of row t's draft token is accepted as the
+    continuation's token t+2+j, for the rows and steps where that token exists. Greedy: 1 when
+    the step drafts that token (as a target id), else 0. Sampled at temperature T: given that the
+    output token is y, speculative sampling accepted the draft's token with probability
+    min(p(y), q(y)) / p(y) = min(1, q(y) / p(y)) (p, q: the target's and the draft's
+    distributions at T; q(y) = 0 outside the draft vocabulary)."""
     dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     d2t = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)).to(dev)
+    T = side.temperature
+    if T > 0:
+        if side.p_token is None:
+            raise ValueError("a sampled target side needs p_token")
+        t2d = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=dev)  # target id -> draft id
+        t2d[d2t] = torch.arange(len(d2t), device=dev)
     out: list[Tensor] = []
     i, count = 0, len(side.sequences)
     while i < count:  # pack whole sequences into [1, N] documents, as training packs samples
@@ -121,25 +166,34 @@ def agreement_runs(draft: Eagle3Draft, side: TargetSide, k: int, max_tokens: int
         aux = torch.cat([side.aux[g] for g in group]).to(dev, dtype)[None]
         pos = torch.cat([torch.arange(len(side.sequences[g])) for g in group]).to(dev)[None]
         doc = torch.cat([torch.full((len(side.sequences[g]),), j) for j, g in enumerate(group)]).to(dev)[None]
-        hits = torch.zeros(n, k, dtype=torch.bool, device=dev)
+        hits = torch.zeros(n, k, dtype=torch.float64, device=dev)
+        if T > 0:
+            p_y = torch.cat([side.p_token[g] for g in group]).to(dev)
         for j, logits in enumerate(draft.reference_ttt_steps(aux, ids, pos, doc, num_steps=k, attn_impl=attn_impl)):
             want = ids[0, 2 + j:]  # row t of step j predicts token t+2+j
-            hits[: n - 2 - j, j] = d2t[logits[0, : n - 2 - j].argmax(-1)] == want
+            if T <= 0:
+                hits[: n - 2 - j, j] = (d2t[logits[0, : n - 2 - j].argmax(-1)] == want).double()
+                continue
+            q = torch.softmax(logits[0, : n - 2 - j].double() / T, -1)
+            d = t2d[want]
+            q_y = torch.where(d >= 0, q.gather(-1, d.clamp(min=0)[:, None])[:, 0], 0.0)
+            hits[: n - 2 - j, j] = (q_y / p_y[2 + j:]).clamp(max=1.0)
         hits, start = hits.cpu(), 0  # one copy to the host per pack
         for g in group:
             L = len(side.sequences[g])
             h = hits[start : start + L].clone()
             for j in range(k):  # rows whose token t+2+j lies in the next document
-                h[max(L - 2 - j, 0):, j] = False
+                h[max(L - 2 - j, 0):, j] = 0
             out.append(h)
             start += L
     return out
 
 
 def walk_cycles(hits_LK: Tensor, sequence: Sequence[int], prompt_len: int, max_new_tokens: int,
-                eos: Sequence[int] = ()) -> tuple[list[int], list[int]]:
-    """(accepted per verification, new tokens) of greedy chain decoding, from `agreement_runs`'
-    rows: the cycles `speculative_generate` runs, each starting where the last one ended."""
+                eos: Sequence[int] = (), generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """(accepted per verification, new tokens) of chain decoding, from `agreement_runs`'
+    rows: the cycles `speculative_generate` runs, each starting where the last one ended. A
+    step accepted with a chance strictly between 0 and 1 (sampling) draws from `generator`."""
     k = hits_LK.shape[1]
     stop = set(eos)
     Q = prompt_len
@@ -150,9 +204,10 @@ def walk_cycles(hits_LK: Tensor, sequence: Sequence[int], prompt_len: int, max_n
         if Q + k >= len(sequence):
             raise ValueError(f"continuation of {len(sequence) - prompt_len} tokens is too short for "
                              f"{max_new_tokens} new tokens and k = {k}")
-        row = hits_LK[Q - 1]
+        row = hits_LK[Q - 1].tolist()
         a = 0
-        while a < k and bool(row[a]):
+        while a < k and (row[a] >= 1 or (row[a] > 0 and float(torch.rand((), generator=generator,
+                                                                          dtype=torch.float64)) < row[a])):
             a += 1
         new = [int(t) for t in sequence[Q + 1 : Q + a + 2]]
         accepted.append(a)
@@ -176,8 +231,12 @@ def greedy_path(tree: Tree, continuation: Sequence[int]) -> list[int]:
 @torch.no_grad()
 def replay_tree(draft: Eagle3Draft, side: TargetSide, top_k: int = 10, depth: int = 6, total_tokens: int = 60,
                 max_new_tokens: int | None = None, eos: Sequence[int] = ()) -> list[tuple[list[int], list[int]]]:
-    """Per prompt of `side`, (accepted per verification, new tokens) of greedy EAGLE-2 tree
-    decoding with `draft` (speculative_generate's tree settings: top_k, depth, total_tokens)."""
+    """Per prompt of `side`, (accepted per verification, new tokens) of EAGLE-2 tree decoding
+    with `draft` (speculative_generate's tree settings: top_k, depth, total_tokens). On a side
+    sampled at temperature T this is decoding at T exactly: the tree is drafted without
+    sampling, and verification accepts a child exactly when the token it outputs is that
+    child's (a rejected child's token is removed from what is sampled next), so the output
+    token decides the path."""
     max_new_tokens = side.max_new_tokens if max_new_tokens is None else max_new_tokens
     if max_new_tokens > side.max_new_tokens or max_new_tokens + depth > side.max_new_tokens + side.k:
         raise ValueError(f"the target side's continuations hold {side.max_new_tokens + side.k} tokens: too few for "
@@ -207,14 +266,17 @@ def replay_tree(draft: Eagle3Draft, side: TargetSide, top_k: int = 10, depth: in
 
 
 def replay_chain(draft: Eagle3Draft, side: TargetSide, k: int | None = None, max_new_tokens: int | None = None,
-                 eos: Sequence[int] = (), max_tokens: int = 8192, attn_impl: str = "auto"
+                 eos: Sequence[int] = (), max_tokens: int = 8192, attn_impl: str = "auto", seed: int = 0
                  ) -> list[tuple[list[int], list[int]]]:
-    """Per prompt of `side`, (accepted per verification, new tokens) of greedy chain decoding
-    with `draft`, k draft tokens a cycle (at most the side's k and max_new_tokens)."""
+    """Per prompt of `side`, (accepted per verification, new tokens) of chain decoding with
+    `draft`, k draft tokens a cycle (at most the side's k and max_new_tokens): greedy, or on a
+    sampled side at its temperature (one draw of the acceptances, from `seed`, for the sampled
+    continuation the side holds)."""
     k = side.k if k is None else k
     max_new_tokens = side.max_new_tokens if max_new_tokens is None else max_new_tokens
     if k > side.k or max_new_tokens > side.max_new_tokens:
         raise ValueError(f"the target side was made for k <= {side.k} and {side.max_new_tokens} new tokens")
     hits = agreement_runs(draft, side, k, max_tokens, attn_impl)
-    return [walk_cycles(h, s, len(p), max_new_tokens, eos) for h, s, p in zip(hits, side.sequences, side.prompts,
-                                                                               strict=True)]
+    gen = torch.Generator().manual_seed(seed)
+    return [walk_cycles(h, s, len(p), max_new_tokens, eos, gen) for h, s, p in zip(hits, side.sequences, side.prompts,
+                                                                                    strict=True)]
