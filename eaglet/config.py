@@ -310,10 +310,10 @@ class EvalSection:
         0.05, "Largest relative difference between vLLM's mean acceptance length and eaglet's tau before "
         "the eval fails.", _ge(0))
     replay: bool = _f(
-        False, "Greedy decoding: measure tau by replay (the target's greedy continuations, decoded in batches; a "
-        "chain then runs through the draft's TTT unroll, a tree through the decoder's tree drafting): the decoder's "
-        "accepted counts without its target forwards, for A/Bs on many prompts; no speed or lossless figures "
-        "(eaglet/engines/replay.py).")
+        False, "Measure tau by replay (the target's continuations, greedy or sampled at eval.temperature, decoded in "
+        "batches; a chain then runs through the draft's TTT unroll, a tree through the decoder's tree drafting): the "
+        "decoder's accepted counts (sampled: drawn as the decoder's are) without its target forwards, for A/Bs on "
+        "many prompts; no speed or lossless figures (eaglet/engines/replay.py).")
     baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
     lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
     device: str = _f("auto", "Device for target and draft during eval.")

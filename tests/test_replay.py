@@ -223,5 +223,12 @@ def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
     for a, b in zip(trees[0]["prompts"], trees[1]["prompts"], strict=True):
         assert (b["accepted_per_forward"], b["tokens"]) == (a["accepted_per_forward"], a["tokens"])
     assert trees[1]["aggregate"]["tau"] == trees[0]["aggregate"]["tau"] > rep["aggregate"]["tau"]
-    with pytest.raises(Exception, match="eval.replay measures greedy decoding only, not temperature 1"):
-        evaluate_items(target, tok, draft, AUX, items, EvalSection(temperature=1.0, replay=True), render, verbose=False)
+    # at temperature 1: sampled continuations (seeded by the eval's seed), the same for the same seed
+    hot = [evaluate_items(target, tok, draft, AUX, items, EvalSection(
+        method=m, chain_tokens=K, tree_top_k=2, tree_depth=K, tree_total_tokens=5, temperature=1.0, max_new_tokens=24,
+        baseline=False, lossless_check=False, replay=True), render, warmup=False, verbose=False, seed=seed)
+        for m, seed in (("chain", 0), ("chain", 0), ("chain", 1), ("tree", 0))]
+    assert hot[0]["prompts"] == hot[1]["prompts"] and hot[0]["prompts"] != hot[2]["prompts"]
+    assert [r["tokens"] for r in hot[3]["prompts"]] == [r["tokens"] for r in hot[0]["prompts"]]  # a seed samples the same continuations, whatever the drafting
+    assert [r["tokens"] for r in hot[0]["prompts"]] != [r["tokens"] for r in rep["prompts"]]
+    assert all(len(r["tokens"]) == 24 for r in hot[0]["prompts"]) and hot[0]["settings"]["temperature"] == 1.0

@@ -19,10 +19,12 @@ verification forward (many tokens at once) and plain decoding (one at a time) ro
 differently, so a near-tie can flip; mismatches are then reported, with the target's top-2
 logit gap at the first differing position, but do not fail the stage.
 
-`eval.replay` measures greedy decoding by replay instead (eaglet/engines/replay.py): the same
+`eval.replay` measures decoding by replay instead (eaglet/engines/replay.py): the same
 accepted counts from the target's batched greedy continuations and, for a chain, one draft
 unroll, for a tree the decoder's tree drafting without the target's forwards; for A/Bs over
-many prompts. It gives no speed or lossless figures.
+many prompts. At a temperature the continuations are sampled from the target and the draft's
+acceptances follow them (a tree's exactly, a chain's drawn with their chances). It gives no
+speed or lossless figures.
 
 `evaluate_draft` is the same measurement without the pipeline (demo, doctor).
 """
@@ -250,14 +252,13 @@ class _Decoding:
 
 
 class _Replaying(_Decoding):
-    """eval.replay: greedy chains' or trees' accepted counts by replay (eaglet/engines/replay.py),
-    all prompts of a call at once; no plain decode, so no speed or lossless figures."""
+    """eval.replay: chains' or trees' accepted counts by replay (eaglet/engines/replay.py), all
+    prompts of a call at once; no plain decode, so no speed or lossless figures. At a
+    temperature the continuations are sampled from the target (seeded by the eval's seed) and
+    the draft's acceptances given them: a tree's exactly, a chain's drawn once."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.s.temperature > 0:
-            raise InputError(f"eval.replay measures greedy decoding only, not temperature {self.s.temperature:g}",
-                             fix="set eval.temperature=0, or eval.replay=false")
         self.check = self.run_plain = False
 
     def warmup(self, prompt: Sequence[int]) -> None:
@@ -265,11 +266,12 @@ class _Replaying(_Decoding):
 
     def decode(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
         s = self.s
-        side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.num_positions)
+        side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.num_positions,
+                           temperature=s.temperature, seed=self.seed * 1_000_003 + self.done)
         if s.method == "tree":
             runs = replay_tree(self.drafter.draft, side, s.tree_top_k, s.tree_depth, s.tree_total_tokens, eos=self.eos)
         else:
-            runs = replay_chain(self.drafter.draft, side, eos=self.eos)
+            runs = replay_chain(self.drafter.draft, side, eos=self.eos, seed=self.seed * 1_000_003 + self.done)
         records = []
         for prompt, (accepted, tokens) in zip(prompts, runs, strict=True):
             records.append(self._record(self.done, prompt, tokens, accepted, 0.0))  # nothing decoded: no time
@@ -603,8 +605,7 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
     if ecfg.reference_prompts:
         firsts = list(inp.items)[: ecfg.reference_prompts]
         quiet = replace(ecfg, baseline=False, lossless_check=False)
-        if ecfg.temperature <= 0:  # replay gives decoding's counts at a fraction of the cost
-            quiet = replace(quiet, replay=True)
+        quiet = replace(quiet, replay=True)  # replay gives decoding's counts (or their law, sampled) for less
         log(f"[eval] the untrained reference draft on {len(firsts)} prompts")
         ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
                              [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
