@@ -306,14 +306,14 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     model = build_speculators_draft(cfg, states, d2t, t2d, head_cpu, init, attn_impl, eaglet_draft).to(dev)
     plan_cfg = replace(cfg, train=replace(tc, max_steps=steps if steps is not None else tc.max_steps, device="cpu"))
     plan = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)  # takes over head_cpu's tensors
-    total_steps = plan.total_steps
+    total_steps, peak = plan.total_steps, plan.opt.defaults["lr"]  # train.lr as eaglet's optimizer resolved it
     del plan.model, plan.opt, plan.sched, eaglet_draft
     head = states.target_head(dev)
     pad_to = math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK if attn_impl == "simple_flex_attention" else None
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and dev.type == "cuda")
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=plan.tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=peak, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=dev.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total_steps))
     loss_config = resolve_loss_config("kl_div", implementation=loss_impl)
     k = tc.ttt_steps

@@ -40,7 +40,6 @@ import hashlib
 import json
 import resource
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -290,11 +289,7 @@ def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
-        # train.lr auto resolved once, from the draft's width: every later use reads a number
-        self.tc = replace(cfg.train, lr=peak_lr(cfg.train, model.config.hidden_size))
-        if cfg.train.lr == "auto":
-            log(f"[train] train.lr auto: {self.tc.lr:.3g} for hidden size {model.config.hidden_size}")
-        self.cfg, self.store, self.out_dir = cfg, store, out_dir
+        self.cfg, self.tc, self.store, self.out_dir = cfg, cfg.train, store, out_dir
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(self.tc.device)
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
@@ -321,6 +316,8 @@ class Trainer:
         if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
             compile_flex_attention()  # flex_attention is only fast compiled (shapes vary: dynamic)
         self.opt = build_optimizer(self.model, self.tc, strategy, self.device, use_bf16, self.par.compiled)
+        if self.tc.lr == "auto":  # build_optimizer resolved it from the draft's width
+            log(f"[train] train.lr auto: {self.opt.defaults['lr']:.3g} for hidden size {model.config.hidden_size}")
         self.schedule: list[dict[str, Any]] = [{"start": 0, "total": self.total_steps}]  # lr_lambda's segments
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.tc, self.total_steps))
         self._picked = None  # rank 0: the checkpoint _pick chose, its weights read
@@ -449,7 +446,7 @@ class Trainer:
                                   fix=f"raise train.epochs or train.max_steps and rerun with --extend, or {force}")
             segments = extend_schedule(self.tc, segments, step, self.total_steps)
             log(f"[train] --extend: {old_total} -> {self.total_steps} steps; from step {step} the learning rate "
-                f"decays on from {self.tc.lr * lr_lambda(self.tc, old_total, segments)(step - 1):.3g}")
+                f"decays on from {self.opt.defaults['lr'] * lr_lambda(self.tc, old_total, segments)(step - 1):.3g}")
         old_settings = {"world_size": state.get("world_size", 1), **state.get("settings", {})}
         changed = {k: [old_settings[k], v] for k, v in settings.items() if k in old_settings and old_settings[k] != v}
         if changed:
