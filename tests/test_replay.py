@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines.replay import agreement_runs, greedy_continuations, replay_chain, replay_tree, side_of, \
+from eaglet.engines.replay import agreement_runs, continuations, replay_chain, replay_tree, side_of, \
     target_side
 from eaglet.engines.specdec import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
@@ -67,7 +67,7 @@ def test_batched_continuations_are_the_batch1_greedy_decode(target, setup):
     for p, seq in zip(PROMPTS, side.sequences):
         assert seq[: len(p)] == p
         assert seq[len(p):] == plain_generate(tr, p, NEW + K).tokens
-    assert greedy_continuations(target, PROMPTS[:2], 5, batch=1) == [s[: len(p) + 5] for p, s in
+    assert continuations(target, PROMPTS[:2], 5, batch=1) == [s[: len(p) + 5] for p, s in
                                                                       zip(PROMPTS[:2], side.sequences)]
 
 

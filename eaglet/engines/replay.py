@@ -48,8 +48,8 @@ import torch
 from torch import Tensor, nn
 
 from ..draft.model import Eagle3Draft
-from .specdec import (DraftRunner, TargetRunner, Tree, cache_kwarg, cut_at_eos, draft_tree, forward_params,
-                      new_cache)
+from .specdec import (DraftRunner, TargetRunner, cache_kwarg, cut_at_eos, draft_tree, follow, forward_params,
+                      new_cache, uniform)
 
 
 @dataclass
@@ -66,9 +66,9 @@ class TargetSide:
 
 
 @torch.no_grad()
-def greedy_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64,
-                         temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, `n` tokens, not stopped at EOS:
+def continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64,
+                  temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """The target's continuation of each prompt, greedy, `n` tokens, not stopped at EOS:
     `batch` prompts at a time, left-padded, one forward per token with a KV cache.
     temperature > 0: sampled from softmax(logits / temperature) instead (on the CPU, from `generator`)."""
     kw = cache_kwarg(model)
@@ -112,7 +112,7 @@ def target_side(model: nn.Module, aux_layers: Sequence[int], prompts: Sequence[S
     temperature > 0: continuations sampled at that temperature (seeded), with each token's
     probability under the target (`p_token`), which a sampled chain's replay needs."""
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
-    seqs = greedy_continuations(model, prompts, max_new_tokens + k, batch, temperature, gen)
+    seqs = continuations(model, prompts, max_new_tokens + k, batch, temperature, gen)
     return side_of(model, aux_layers, prompts, seqs, max_new_tokens, k, temperature)
 
 
@@ -206,26 +206,13 @@ def walk_cycles(hits_LK: Tensor, sequence: Sequence[int], prompt_len: int, max_n
                              f"{max_new_tokens} new tokens and k = {k}")
         row = hits_LK[Q - 1].tolist()
         a = 0
-        while a < k and (row[a] >= 1 or (row[a] > 0 and float(torch.rand((), generator=generator,
-                                                                          dtype=torch.float64)) < row[a])):
+        while a < k and (row[a] >= 1 or (row[a] > 0 and uniform(generator) < row[a])):
             a += 1
         new = [int(t) for t in sequence[Q + 1 : Q + a + 2]]
         accepted.append(a)
         tokens += new
         Q += a + 1
     return accepted, cut_at_eos(tokens, max_new_tokens, stop)
-
-
-def greedy_path(tree: Tree, continuation: Sequence[int]) -> list[int]:
-    """The tree nodes greedy verification accepts: from the root, the child holding the next
-    token of `continuation` (the target's greedy tokens after the root), as long as there is one."""
-    path, node = [], 0
-    while len(path) < len(continuation):
-        node = next((c for c in tree.children(node) if tree.tokens[c] == continuation[len(path)]), -1)
-        if node < 0:
-            break
-        path.append(node)
-    return path
 
 
 @torch.no_grad()
@@ -255,7 +242,7 @@ def replay_tree(draft: Eagle3Draft, side: TargetSide, top_k: int = 10, depth: in
                 raise ValueError(f"continuation of {len(seq) - len(prompt)} tokens is too short for "
                                  f"{max_new_tokens} new tokens and depth {depth}")
             tree = draft_tree(runner, hidden, logits, int(seq[Q]), Q, top_k, depth, total_tokens)
-            path = greedy_path(tree, seq[Q + 1 : Q + 1 + depth])
+            path = follow(tree, lambda node, at=Q + 1: int(seq[at + tree.depths[node]]))  # the continuation's next
             new = [int(t) for t in seq[Q + 1 : Q + len(path) + 2]]  # the accepted tokens and the bonus
             accepted.append(len(path))
             tokens += new

@@ -55,7 +55,7 @@ import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -414,7 +414,7 @@ def _sample(p: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
-def _uniform(generator: torch.Generator | None) -> float:
+def uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
@@ -425,7 +425,7 @@ def verify_chain_sampling(
     draft position i; row k the bonus), q_rows [k] draft distributions over the target
     vocabulary, tokens [k]. Returns (number accepted, the next token)."""
     for i, x in enumerate(tokens):
-        if _uniform(generator) < accept_probability(p_rows[i], q_rows[i], x):
+        if uniform(generator) < accept_probability(p_rows[i], q_rows[i], x):
             continue
         return i, _sample(residual_distribution(p_rows[i], q_rows[i]), generator)
     return len(tokens), _sample(p_rows[len(tokens)], generator)
@@ -437,7 +437,7 @@ def pick_among_children(p: Tensor, child_tokens: Sequence[int], generator: torch
     or None, token). The token is distributed exactly as p."""
     p = p.clone()
     for j, x in enumerate(child_tokens):
-        if _uniform(generator) < float(p[x]):
+        if uniform(generator) < float(p[x]):
             return j, x
         p[x] = 0
         total = float(p.sum())
@@ -447,22 +447,31 @@ def pick_among_children(p: Tensor, child_tokens: Sequence[int], generator: torch
     return None, _sample(p, generator)
 
 
+def follow(tree: Tree, next_token: Callable[[int], int]) -> list[int]:
+    """The tree nodes accepted when every node's next token is `next_token(node)` (greedy: the
+    target's argmax there): from the root, the child holding that token, while there is one."""
+    path: list[int] = []
+    node = 0
+    while kids := tree.children(node):
+        want = next_token(node)
+        node = next((c for c in kids if tree.tokens[c] == want), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
 def accept(
     tree: Tree, logits_NV: Tensor, temperature: float, q_rows: Sequence[Tensor] = (),
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """Walk the target's verification logits down the tree: (accepted node indices, in
     order, root excluded; the bonus token)."""
-    path: list[int] = []
     if temperature <= 0:
         greedy = logits_NV.argmax(-1).tolist()
-        node = 0
-        while True:
-            nxt = next((c for c in tree.children(node) if tree.tokens[c] == greedy[node]), None)
-            if nxt is None:
-                return path, int(greedy[node])
-            path.append(nxt)
-            node = nxt
+        path = follow(tree, greedy.__getitem__)
+        return path, int(greedy[path[-1] if path else 0])
+    path: list[int] = []
 
     def p_row(i: int) -> Tensor:
         return torch.softmax(logits_NV[i].double() / temperature, -1).cpu()
