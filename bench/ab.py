@@ -37,18 +37,19 @@ start and imports, a few seconds); the time_of draft's own train_s is measured t
 equality is checked, not assumed.
 
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
-eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; replay covers only
-greedy chains) for drafts trained already; one JSON per draft, set, method and temperature in
+eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; the training call's
+replay is of chains) for drafts trained already; one JSON per draft, set, method and temperature in
 W/decode/. `tree-replay:T` gives the tree by replay instead (eaglet/engines/replay.py's
 replay_tree: the decoder's own tree drafting, followed along the target's continuation, no
 target forward; the tree settings are eval's defaults): greedy at 0, and at T > 0 on
 continuations sampled at T (W/side*-tT/, seed 0), where the output token decides the tree's path.
+Several such calls can run at once (each loads the target), and so can training calls with
+different --variant or --seeds: W/base and the target sides are made under a lock, once.
 
 --replay-temperature T: every draft is also replayed, chain of --k, on continuations sampled at T
 (the results' sets `heldout-tT`, `mt_bench-tT`): given each output token y, a step's draft token
 was accepted with chance min(1, q(y) / p(y)) (eaglet/engines/replay.py), drawn once (seed 0). The
-sampled continuation is one per prompt, the same for every draft. Several such calls can run at once (each loads the target), and so can training calls
-with different --variant or --seeds: W/base and the target sides are made under a lock, once.
+sampled continuation is one per prompt, the same for every draft.
 """
 
 from __future__ import annotations
@@ -277,15 +278,18 @@ def _load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: 
     return side
 
 
+def runs_stats(runs: list[tuple[list[int], list[int]]], positions: int) -> dict[str, Any]:
+    """tau and acceptance per position over a replay's (accepted, tokens) runs, and each prompt's tau."""
+    agg = acceptance_stats([a for acc, _ in runs for a in acc], positions)
+    return {"tau": agg["tau"], "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
+            "per_prompt": [acceptance_stats(acc, positions)["tau"] for acc, _ in runs]}
+
+
 def measure(draft: Any, side: TargetSide, eos: list[int], k: int, dev: torch.device, dtype: torch.dtype
             ) -> dict[str, Any]:
     t0 = time.perf_counter()
     runs = replay_chain(draft.to(dev, dtype).eval(), side, k=k, eos=eos)
-    accepted = [a for acc, _ in runs for a in acc]
-    agg = acceptance_stats(accepted, k)
-    return {"tau": agg["tau"], "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
-            "per_prompt": [acceptance_stats(acc, k)["tau"] for acc, _ in runs],
-            "replay_s": round(time.perf_counter() - t0, 2)}
+    return {**runs_stats(runs, k), "replay_s": round(time.perf_counter() - t0, 2)}
 
 
 # ---- decoding (trees, sampling) ---------------------------------------------------------------
@@ -329,11 +333,8 @@ def tree_by_replay(draft: Any, side: TargetSide, n: int, max_new_tokens: int, eo
     t0 = time.perf_counter()
     runs = replay_tree(draft.to(dev, dtype).eval(), part, e.tree_top_k, e.tree_depth, e.tree_total_tokens,
                        max_new_tokens, eos)
-    agg = acceptance_stats([a for acc, _ in runs for a in acc], e.tree_depth)
-    return {"method": TREE_REPLAY, "temperature": side.temperature, "prompts": len(runs), "tau": agg["tau"],
-            "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
-            "per_prompt": [acceptance_stats(acc, e.tree_depth)["tau"] for acc, _ in runs],
-            "decode_s": round(time.perf_counter() - t0, 1)}
+    return {"method": TREE_REPLAY, "temperature": side.temperature, "prompts": len(runs),
+            **runs_stats(runs, e.tree_depth), "decode_s": round(time.perf_counter() - t0, 1)}
 
 
 # ---- the summary ----------------------------------------------------------------------------
@@ -427,6 +428,8 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
     target = load_eval_target(args, dev, dtype)
     prompts = {s: json.loads((side_folder(args.work, s) / "side.json").read_text())["prompts"][: args.decode_prompts]
                for s in args.sets}
+    eos = eos_ids(target, tok)
+    sides: dict[tuple[str, float], TargetSide] = {}  # tree-replay's, read once for every draft
     for name in (n for n, _ in variants if not args.only or n in args.only):
         for seed in args.seeds:
             run = args.work / "runs" / f"{name}-s{seed}"
@@ -440,9 +443,11 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
                     if out.is_file():
                         continue
                     if method == TREE_REPLAY:
-                        side = load_or_make_side(args, list(aux), target, tok, prompt_set, temperature)
-                        got = tree_by_replay(draft, side, args.decode_prompts, args.decode_new_tokens,
-                                             eos_ids(target, tok), dev, dtype)
+                        if (prompt_set, temperature) not in sides:
+                            sides[prompt_set, temperature] = load_or_make_side(args, list(aux), target, tok,
+                                                                               prompt_set, temperature)
+                        got = tree_by_replay(draft, sides[prompt_set, temperature], args.decode_prompts,
+                                             args.decode_new_tokens, eos, dev, dtype)
                     else:
                         got = decode(args, draft, aux, target, tok, prompts[prompt_set], method, temperature, seed)
                     res = {"variant": name, "seed": seed, "set": prompt_set, **got}
@@ -459,6 +464,7 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
     tok = load_tokenizer(TargetSection(path=str(args.target)))
     target = eos = None
     sides: dict[str, TargetSide] = {}
+    temperatures = [0.0, *([args.replay_temperature] if args.replay_temperature > 0 else [])]
     done = read_results(args.work)
     for name, sets in variants:
         controls, config = split_controls(name, sets)
@@ -485,7 +491,7 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 eos = eos_ids(target, tok)
             evals = {}
             for prompt_set in args.sets:
-                for T in (0.0, *([args.replay_temperature] if args.replay_temperature > 0 else [])):
+                for T in temperatures:
                     name_t = sampled_set(prompt_set, T) if T > 0 else prompt_set
                     if name_t not in sides:
                         sides[name_t] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)

@@ -1,4 +1,4 @@
-"""Greedy chain acceptance by replay: the accepted counts of speculative decoding, without decoding.
+"""Acceptance by replay: speculative decoding's accepted counts (chains, trees; greedy, sampled), undecoded.
 
     side = target_side(target_model, aux_layers, prompts, max_new_tokens, k)   # once per prompt set
     runs = replay_chain(draft, side, k, max_new_tokens, eos)                   # once per draft

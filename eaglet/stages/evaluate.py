@@ -266,12 +266,13 @@ class _Replaying(_Decoding):
 
     def decode(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
         s = self.s
+        seed = self.seed * 1_000_003 + self.done  # this call's: a later call's prompts sample afresh
         side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.num_positions,
-                           temperature=s.temperature, seed=self.seed * 1_000_003 + self.done)
+                           temperature=s.temperature, seed=seed)
         if s.method == "tree":
             runs = replay_tree(self.drafter.draft, side, s.tree_top_k, s.tree_depth, s.tree_total_tokens, eos=self.eos)
         else:
-            runs = replay_chain(self.drafter.draft, side, eos=self.eos, seed=self.seed * 1_000_003 + self.done)
+            runs = replay_chain(self.drafter.draft, side, eos=self.eos, seed=seed)
         records = []
         for prompt, (accepted, tokens) in zip(prompts, runs, strict=True):
             records.append(self._record(self.done, prompt, tokens, accepted, 0.0))  # nothing decoded: no time
@@ -604,8 +605,8 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
                   input_hash=ctx.input_hash)
     if ecfg.reference_prompts:
         firsts = list(inp.items)[: ecfg.reference_prompts]
-        quiet = replace(ecfg, baseline=False, lossless_check=False)
-        quiet = replace(quiet, replay=True)  # replay gives decoding's counts (or their law, sampled) for less
+        # replay gives decoding's counts (sampled: drawn as decoding draws them) for less
+        quiet = replace(ecfg, baseline=False, lossless_check=False, replay=True)
         log(f"[eval] the untrained reference draft on {len(firsts)} prompts")
         ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
                              [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
