@@ -49,7 +49,7 @@ class Server:
                  delay=0.0):
         self.tok, self.models, self.key, self.fail_after, self.flaky = tok, list(models), key, fail_after, flaky
         self.reject, self.think, self.delay = set(reject), think, delay
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # _send takes it, sometimes inside _answer's hold
         self.in_flight = self.max_in_flight = self.answered = self.requests = 0
         self.bodies, self.auth, self.seen = [], [], set()
         server = self
@@ -59,7 +59,8 @@ class Server:
                 pass
 
             def _send(self, code, obj):
-                data = json.dumps(obj).encode()
+                self._done()  # a request stops counting as in flight before its answer leaves: the client
+                data = json.dumps(obj).encode()  # may send its next one the moment it reads this one
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -92,12 +93,18 @@ class Server:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                     server.bodies.append((self.path, body))
+                    self._counted = True
                 try:
                     time.sleep(server.delay)
                     self._answer(body)
                 finally:
-                    with server.lock:
+                    self._done()
+
+            def _done(self):
+                with server.lock:
+                    if getattr(self, "_counted", False):
                         server.in_flight -= 1
+                        self._counted = False
 
             def _answer(self, body):
                 prompt = body.get("prompt", body.get("messages"))
