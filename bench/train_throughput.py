@@ -38,9 +38,10 @@ around `--doc-tokens` packed into at most `--tokens` (eaglet.testing.synthetic.p
 as real data gives: the warm-up then pays for every recompile real training meets. Each warm-up
 step is timed (`warmup_step_s`), tokens/s counts the tokens present, and `graphs_in_timed_steps`
 (dynamo's graph count over the timed steps) shows whether the warm-up made them all.
---dynamic on (eaglet): the pieces compiled with `dynamic=True` (sizes symbolic from the first
-compile), against eaglet's setting, torch.compile's default (`auto`: symbolic once they change;
-eaglet.draft.compiling.PIECE_OPTIONS).
+--dynamic (eaglet): how the compiled pieces meet sizes that follow the data. `marked`, eaglet's
+setting: each piece's data dims symbolic from its first compile, the model's sizes fixed
+(eaglet.draft.compiling.MARK_DATA_DIMS); `auto`: torch.compile's default, sizes symbolic once
+they change (a second compile); `on`: dynamic=True, every size symbolic from the first compile.
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
 --flops-only: the preset's FLOP figures alone, and every real preset's at 2048 and 4096 (nothing
 built, nothing run).
@@ -150,9 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--packed", type=int, default=0, metavar="N",
                     help="Cycle N micro-batches of documents of varying lengths around --doc-tokens, packed into at "
                          "most --tokens (eaglet): real data's varying shapes.")
-    ap.add_argument("--dynamic", choices=["auto", "on"], default="auto",
-                    help="eaglet's compiled pieces: torch.compile's default (auto, eaglet's setting: sizes symbolic "
-                         "once they change) or dynamic=True (on: symbolic from the first compile).")
+    ap.add_argument("--dynamic", choices=["marked", "auto", "on"], default="marked",
+                    help="eaglet's compiled pieces: their data dims symbolic from the first compile (marked, eaglet's "
+                         "setting), torch.compile's default (auto: sizes symbolic once they change) or dynamic=True "
+                         "(on: every size symbolic from the first compile).")
     ap.add_argument("--flops-only", action="store_true",
                     help="Report the FLOP figures of the preset's step (--tokens, --doc-tokens, --ttt-steps) and stop: "
                          "nothing built or run.")
@@ -384,6 +386,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     compiled = resolve_compile(tc.compile, device)
     if args.dynamic == "on":
         compiling.PIECE_OPTIONS["dynamic"] = True
+    compiling.MARK_DATA_DIMS = args.dynamic == "marked"
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
         compile_flex_attention()
     torch.manual_seed(0)

@@ -259,14 +259,10 @@ def _packed_batch(g, max_tokens, ttt_steps, aux_width, hidden, vocab):
                  docs, T, lens=tuple(lens), head_rows=rows, active_rows=active)
 
 
-def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
-    """The trainer's compiled step (parallelize(compile=True), micro_batch) over packed
-    micro-batches whose tokens, documents and trained rows all differ: the graphs are made in
-    the first micro-batch and, with the sizes that changed made symbolic, the second; none
-    after. Each of the seven functions (the layers' pieces, the soft cross-entropy and the
-    default train.accept_loss's term) keeps its own, a few per layer it runs in, far from its
-    recompile limit (past it a function runs eager, as the pieces did when they were compiled
-    as partials of one wrapper, whose graphs they shared: 3 functions, 12 graphs in one)."""
+def _graphs_over_packings(monkeypatch, mark: bool):
+    """The trainer's compiled step (parallelize(compile=True), micro_batch) over five packed
+    micro-batches whose tokens, documents and trained rows all differ: the graph count after
+    each, and the graphs per function. mark: compiling.MARK_DATA_DIMS."""
     made = []
 
     def counting(gm, example_inputs):  # records the frame (function) and attempt of each graph
@@ -275,6 +271,7 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", counting)
+    monkeypatch.setattr(compiling, "MARK_DATA_DIMS", mark)
     monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)  # made again with the counting backend
     monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 3})
@@ -292,11 +289,27 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
         micro_batch(par, b, tc, torch.autocast("cpu", enabled=False), sync=True)
         model.zero_grad(set_to_none=True)
         after.append(len(made))
-    assert after[0] < after[1] and after[2:] == [after[1]] * 3, after  # the sizes that changed, symbolic: once
-    per_function = collections.Counter(i.split("/")[0] for i in made)  # the layers' halves: graphs per layer
-    assert tc.accept_loss == "log_accept"
-    assert len(per_function) == 7 and max(per_function.values()) <= 4 * cfg.num_layers, per_function
     torch._dynamo.reset()
+    assert tc.accept_loss == "log_accept"
+    return after, collections.Counter(i.split("/")[0] for i in made), cfg.num_layers
+
+
+def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
+    """Over packed micro-batches whose tokens, documents and trained rows all differ, the
+    compiled step makes its graphs in the first micro-batch and none after: each piece's data
+    dims (unroll.DATA_DIMS, loss.LOSS_DATA_DIMS) are symbolic from its first compile. Without
+    the marks (torch.compile's default) the sizes that changed are made symbolic by a second
+    round of compiles, in the first micro-batch (step 0 against the later steps' rows) and the
+    second. Each of the seven functions (the layers' pieces, the soft cross-entropy and the
+    default train.accept_loss's term) keeps its own graphs, a few per layer it runs in, far
+    from its recompile limit (past it a function runs eager, as the pieces did when they were
+    compiled as partials of one wrapper, whose graphs they shared: 3 functions, 12 graphs in one)."""
+    after, per_function, layers = _graphs_over_packings(monkeypatch, mark=True)
+    assert after[0] > 0 and after[1:] == [after[0]] * 4, after
+    assert len(per_function) == 7 and max(per_function.values()) <= layers, per_function
+    unmarked, unmarked_per_function, _ = _graphs_over_packings(monkeypatch, mark=False)
+    assert unmarked[0] < unmarked[1] and unmarked[2:] == [unmarked[1]] * 3, unmarked
+    assert unmarked[-1] > after[-1] and unmarked_per_function.keys() == per_function.keys()
 
 
 def _linear_weight_shapes(model):

@@ -14,10 +14,13 @@ three places:
 - Duck shaping gives sizes that happen to be equal one symbol: a data size equal to a model
   size would be fixed with it, and compiled again when it moves (`distinct_sizes`).
 - dynamo compiles a function for the sizes of its first call, then once more with the sizes
-  that changed made symbolic (torch.compile's default, kept: `PIECE_OPTIONS`). `dynamic=True`
-  would make them symbolic from the first compile and save that second compile; on a CPU its
-  steps ran at 0.85x the rate (docs/performance.md), and the GPU is not measured
-  (`bench/train_throughput.py --dynamic on`).
+  that changed made symbolic (torch.compile's default). A piece given `data_dims` (argument
+  name -> the dims that follow the data) has those dims marked symbolic before every call, so
+  its first compile is already the graph the default's second compile makes: one compile, and
+  every other size (the model's) still specialised. `dynamic=True` (`PIECE_OPTIONS`) would
+  make every size symbolic, the model's too; on a CPU its steps ran at 0.85x the rate
+  (docs/performance.md). `MARK_DATA_DIMS = False` turns the marks off
+  (`bench/train_throughput.py --dynamic auto`).
 
 `CompileWatch` reads dynamo's counters, so the trainer can say when graphs are still being
 made after the warm-up, or a function was given up on.
@@ -25,13 +28,15 @@ made after the warm-up, or a function was given up on.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 PIECE_OPTIONS: dict[str, Any] = {}  # e.g. {"dynamic": True} (module doc)
+MARK_DATA_DIMS = True  # the pieces' `data_dims` marked symbolic before their first compile (module doc)
 # Each piece's recompile limit: its own where torch.compile takes one per call (torch 2.13 on),
 # else the global one raised to it. A layer's halves keep graphs per layer, and evaluation's
 # no-grad graphs count too.
@@ -57,10 +62,13 @@ def distinct_sizes() -> None:
         fx_config.use_duck_shape = False
 
 
-def compile_piece(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
+def compile_piece(fn: Callable[..., Any], data_dims: Mapping[str, tuple[int, ...]] | None = None,
+                  **compile_kwargs: Any) -> Callable[..., Any]:
     """torch.compile(fn) with `PIECE_OPTIONS` (and `PIECE_RECOMPILE_LIMIT`, where this torch
     takes one per call) under `compile_kwargs` (e.g. a test's backend), sizes kept distinct
-    (`distinct_sizes`)."""
+    (`distinct_sizes`). data_dims: fn's argument name -> the dims of that tensor (or of each
+    tensor in that tuple) that follow the data, marked symbolic before each call while
+    `MARK_DATA_DIMS` holds (module doc)."""
     distinct_sizes()  # lazily, at the first compile: eaglet's training process, not its importers
     options = {**PIECE_OPTIONS, **compile_kwargs}
     if takes_recompile_limit():
@@ -68,7 +76,40 @@ def compile_piece(fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[...
     else:  # only the global limit: raised to the pieces' (this process compiles eaglet's step)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, PIECE_RECOMPILE_LIMIT)
-    return torch.compile(fn, **options)
+    compiled = torch.compile(fn, **options)
+    if not data_dims or not MARK_DATA_DIMS or options.get("dynamic") is not None:
+        return compiled
+    return _marking(compiled, fn, data_dims)
+
+
+def _marking(compiled: Callable[..., Any], fn: Callable[..., Any],
+             data_dims: Mapping[str, tuple[int, ...]]) -> Callable[..., Any]:
+    """`compiled`, its arguments' data dims marked symbolic first (maybe_mark_dynamic: a size
+    of 0 or 1, or one the function's code fixes, stays specialised without an error)."""
+    names = list(inspect.signature(fn).parameters)
+    unknown = sorted(set(data_dims) - set(names))
+    if unknown:
+        raise TypeError(f"data_dims names {unknown}, not arguments of {fn.__qualname__}")
+    where = [(names.index(name), name, dims) for name, dims in data_dims.items()]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for i, name, dims in where:
+            mark_data_dims(args[i] if i < len(args) else kwargs.get(name), dims)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def mark_data_dims(x: Any, dims: tuple[int, ...]) -> None:
+    """Mark `dims` of tensor x (or of each tensor in a tuple or list) symbolic for dynamo."""
+    if isinstance(x, torch.Tensor):
+        for d in dims:
+            if d < x.dim():
+                torch._dynamo.maybe_mark_dynamic(x, d)
+    elif isinstance(x, (tuple, list)):
+        for t in x:
+            mark_data_dims(t, dims)
 
 
 class CompileWatch:

@@ -246,6 +246,9 @@ def chunked_soft_ce(
     return loss, correct, count
 
 
+# The dims that follow the data (the rows a step's loss counts), symbolic from the first compile
+# (compiling.compile_piece).
+LOSS_DATA_DIMS = {"logits_BTN": (0, 1), "p_BLN": (0, 1), "m_BL": (0, 1), "src": (0,)}
 _compiled_soft_ce: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None
 _compiled_accept_term: Callable[..., Tensor] | None = None
 
@@ -254,8 +257,8 @@ def compile_soft_ce(**compile_kwargs: Any) -> None:
     """Make `compiled_soft_ce` (and the compiled `accept_term` beside it) compiling.compile_piece(fn,
     **compile_kwargs) from now on (e.g. another backend)."""
     global _compiled_soft_ce, _compiled_accept_term
-    _compiled_soft_ce = compile_piece(masked_soft_ce, **compile_kwargs)
-    _compiled_accept_term = compile_piece(accept_term, **compile_kwargs)
+    _compiled_soft_ce = compile_piece(masked_soft_ce, LOSS_DATA_DIMS | {"top_BL": (0, 1)}, **compile_kwargs)
+    _compiled_accept_term = compile_piece(accept_term, LOSS_DATA_DIMS, **compile_kwargs)
 
 
 def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
@@ -271,7 +274,7 @@ def compiled_accept_term() -> Callable[..., Tensor]:
     """torch.compile(accept_term), made once per process (with compile_soft_ce's settings when it ran)."""
     global _compiled_accept_term
     if _compiled_accept_term is None:
-        _compiled_accept_term = torch.compile(accept_term)
+        _compiled_accept_term = compile_piece(accept_term, LOSS_DATA_DIMS)
     return _compiled_accept_term
 
 

@@ -138,6 +138,22 @@ def unroll_linears(model: Eagle3Draft) -> list[nn.Module]:
     return [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)] + [model.lm_head]
 
 
+# The dims of each compiled piece's arguments that follow the data (B, the packed tokens or the
+# rows a step runs over, the TTT steps stacked), marked symbolic before the first compile
+# (compiling.compile_piece): a new packing then compiles nothing, and the model's sizes stay fixed.
+_ROWS = {"h_BTH": (0, 1), "embeds_BTH": (0, 1), "cos": (0, 1), "sin": (0, 1), "embed_rows": (0, 1)}
+DATA_DIMS: dict[Callable[..., Any], dict[str, tuple[int, ...]]] = {
+    attn_inputs: _ROWS,
+    attn_output: {"out_BHTD": (0, 2), "residual_BTH": (0, 1)},
+    embed_projection: {"embeds_BTH": (0, 1)},
+    head: {"h_BTH": (0, 1), "rows": (0,)},
+    merge_diagonal_stacked: {"q_BHTD": (0, 2), "out0_BHTD": (0, 2), "lse0_BHT": (0, 2), "k_JBKTD": (0, 1, 3),
+                             "v_JBKTD": (0, 1, 3), "rows": (0,)},
+}
+LAYER_DATA_DIMS = {"attn_inputs": {k: _ROWS[k] for k in ("h_BTH", "embeds_BTH", "cos", "sin")},
+                   "attn_output": DATA_DIMS[attn_output]}  # DecoderLayer's own halves (FSDP2)
+
+
 # ---- the unroll --------------------------------------------------------------------------------
 
 
@@ -157,7 +173,7 @@ class FastUnroll:
         self.model, self.embeds_once, self.casts = model, embeds_once, casts
 
         def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return compile_piece(fn, **compile_kwargs) if compile else fn
+            return compile_piece(fn, DATA_DIMS[fn], **compile_kwargs) if compile else fn
 
         # Each function compiled itself, then bound to its module (compiling.py says why)
         layers = list(model.layers)
@@ -170,8 +186,8 @@ class FastUnroll:
         self.merge: Callable[..., Tensor] | None = compiled(merge_diagonal_stacked) if compile else None
         if compile and sharded:  # FSDP2 runs these layers through their own forward: compile its halves
             for layer in layers:
-                layer.attn_inputs = compile_piece(layer.attn_inputs, **compile_kwargs)
-                layer.attn_output = compile_piece(layer.attn_output, **compile_kwargs)
+                for half, dims in LAYER_DATA_DIMS.items():
+                    setattr(layer, half, compile_piece(getattr(layer, half), dims, **compile_kwargs))
 
     def cast_weights(self, dtype: torch.dtype) -> tuple[list[Weights | None], Weights | None] | None:
         """The linear weights every step uses (per layer, lm_head's), cast to `dtype` once
