@@ -29,7 +29,7 @@ import eaglet.draft.loss as loss_mod
 from eaglet.config import TrainSection
 from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
 from eaglet.draft.casts import cast_linears, linear
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.model import DecoderLayer, DraftConfig, Eagle3Draft
 from eaglet.draft.step import Batch, TeacherHead, device_head_rows, micro_batch, optimizer_step
 from eaglet.draft.unroll import use_fast_unroll
 from eaglet.draft.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
@@ -310,6 +310,36 @@ def test_varied_packed_micro_batches_compile_in_the_first_one_only(monkeypatch):
     unmarked, unmarked_per_function, _ = _graphs_over_packings(monkeypatch, mark=False)
     assert unmarked[0] < unmarked[1] and unmarked[2:] == [unmarked[1]] * 3, unmarked
     assert unmarked[-1] > after[-1] and unmarked_per_function.keys() == per_function.keys()
+
+
+def test_data_dims_name_the_pieces_arguments_and_the_layers_halves_compile_once():
+    """compile_piece refuses data_dims naming no argument of its function, with the name. The
+    layers' own halves, compiled for FSDP2 (FastUnroll sharded=True), mark their data dims
+    too: a layer's forward at three sequence lengths makes its graphs at the first only."""
+    with pytest.raises(TypeError, match=r"\['tokens'\], not arguments of"):
+        compiling.compile_piece(lambda x: x, {"tokens": (0,)}, backend="eager")
+    made = []
+
+    def counting(gm, example_inputs):
+        made.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Eagle3Draft(CFG)
+    use_fast_unroll(model, compile=True, sharded=True, backend=counting)
+    layer, H = model.layers[0], CFG.hidden_size
+    counts = []
+    for T in (7, 11, 5):
+        h, embeds = torch.randn(1, T, H), torch.randn(1, T, H)
+        cos, sin = model.rope(torch.arange(T)[None], h.dtype)
+        want = DecoderLayer.attn_inputs(layer, h, embeds, cos, sin)
+        q, k, v, residual = layer.attn_inputs(h, embeds, cos, sin)
+        assert all(torch.allclose(a, b) for a, b in zip((q, k, v, residual), want))
+        layer.attn_output(torch.randn(1, CFG.num_attention_heads, T, CFG.head_dim), residual)
+        counts.append(len(made))
+    torch._dynamo.reset()
+    assert counts[0] == 2 and counts == [2, 2, 2], counts
 
 
 def _linear_weight_shapes(model):
