@@ -76,21 +76,28 @@ def compile_piece(fn: Callable[..., Any], data_dims: Mapping[str, tuple[int, ...
     else:  # only the global limit: raised to the pieces' (this process compiles eaglet's step)
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, PIECE_RECOMPILE_LIMIT)
+    where = _positions(fn, data_dims or {})
     compiled = torch.compile(fn, **options)
-    if not data_dims or not MARK_DATA_DIMS or options.get("dynamic") is not None:
+    if not where or not MARK_DATA_DIMS or options.get("dynamic") is not None:
         return compiled
-    return _marking(compiled, fn, data_dims)
+    return _marking(compiled, fn, where)
 
 
-def _marking(compiled: Callable[..., Any], fn: Callable[..., Any],
-             data_dims: Mapping[str, tuple[int, ...]]) -> Callable[..., Any]:
-    """`compiled`, its arguments' data dims marked symbolic first (maybe_mark_dynamic: a size
-    of 0 or 1, or one the function's code fixes, stays specialised without an error)."""
+def _positions(fn: Callable[..., Any], data_dims: Mapping[str, tuple[int, ...]]
+               ) -> list[tuple[int, str, tuple[int, ...]]]:
+    """(position, name, dims) of each argument data_dims names; a name fn does not take is refused."""
     names = list(inspect.signature(fn).parameters)
     unknown = sorted(set(data_dims) - set(names))
     if unknown:
-        raise TypeError(f"data_dims names {unknown}, not arguments of {fn.__qualname__}")
-    where = [(names.index(name), name, dims) for name, dims in data_dims.items()]
+        raise TypeError(f"data_dims names {unknown}, not arguments of {getattr(fn, '__qualname__', fn)}")
+    return [(names.index(name), name, dims) for name, dims in data_dims.items()]
+
+
+def _marking(compiled: Callable[..., Any], fn: Callable[..., Any],
+             where: list[tuple[int, str, tuple[int, ...]]]) -> Callable[..., Any]:
+    """`compiled`, the data dims at `where` (`_positions`) marked symbolic first
+    (maybe_mark_dynamic: a size of 0 or 1, or one the function's code fixes, stays specialised
+    without an error)."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
