@@ -47,7 +47,7 @@ SHAREGPT_JSON = "ShareGPT_V3_unfiltered_cleaned_split.json"
 CPU_SETTINGS = [
     "prepare.max_records=150", "prepare.max_length=256", "target.dtype=float32",
     "extract.batch_tokens=4096", "extract.shard_mb=64", "vocab.size=4096",
-    "train.epochs=3", "train.max_tokens=1024", "train.ttt_steps=3", "train.lr=0.003", "train.warmup_steps=10",
+    "train.epochs=4", "train.max_tokens=1024", "train.ttt_steps=3", "train.lr=0.003", "train.warmup_steps=10",
     "train.accept_loss=log_accept", "train.mask_out_of_vocab=false",
     "train.log_every=5", "train.eval_every=0", "train.ckpt_every=50", "train.eval_fraction=0.08",
     "eval.num_prompts=8", "eval.reference_prompts=8", "eval.max_new_tokens=48", "eval.chain_tokens=3", "export.speculative_tokens=3",
