@@ -271,10 +271,10 @@ def compiled_soft_ce() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
 
 
 def compiled_accept_term() -> Callable[..., Tensor]:
-    """torch.compile(accept_term), made once per process (with compile_soft_ce's settings when it ran)."""
-    global _compiled_accept_term
+    """torch.compile(accept_term), made once per process beside `compiled_soft_ce` (compile_soft_ce)."""
     if _compiled_accept_term is None:
-        _compiled_accept_term = compile_piece(accept_term, LOSS_DATA_DIMS)
+        compile_soft_ce()
+    assert _compiled_accept_term is not None
     return _compiled_accept_term
 
 
