@@ -8,6 +8,7 @@ otherwise). The bench scripts run as scripts (`bench/x.py ... --out FILE`, in th
 conftest.run_script), their JSON read back."""
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -289,3 +290,14 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
     assert set(waits) == {"pin_alloc_s", "copy_wait_s", "writer_wait_s", "loop_s"}
     assert 0.3 <= waits["writer_wait_s"] <= waits["loop_s"]
     assert waits["pin_alloc_s"] == 0.0
+
+
+def test_deepseek_v3_preset_is_the_draft_of_fullwidths_target():
+    """The `deepseek-v3` preset, the bench's side of bench/fullwidth.py's training, is the draft
+    eaglet makes for that script's full-width DeepSeek-V3 config (at a 32k draft vocabulary)."""
+    spec = importlib.util.spec_from_file_location("fullwidth", REPO / "bench" / "fullwidth.py")
+    fullwidth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fullwidth)
+    draft = DraftConfig.from_target_config(fullwidth.deepseek_v3_config(4, 64, fullwidth.FULL), draft_vocab_size=32000)
+    assert {k: getattr(draft, k) for k in PRESETS["deepseek-v3"]} == PRESETS["deepseek-v3"]
+    assert PRESETS["deepseek-v3"] != PRESETS["kimi-k2"]
