@@ -11,7 +11,9 @@
   per piece whatever the TTT step (torch.compile's "eager" backend: dynamo's capture and
   guards, fast; set EAGLET_PERF_FULL=1 to also run inductor's generated code, which
   takes about a minute to compile on a 2-core CPU the first time, seconds from its cache);
-- one micro-batch's forward and backward runs no op that makes the host wait for the device.
+- one micro-batch's forward and backward runs no op that makes the host wait for the device;
+- the compiled flex_attention makes one graph over packed lengths, and a process that has not
+  trained compiles it at its first GPU call.
 """
 
 import collections
@@ -24,6 +26,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import eaglet.draft.attention as attention
 import eaglet.draft.compiling as compiling
 import eaglet.draft.loss as loss_mod
 from eaglet.config import TrainSection
@@ -340,6 +343,65 @@ def test_data_dims_name_the_pieces_arguments_and_the_layers_halves_compile_once(
         counts.append(len(made))
     torch._dynamo.reset()
     assert counts == [2, 2, 2], counts  # two halves, compiled at the first length only
+
+
+def _flex_graphs_over_lengths(monkeypatch, options):
+    """Graphs eaglet's compiled flex_attention makes over four packed lengths (dynamo's capture
+    and guards: the "eager" backend, so CPU tensors stand in for the GPU's)."""
+    monkeypatch.setattr(attention, "FLEX_OPTIONS", options)
+    monkeypatch.setattr(attention, "_flex_compiled", None)
+    made = []
+
+    def counting(gm, example_inputs):
+        made.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    attention.compile_flex_attention(backend=counting)
+    counts = []
+    for T in (300, 420, 517, 640):  # documents of varying lengths, as packed micro-batches are
+        doc = torch.repeat_interleave(torch.arange(3), torch.tensor([T // 3, T // 2, T - T // 3 - T // 2]))[None]
+        q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
+        with torch.no_grad():
+            attention._flex_compiled(q, k, v, block_mask=attention.ttt_block_mask(doc, T, q.device), scale=0.3,
+                                     enable_gqa=True)
+        counts.append(len(made))
+    torch._dynamo.reset()
+    return counts
+
+
+def test_compiled_flex_attention_compiles_at_the_first_length_only(monkeypatch):
+    """The step-0 attention's compiled flex_attention makes its one graph at the first packed
+    length: the BlockMask carries the length as plain ints, which fix the length dims even
+    when they are marked dynamic, so eaglet compiles it with every size symbolic
+    (attention.FLEX_OPTIONS). torch.compile's default compiles again at the second length."""
+    assert _flex_graphs_over_lengths(monkeypatch, attention.FLEX_OPTIONS) == [1, 1, 1, 1]
+    assert _flex_graphs_over_lengths(monkeypatch, {}) == [1, 2, 2, 2]
+
+
+def test_flex_attention_on_a_gpu_is_compiled_at_its_first_call(monkeypatch):
+    """A process that never trained (eval, replay, decoding) still runs flex_attention compiled on
+    a GPU: the first CUDA call compiles it, once, with FLEX_OPTIONS; CPU calls stay eager.
+    (Eager flex_attention on a GPU computes the whole score matrix: a replay batch ran out of
+    memory so.) A stand-in for a CUDA tensor, since this machine has none."""
+    calls = []
+    monkeypatch.setattr(attention, "_flex_compiled", None)
+    monkeypatch.setattr(attention, "flex_attention", lambda q, *a, **k: ("eager", q))
+
+    def fake_compile(fn, **options):
+        calls.append((fn, options))
+        return lambda q, *a, **k: ("compiled", q)
+
+    monkeypatch.setattr(attention.torch, "compile", fake_compile)
+
+    class OnGPU:
+        is_cuda = True
+
+    cpu, gpu = torch.zeros(1), OnGPU()
+    assert attention._flex_attention(cpu)[0] == "eager" and not calls
+    assert attention._flex_attention(gpu) == ("compiled", gpu)
+    assert attention._flex_attention(gpu) == ("compiled", gpu)
+    assert len(calls) == 1 and calls[0][1] == attention.FLEX_OPTIONS and calls[0][1]["dynamic"] is True
 
 
 def _linear_weight_shapes(model):

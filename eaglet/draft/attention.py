@@ -7,8 +7,8 @@ document (causal), and its own row's keys of steps 1..j (the "diagonal"); nothin
     "flex"    flex_attention over the step-0 keys with one T x T causal/document BlockMask
               (`ttt_block_mask`, made from each 128-token block's first and last document),
               merged with the diagonal terms through the log-sum-exp; the mask and kernel
-              shapes are the same at every step. Fast only when compiled
-              (`compile_flex_attention`, on GPU); CPU flex_attention has no backward.
+              shapes are the same at every step. Compiled on GPU (`compile_flex_attention`,
+              or at its first CUDA call); CPU flex_attention is eager and has no backward.
     "chunked" the same merge with the step-0 part computed in query chunks in plain PyTorch
               (recomputed in backward): any device, memory O(chunk x T).
     "naive"   an explicit dense [T, (j+1)T] mask and softmax: the reference for tests.
@@ -50,22 +50,35 @@ def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
 
 # ---- TTT attention ------------------------------------------------------------------------
 
-# The compiled flex_attention for CUDA inputs; `compile_flex_attention()` sets it (needed for
-# speed on GPU). Its LSE API changed: older torch takes return_lse=True, newer return_aux.
+# The compiled flex_attention for CUDA inputs: `compile_flex_attention()` sets it, and the first
+# CUDA call makes it when nothing has (eval, replay or decoding in a process that has not trained:
+# eager flex_attention on a GPU computes the whole T x T score matrix, slowly and out of memory at
+# a replay's batch). Its LSE API changed: older torch takes return_lse=True, newer return_aux.
 _flex_compiled: Callable[..., Any] | None = None
 _SPARSE_BLOCK = 128  # flex attention's block of queries and of keys (its default)
 _FLEX_RETURNS_AUX = "return_aux" in inspect.signature(flex_attention).parameters
+# Every size symbolic from the first compile. A packed micro-batch's length changes at every step,
+# and the BlockMask carries it as plain ints (its seq_lengths) that fix the length dims even when
+# they are marked dynamic; torch.compile's default compiles the first length, then all again at
+# the second (a second compile in the training's second step, 18.6 s at DeepSeek-V3 width on an
+# H200). The kernel's head dim is specialised by the lowering all the same.
+FLEX_OPTIONS: dict[str, Any] = {"dynamic": True}
 
 
 def compile_flex_attention(**compile_kwargs: Any) -> None:
-    """Use torch.compile(flex_attention) for CUDA inputs from now on (CPU inputs stay eager)."""
+    """Use torch.compile(flex_attention) for CUDA inputs from now on (CPU inputs stay eager),
+    with `FLEX_OPTIONS` under compile_kwargs."""
     global _flex_compiled
-    _flex_compiled = torch.compile(flex_attention, **compile_kwargs)
+    _flex_compiled = torch.compile(flex_attention, **{**FLEX_OPTIONS, **compile_kwargs})
 
 
 def _flex_attention(q: Tensor, *args: Any, **kwargs: Any) -> Any:
-    fn = _flex_compiled if (_flex_compiled is not None and q.is_cuda) else flex_attention
-    return fn(q, *args, **kwargs)
+    if not q.is_cuda:
+        return flex_attention(q, *args, **kwargs)
+    if _flex_compiled is None:
+        compile_flex_attention()
+    assert _flex_compiled is not None
+    return _flex_compiled(q, *args, **kwargs)
 
 
 class TTTAttend:
