@@ -10,9 +10,18 @@ decoder layers, random bf16 weights made directly on the GPU, saved as a checkpo
 small tokenizer (its vocabulary is a subset of the model's 129280). Then runs, in this
 process: `eaglet doctor` (with its shadow run on a tiny model of the family), and
 `eaglet run --until train` on synthetic chat data: prepare, extract (offline store, captured
-layers 1..L-1 and the final state, with the self-check), vocab and `--steps` training steps.
-Prints and saves (OUT/fullwidth.json) the extraction and training tokens/s and the peak GPU
+layers 1..L-1 and the final state, with the self-check), vocab and `--steps` training steps
+(as many epochs as they take). Prints and saves (OUT/fullwidth.json) the extraction and training
+tokens/s (training's per logging interval, with the graphs compiled in it) and the peak GPU
 memory of each stage.
+
+The training bench at the same draft shape, for the steady state the trainer should reach:
+
+    python bench/train_throughput.py --preset deepseek-v3 --tokens 4096 --doc-tokens 128 --packed 16 \
+        --loss-share 0.44 --in-vocab 0.25 --warmup 12 --steps 96
+
+(the loss share of this script's conversations, and the share of a random target's argmax
+tokens that fall in a 32k draft vocabulary: `--set vocab.size=32000`).
 """
 
 from __future__ import annotations
@@ -88,6 +97,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=4096, help="train.max_tokens")
+    ap.add_argument("--log-every", type=int, default=10,
+                    help="train.log_every: its log lines are the loop's only host syncs, so 1 (each step's time) "
+                         "makes the host wait for every step and stops its loading from overlapping the GPU's work")
     ap.add_argument("--smoke", action="store_true", help="Small dims on the CPU: checks this script only.")
     ap.add_argument("--set", action="append", default=[], help="Extra config override (after this script's own).")
     args = ap.parse_args()
@@ -103,7 +115,8 @@ def main() -> None:
     sets = [f"run.dir={args.out / 'run'}", f"target.path={target}", "target.dtype=bfloat16", f"prepare.data=[{data}]",
             f"target.device={dev}", f"train.device={dev}", f"eval.device={dev}",
             f"extract.layers={list(range(1, args.layers))}", "extract.batch_tokens=32768", "vocab.size=2048",
-            f"train.max_steps={args.steps}", f"train.max_tokens={args.max_tokens}", "train.log_every=1",
+            f"train.max_steps={args.steps}", f"train.epochs={args.steps}", f"train.max_tokens={args.max_tokens}",
+            f"train.log_every={args.log_every}",
             "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0", *args.set]
     res["overrides"] = args.set
     cfg = load_config(None, sets)
@@ -124,6 +137,9 @@ def main() -> None:
     train_log = [json.loads(x) for x in (cfg.run_dir / "train" / "log.jsonl").read_text().splitlines()]
     tr = [r for r in train_log if r["split"] == "train"]
     stages["train"]["tokens_per_s"] = [round(r["tokens_per_s"]) for r in tr]
+    stages["train"]["steps_logged"] = [r["step"] for r in tr]  # each figure is of the steps since the one before
+    stages["train"]["seconds_per_interval"] = [round(r["tokens"] / r["tokens_per_s"], 2) for r in tr]
+    stages["train"]["compile_graphs"] = [r.get("compile_graphs") for r in tr]
     stages["train"]["loss"] = [round(r["loss"], 4) for r in tr]
     res["stages"] = stages
     atomic_write_json(args.out / "fullwidth.json", res)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU phases: start = assemble the target (GGUF part aa stashed by the warm-up call, part ab carried), install
 # the wheels, start the driver (setsid) and wait; wait N = wait up to N s, collect.
+# Changed after the run: events.txt recorded "rc 0" for every job (`$?` was read after `$(date)`),
+# so the two speculators drafts, whose replay ran out of memory after training, showed as done;
+# and the CUDA allocator's expandable segments are now on (two eaglet trainings held 48 and 74 GiB).
 set -uo pipefail
 PH=$1
-export PYTHONPATH=/tmp/site2:/tmp/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/cache OMP_NUM_THREADS=2
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=/tmp/site2:/tmp/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/cache OMP_NUM_THREADS=2
 collect() {
   mkdir -p $OUT
   (cd /tmp/W 2>/dev/null && tar czf $OUT/res.tgz results decode ab.md ab.json 2>/dev/null)
@@ -29,10 +32,10 @@ cd /tmp/src
 A=(python3 bench/ab.py --work /tmp/W --target /tmp/G/smollm2 --data /tmp/D/sg7k.json --records 6000 --prompts 256
    --sets heldout mt_bench --steps 1600 --max-new-tokens 128 --k 7 --replay-temperature 1)
 L=train.lr=0.0012,train.accept_loss=log_accept
-tr() { local n=$1 s=$2; shift 2; "${A[@]}" --seeds $s --variant "$@" > /tmp/L/t-$n-s$s.log 2>&1; echo "$(date +%s) trained $n s$s rc $?" >> /tmp/L/events.txt; }
+tr() { local n=$1 s=$2 rc; shift 2; "${A[@]}" --seeds $s --variant "$@" > /tmp/L/t-$n-s$s.log 2>&1; rc=$?; echo "$(date +%s) trained $n s$s rc $rc" >> /tmp/L/events.txt; }
 dec() { local d=$1; while [ ! -e /tmp/W/results/$d-s0.json ]; do sleep 5; done
   "${A[@]}" --seeds 0 --variant $d --only $d --decode tree-replay:0 tree-replay:1 --decode-prompts 256 > /tmp/L/dec-$d.log 2>&1
-  echo "$(date +%s) decoded $d rc $?" >> /tmp/L/events.txt; }
+  local rc=$?; echo "$(date +%s) decoded $d rc $rc" >> /tmp/L/events.txt; }
 echo "$(date +%s) start" >> /tmp/L/events.txt
 tr spec 0 spec:trainer=speculators &
 sleep 20
