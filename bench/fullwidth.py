@@ -89,6 +89,25 @@ def build_target(out: Path, layers: int, experts: int, dims: dict, device: str, 
     return out
 
 
+def compile_seconds() -> dict[str, float]:
+    """torch.compile's time in this process by phase (dynamo's own metrics: tracing, the
+    inductor compile, waiting for its kernels), where this torch reports them."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        text = compile_times(repr="str", aggregate=True)
+    except (ImportError, TypeError):
+        return {}
+    out = {}
+    for line in str(text).splitlines()[2:]:
+        name, _, value = line.rpartition(",")
+        try:
+            out[name.strip()] = round(float(value), 1)
+        except ValueError:
+            continue
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -142,6 +161,7 @@ def main() -> None:
     stages["train"]["compile_graphs"] = [r.get("compile_graphs") for r in tr]
     stages["train"]["loss"] = [round(r["loss"], 4) for r in tr]
     res["stages"] = stages
+    res["compile_seconds"] = compile_seconds()
     atomic_write_json(args.out / "fullwidth.json", res)
     print(json.dumps({k: v for k, v in res.items() if k != "doctor"}, indent=1))
 
