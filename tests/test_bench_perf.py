@@ -301,3 +301,18 @@ def test_deepseek_v3_preset_is_the_draft_of_fullwidths_target():
     draft = DraftConfig.from_target_config(fullwidth.deepseek_v3_config(4, 64, fullwidth.FULL), draft_vocab_size=32000)
     assert {k: getattr(draft, k) for k in PRESETS["deepseek-v3"]} == PRESETS["deepseek-v3"]
     assert PRESETS["deepseek-v3"] != PRESETS["kimi-k2"]
+
+
+def test_load_ahead_bench_times_both_ways_on_the_micro_batches_it_packs(tmp_path):
+    """bench/load_ahead.py writes a store at the width asked for, packs micro-batches of the
+    tokens asked for, and times reading them with and without train.prefetch; its bytes per
+    micro-batch are those of the states it packed."""
+    out = tmp_path / "la.json"
+    run_script(REPO / "bench" / "load_ahead.py", ["--hidden", "32", "--tokens", "512", "--batches", "5",
+                                                  "--step-ms", "1", "--repeats", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"prefetch 0", "prefetch 2"} and res["micro_batches"] == 4
+    per_token = 4 * 32 * 2  # three captured states and the final one, bf16
+    assert 0.5 * 512 * per_token / 2**20 < res["mib_per_micro_batch"] <= 512 * per_token / 2**20
+    for run in res["runs"].values():
+        assert len(run["ms_per_micro_batch"]) == 1 and 0 <= run["ms_loading"][0] < run["ms_per_micro_batch"][0]

@@ -1,5 +1,7 @@
 """Training data order: packing, the held-out split, the micro-batch stream, and the packed batch."""
 
+import json
+import threading
 from itertools import islice
 from types import SimpleNamespace
 
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from eaglet.errors import CorruptDataError
 from eaglet.stages.train import Trainer
 from eaglet.stages.train_data import epoch_plan, pack, split_ids
 
@@ -104,3 +107,96 @@ def test_freeze_survivors_collects_the_garbage_and_freezes_the_rest():
     freeze_survivors()
     assert dead() is None
     assert gc.get_freeze_count() >= len(kept)
+
+
+class _Failing(_Samples):
+    def __init__(self, lengths, bad):
+        super().__init__(lengths)
+        self.bad = bad
+
+    def get(self, i):
+        if i == self.bad:
+            raise CorruptDataError(f"store: sample {i}: shard checksum mismatch")
+        return super().get(i)
+
+
+def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_gives():
+    """Prefetch reads the planned micro-batches in order on its own thread, at most `depth`
+    ahead; each take gives what load_batch reads; a load off the plan is read at once, in the
+    caller's thread, and the plan goes on; a read's error is raised by its micro-batch's take."""
+    from eaglet.stages.train_data import Prefetch, load_batch, read_batch, send_batch
+
+    store = _Samples([5, 3, 9, 4, 6, 2, 7])
+    plan = [[0, 1], [2], [3, 4, 5], [6], [1, 2]]
+    reads, started = [], threading.Event()
+
+    def read(ids):
+        started.wait(5)  # nothing is read before the first take's check below
+        reads.append((list(ids), threading.current_thread().name))
+        return read_batch(store, ids, max_tokens=8, pin=False, ttt_steps=2)
+
+    pre = Prefetch(read, plan, depth=2)
+    try:
+        assert reads == []
+        started.set()
+        for k, ids in enumerate(plan):
+            if k == 2:  # off the plan: read here, now
+                got = send_batch(pre.take([4]), torch.device("cpu"))
+                assert reads[-1] == ([4], threading.current_thread().name) and pre.off_plan == 1
+                assert got.sample_ids == (4,)
+            got = send_batch(pre.take(ids), torch.device("cpu"))
+            want = load_batch(store, ids, max_tokens=8, device=torch.device("cpu"), ttt_steps=2)
+            for key in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids", "active_rows"):
+                assert torch.equal(getattr(got, key), getattr(want, key)), (k, key)
+            assert [r.tolist() for r in got.head_rows] == [r.tolist() for r in want.head_rows]
+            assert got.sample_ids == tuple(ids) and got.tokens == want.tokens
+            planned = [r for r, name in reads if name.startswith("eaglet-prefetch")]
+            assert planned == plan[:len(planned)] and len(planned) <= k + 1 + 2  # in order, at most 2 ahead
+    finally:
+        pre.close()
+    assert [r for r, name in reads if name.startswith("eaglet-prefetch")] == plan
+
+    bad = _Failing([5, 3, 9], bad=2)
+    pre = Prefetch(lambda ids: read_batch(bad, ids, max_tokens=8, pin=False), [[0], [2], [1]], depth=2)
+    try:
+        assert pre.take([0]).ids == (0,)
+        with pytest.raises(CorruptDataError, match="sample 2: shard checksum mismatch"):
+            pre.take([2])
+        assert pre.take([1]).ids == (1,)
+    finally:
+        pre.close()
+
+
+def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypatch):
+    """A run with the store read ahead (train.prefetch, the default) logs the losses of a run
+    reading each micro-batch when needed, bit for bit, evaluations between its steps, and took
+    every load from the plan."""
+    from eaglet import pipeline
+    from eaglet.config import load_config
+    from eaglet.stages import train_data
+    from eaglet.testing import tiny
+
+    off_plan = []
+    close = train_data.Prefetch.close
+
+    def counted_close(self):
+        off_plan.append(self.off_plan)
+        close(self)
+
+    monkeypatch.setattr(train_data.Prefetch, "close", counted_close)
+    target = tiny.save_target(tmp_path / "target", family="llama", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(60, seed=3))
+    common = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]",
+              "prepare.max_length=128", "extract.store_dtype=float32", "vocab.size=128", "train.device=cpu",
+              "train.max_steps=6", "train.max_tokens=256", "train.ttt_steps=2", "train.log_every=1",
+              "train.eval_every=2", "train.tensorboard=false", "train.compile=off", "train.eval_fraction=0.2"]
+    logs = {}
+    for n in (0, 2):
+        pipeline.run_all(load_config(None, [f"run.dir={tmp_path / f'run{n}'}", f"train.prefetch={n}", *common]),
+                         upto="train")
+        logs[n] = [json.loads(x) for x in (tmp_path / f"run{n}" / "train" / "log.jsonl").read_text().splitlines()]
+    assert off_plan == [0]  # one run read ahead, and every load was the one planned
+    drop = ("tokens_per_s", "memory_gib")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in logs[2]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in logs[0]]
+    assert {r["split"] for r in logs[2]} == {"train", "eval"}

@@ -47,14 +47,27 @@ class Batch:
     active_rows: torch.Tensor | None = None  # the rows TTT steps 1.. run over (loss.active_rows)
 
 
+def host_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """`loss.head_rows` of each step and `loss.active_rows`, of host tensors, concatenated into
+    one host tensor (what `send_head_rows` sends in one copy), and their lengths."""
+    rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
+    rows.append(active_rows(rows))
+    return torch.cat(rows), [len(r) for r in rows]
+
+
+def send_head_rows(rows: torch.Tensor, sizes: list[int], device: torch.device
+                   ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`host_head_rows`' tensor on `device` in one copy (pinned on a GPU): (head rows per step, active rows)."""
+    *sent, active = to_device(rows, device).split(sizes)
+    return tuple(sent), active
+
+
 def device_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int, device: torch.device
                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """(`loss.head_rows`, `loss.active_rows`) of host tensors, made on the host and sent in one
     copy (pinned on a GPU)."""
-    rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
-    rows.append(active_rows(rows))
-    *sent, active = to_device(torch.cat(rows), device).split([len(r) for r in rows])
-    return tuple(sent), active
+    return send_head_rows(*host_head_rows(loss_mask_BT, doc_ids_BT, num_steps), device)
 
 
 class TeacherHead(nn.Module):

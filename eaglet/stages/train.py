@@ -40,6 +40,7 @@ import hashlib
 import json
 import resource
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -65,7 +66,8 @@ from ..utils import log
 from .context import StageContext
 from .online import OnlineStates
 from .stream import StreamedStates
-from .train_data import VocabMaskCache, epoch_plan, load_batch, open_states, pack, split_ids
+from .train_data import (Prefetch, VocabMaskCache, epoch_plan, load_batch, open_states, pack, read_batch,
+                         send_batch, split_ids)
 
 CKPT_DIR = "checkpoints"
 LOG_FILE = "log.jsonl"
@@ -120,7 +122,7 @@ def _digest(t: torch.Tensor) -> str:
 # precision is compared as resolved (bf16 or fp32), since `auto` follows the device;
 # train.grad_accum as micro-batches per step (grad_accum x world size), which is what it sets.
 RESUME_SAFE_KEYS = ("log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
-                    "device", "parallel", "compile", "attn_impl", "teacher_chunk")
+                    "device", "parallel", "compile", "attn_impl", "teacher_chunk", "prefetch")
 # The trajectory settings `eaglet train --extend` may raise: a longer schedule (Trainer._pick).
 EXTEND_KEYS = ("train.epochs", "train.max_steps")
 # Fingerprint keys of checkpoints written before every trajectory setting was in the fingerprint.
@@ -323,11 +325,15 @@ class Trainer:
         self._picked = None  # rank 0: the checkpoint _pick chose, its weights read
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
         self.compile_watch = CompileWatch() if self.par.compiled else None
+        self.prefetch: Prefetch | None = None  # run(): an offline store's micro-batches read ahead
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
         of it was seen before, the out-of-vocabulary mask's verdict (`VocabMaskCache`)."""
-        b = load_batch(self.store, ids, self.tc.max_tokens, self.device, self.tc.ttt_steps)
+        if self.prefetch is not None:
+            b = send_batch(self.prefetch.take(ids), self.device)
+        else:
+            b = load_batch(self.store, ids, self.tc.max_tokens, self.device, self.tc.ttt_steps)
         b.in_vocab = self.vocab_mask.lookup(b)
         return b
 
@@ -585,12 +591,19 @@ class Trainer:
         stream = self.stream
         if stream is not None:  # the engine starts computing this rank's micro-batches ahead
             stream.start(self.planned_loads(step, epoch, micro + 1), tc.max_tokens)
+        elif isinstance(self.store, StoreReader) and tc.prefetch > 0:  # a thread reads the store ahead
+            read = partial(read_batch, self.store, max_tokens=tc.max_tokens, pin=self.device.type == "cuda",
+                           ttt_steps=tc.ttt_steps)
+            self.prefetch = Prefetch(read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
         try:
             step, last_eval = self._loop(step, epoch, micro, first_step, metrics, bar, fp, settings)
         finally:  # the bar ends its line first: an error is one line of its own
             bar.close()
             if stream is not None:
                 stream.close()
+            if self.prefetch is not None:
+                self.prefetch.close()
+                self.prefetch = None
         metrics.close()
         steps_run = step - first_step  # optimizer steps this process took
         if last_eval is None and steps_run == 0:  # a finished run resumed: its last evaluation, from the log
