@@ -373,15 +373,14 @@ class Trainer:
     def evaluates_at(self, step: int) -> bool:
         return bool(self.tc.eval_every and step % self.tc.eval_every == 0) or step == self.total_steps
 
-    def planned_loads(self, step: int, epoch: int, start: int) -> list[list[int]]:
+    def planned_loads(self, step: int, epoch: int, start: int) -> Iterator[list[int]]:
         """Every micro-batch this rank loads from `step` to the end, in the order `_loop` and
-        `evaluate` load them (both follow rank_steps): what a stream computes ahead."""
-        loads, steps = [], self.rank_steps(step, epoch, start)
-        for step, mine in steps:
-            loads += [ids for _, _, ids in mine]
+        `evaluate` load them (both follow rank_steps), made as they are asked for: what a stream
+        computes ahead, and what Prefetch reads ahead."""
+        for step, mine in self.rank_steps(step, epoch, start):
+            yield from (ids for _, _, ids in mine)
             if self.evaluates_at(step):
-                loads += self.eval_batches()
-        return loads
+                yield from self.eval_batches()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -590,7 +589,7 @@ class Trainer:
                    disable=not env.is_main)
         stream = self.stream
         if stream is not None:  # the engine starts computing this rank's micro-batches ahead
-            stream.start(self.planned_loads(step, epoch, micro + 1), tc.max_tokens)
+            stream.start(list(self.planned_loads(step, epoch, micro + 1)), tc.max_tokens)
         elif isinstance(self.store, StoreReader) and tc.prefetch > 0:  # a thread reads the store ahead
             read = partial(read_batch, self.store, max_tokens=tc.max_tokens, pin=self.device.type == "cuda",
                            ttt_steps=tc.ttt_steps)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,10 +225,10 @@ class Prefetch:
     a read (a corrupt shard) is raised by the `take` of its micro-batch. `depth` micro-batches
     are held ahead, in pinned memory on a GPU."""
 
-    def __init__(self, read: Callable[[list[int]], HostBatch], plan: list[list[int]], depth: int,
+    def __init__(self, read: Callable[[list[int]], HostBatch], plan: Iterable[list[int]], depth: int,
                  device: torch.device | None = None):
         self._read, self.depth = read, depth
-        self._plan: deque[list[int]] = deque(plan)
+        self._plan: Iterator[list[int]] = iter(plan)  # taken as needed: a long run's plan is never held whole
         self._ahead: deque[tuple[list[int], Future[HostBatch]]] = deque()
         self._lock = threading.Lock()  # one reader of the store at a time
         cuda = device is not None and device.type == "cuda"  # the thread's pinned memory from this rank's GPU
@@ -243,9 +243,11 @@ class Prefetch:
             return self._read(ids)
 
     def _fill(self) -> None:
-        while len(self._ahead) < self.depth and self._plan:
-            ids = self._plan.popleft()
-            self._ahead.append((ids, self._pool.submit(self._locked_read, ids)))
+        while len(self._ahead) < self.depth:
+            ids = next(self._plan, None)
+            if ids is None:
+                return
+            self._ahead.append((list(ids), self._pool.submit(self._locked_read, list(ids))))
 
     def take(self, ids: list[int]) -> HostBatch:
         if self._ahead and self._ahead[0][0] == list(ids):
@@ -259,5 +261,5 @@ class Prefetch:
         for _, fut in self._ahead:
             fut.cancel()
         self._ahead.clear()
-        self._plan.clear()
+        self._plan = iter(())
         self._pool.shutdown(wait=True)
