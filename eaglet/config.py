@@ -265,8 +265,8 @@ class TrainSection:
     eval_max_samples: int = _f(256, "At most this many held-out samples are used per evaluation.", _ge(1))
     eval_every: int = _f(200, "Evaluate every N optimizer steps (and at the end); 0: only at the end.", _ge(0))
     log_every: int = _f(10, "Log metrics every N optimizer steps (the only host syncs of the loop).", _ge(1))
-    prefetch: int = _f(2, "Micro-batches a thread reads ahead from an offline store while the device trains on the "
-                       "current one (pinned host memory on a GPU); 0: each is read when it is needed.", _ge(0))
+    prefetch: int = _f(2, "Micro-batches a thread reads ahead from an offline store, into pinned memory, while the "
+                       "GPU trains on the current one; 0 (and on a CPU): each is read when it is needed.", _ge(0))
     ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).", _ge(1))
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.", _ge(1))
     teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.", _ge(1))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eaglet.errors import CorruptDataError
+from eaglet.formats.store import StoreReader
 from eaglet.stages.train import Trainer
 from eaglet.stages.train_data import epoch_plan, pack, split_ids
 
@@ -170,11 +171,16 @@ def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_g
 def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypatch):
     """A run with the store read ahead (train.prefetch, the default) logs the losses of a run
     reading each micro-batch when needed, bit for bit, evaluations between its steps, and took
-    every load from the plan."""
+    every load from the plan. (Reading ahead is for GPUs: here it is let run on the CPU.)"""
     from eaglet import pipeline
     from eaglet.config import load_config
-    from eaglet.stages import train_data
+    from eaglet.stages import train, train_data
     from eaglet.testing import tiny
+
+    assert not train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cpu"))
+    assert train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cuda"))
+    assert not train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=0), torch.device("cuda"))
+    monkeypatch.setattr(train, "reads_ahead", lambda store, tc, device: isinstance(store, StoreReader) and tc.prefetch > 0)
 
     off_plan = []
     close = train_data.Prefetch.close

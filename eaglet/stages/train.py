@@ -262,6 +262,14 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def reads_ahead(store: Any, tc: TrainSection, device: torch.device) -> bool:
+    """Whether a thread reads the store's micro-batches ahead (`Prefetch`): an offline store,
+    train.prefetch > 0, training on a GPU. On a CPU the reads would share the cores with the
+    step they should hide behind, and land in fresh pageable memory, which in a thread faults
+    in page by page (bench/load_ahead.py: slower than reading in the loop on a 2-core VM)."""
+    return isinstance(store, StoreReader) and tc.prefetch > 0 and device.type == "cuda"
+
+
 BEHIND = 0.05  # share of a logging interval spent waiting for the stream that the log calls out
 
 
@@ -590,7 +598,7 @@ class Trainer:
         stream = self.stream
         if stream is not None:  # the engine starts computing this rank's micro-batches ahead
             stream.start(list(self.planned_loads(step, epoch, micro + 1)), tc.max_tokens)
-        elif isinstance(self.store, StoreReader) and tc.prefetch > 0:  # a thread reads the store ahead
+        elif reads_ahead(self.store, tc, self.device):  # a thread reads the store ahead
             read = partial(read_batch, self.store, max_tokens=tc.max_tokens, pin=self.device.type == "cuda",
                            ttt_steps=tc.ttt_steps)
             self.prefetch = Prefetch(read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
