@@ -8,7 +8,6 @@ otherwise). The bench scripts run as scripts (`bench/x.py ... --out FILE`, in th
 conftest.run_script), their JSON read back."""
 
 import ast
-import importlib.util
 import json
 import os
 import subprocess
@@ -292,13 +291,13 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
     assert waits["pin_alloc_s"] == 0.0
 
 
-def test_deepseek_v3_preset_is_the_draft_of_fullwidths_target():
-    """The `deepseek-v3` preset, the bench's side of bench/fullwidth.py's training, is the draft
-    eaglet makes for that script's full-width DeepSeek-V3 config (at a 32k draft vocabulary)."""
-    spec = importlib.util.spec_from_file_location("fullwidth", REPO / "bench" / "fullwidth.py")
-    fullwidth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fullwidth)
-    draft = DraftConfig.from_target_config(fullwidth.deepseek_v3_config(4, 64, fullwidth.FULL), draft_vocab_size=32000)
+def test_deepseek_v3_preset_is_the_draft_of_deepseek_v3():
+    """The `deepseek-v3` preset (the bench's side of bench/fullwidth.py, whose target has
+    DeepSeek-V3's width) is the draft eaglet makes for DeepSeek-V3's config (transformers'
+    DeepseekV3Config defaults are its published sizes), at a 32k draft vocabulary."""
+    from transformers import DeepseekV3Config
+
+    draft = DraftConfig.from_target_config(DeepseekV3Config(), draft_vocab_size=32000)
     assert {k: getattr(draft, k) for k in PRESETS["deepseek-v3"]} == PRESETS["deepseek-v3"]
     assert PRESETS["deepseek-v3"] != PRESETS["kimi-k2"]
 

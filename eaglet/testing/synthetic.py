@@ -37,7 +37,7 @@ PRESETS: dict[str, dict[str, int]] = {
                       intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000),
     "kimi-k2": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
                     intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000),
-    # DeepSeek-V3's draft: Kimi-K2.5's but for the target vocabulary (bench/fullwidth.py's target).
+    # DeepSeek-V3's draft (bench/fullwidth.py's target has its width): Kimi-K2.5's but for the target vocabulary.
     "deepseek-v3": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
                         intermediate_size=18432, vocab_size=129280, draft_vocab_size=32000),
 }
