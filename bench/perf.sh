@@ -40,7 +40,9 @@
 #   e8v, e8va, e8vd  eaglet, 8B dims, 16 micro-batches of up to 8192 tokens in documents of
 #        varying lengths around 1024 (--packed 16), 12 timed warm-up steps: the warm-up real data's
 #        shapes cost; e8va with torch.compile's default (--dynamic auto: sizes symbolic once they
-#        change), e8vd with every size symbolic from the first compile (--dynamic on); not in the default list
+#        change), e8vd with every size symbolic from the first compile (--dynamic on); e8vf with the step-0
+#        attention's flex_attention compiled by torch.compile's default (--flex-dynamic auto: again at the
+#        second length); not in the default list
 # Each part has its own time limit, and none starts past the overall BUDGET_S (default 570 s,
 # under the 600 s a device command may run); a part cut short is marked in the summary.
 #
@@ -160,6 +162,8 @@ for p in ${parts//,/ }; do
             --dynamic auto ;;
     e8vd) train e8vd 300 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 1024 --packed 16 --warmup 12 \
             --dynamic on ;;
+    e8vf) train e8vf 300 eaglet --preset llama3-8b --tokens 8192 --doc-tokens 1024 --packed 16 --warmup 12 \
+            --flex-dynamic auto ;;
     eko) train eko 150 eaglet --preset kimi-k2 --tokens 4096 --plain-optimizer --breakdown ;;
     *) say "perf: unknown part $p" ;;
   esac

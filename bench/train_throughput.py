@@ -155,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="eaglet's compiled pieces: their data dims symbolic from the first compile (marked, eaglet's "
                          "setting), torch.compile's default (auto: sizes symbolic once they change) or dynamic=True "
                          "(on: every size symbolic from the first compile).")
+    ap.add_argument("--flex-dynamic", choices=["on", "auto"], default="on",
+                    help="the step-0 attention's compiled flex_attention: every size symbolic from the first compile "
+                         "(on, eaglet's attention.FLEX_OPTIONS) or torch.compile's default (auto: compiled again at the "
+                         "second packed length).")
     ap.add_argument("--flops-only", action="store_true",
                     help="Report the FLOP figures of the preset's step (--tokens, --doc-tokens, --ttt-steps) and stop: "
                          "nothing built or run.")
@@ -388,7 +392,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         compiling.PIECE_OPTIONS["dynamic"] = True
     compiling.MARK_DATA_DIMS = args.dynamic == "marked"
     if resolve_attn_impl(tc.attn_impl, device) == "flex":
-        compile_flex_attention()
+        compile_flex_attention(**({} if args.flex_dynamic == "on" else {"dynamic": None}))
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen)  # the target's, random
@@ -458,7 +462,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     if args.host_profile:
         res["host_profile"] = _host_profile(step, args.host_profile, device, args.top)
     res.update(tokens_per_step=sum(x.tokens for x in batches) / len(batches), packed=args.packed,
-               dynamic=args.dynamic if compiled else None, doc_lens=packings if args.packed else None)
+               dynamic=args.dynamic if compiled else None, flex_dynamic=args.flex_dynamic,
+               doc_lens=packings if args.packed else None)
     res.update(optimizer=type(opt).__name__, compile=compiled, compile_backend=args.compile_backend if compiled else None,
                attn_impl=resolve_attn_impl(tc.attn_impl, device), check=check,
                trainable_params_m=sum(p.numel() for g in opt.param_groups for p in g["params"]) / 1e6,
