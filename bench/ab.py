@@ -19,8 +19,9 @@ one call: its figures are
     train seconds and tokens/s;
   - per variant against base: the mean per-prompt difference of tau (averaged over the seeds)
     and its standard error over prompts, and the spread of tau between seeds.
-Results accumulate in W/results/ (a draft already measured is not trained again), so one A/B
-can span several calls; ab.json and ab.md hold the summary.
+Results accumulate in W/results/ (a draft already measured is not trained again, and one whose
+measuring failed after it trained is measured without training again), so one A/B can span
+several calls; ab.json and ab.md hold the summary.
 
 --sets heldout mt_bench: also replay on the opening turns of the 80 MT-bench questions (each set
 has its own target side; the summary pairs prompt by prompt within a set).
@@ -179,6 +180,20 @@ def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int,
         if subprocess.run(cmd).returncode:
             raise SystemExit(f"[ab] variant {name} seed {seed}: bench/speculators_train.py failed (its log above)")
     return run
+
+
+TRAINED = "ab-trained.json"  # in a draft's run folder: its settings and training time, once it trained
+
+
+def trained_before(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str) -> float | None:
+    """The training time of the draft `name` seed `seed` when it trained already with these
+    settings (its measuring failed, or was stopped, after): it is measured without training again."""
+    path = args.work / "runs" / f"{name}-s{seed}" / TRAINED
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    same = rec.get("settings") == [*sets, f"train.seed={seed}"] and rec.get("trainer") == trainer
+    return float(rec["train_s"]) if same else None
 
 
 def load_trained(run: Path) -> tuple[Any, list[int]]:
@@ -480,8 +495,15 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 log(f"[ab] {name} seed {seed}: {n} steps, the time of {controls['time_of']} at the rate of "
                     f"{controls['rate_of']}")
             t0 = time.perf_counter()
-            run = train_draft(args, name, [*config, *steps], seed, controls["trainer"])
-            train_s = time.perf_counter() - t0
+            before = trained_before(args, name, [*config, *steps], seed, controls["trainer"])
+            if before is not None:
+                run, train_s = run_folder(args, name, seed), before
+                log(f"[ab] {name} seed {seed}: trained already ({train_s:.1f} s), measuring it")
+            else:
+                run = train_draft(args, name, [*config, *steps], seed, controls["trainer"])
+                train_s = time.perf_counter() - t0
+                atomic_write_json(run / TRAINED, {"settings": [*config, *steps, f"train.seed={seed}"],
+                                                  "trainer": controls["trainer"], "train_s": round(train_s, 1)})
             if "time_of" in controls:
                 ref = done[controls["time_of"]][seed]["train"]["train_s"]
                 log(f"[ab] {name} seed {seed}: trained in {train_s:.1f} s against {ref:.1f} s for {controls['time_of']}")

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import run_script
 
+from eaglet.errors import ResumeError
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "ab.py"
 
@@ -65,6 +67,22 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     run_script(SCRIPT, args)
     assert (work / "side" / "aux.safetensors").stat().st_mtime_ns == before
     assert "| noise | 2 |" in (work / "ab.md").read_text()
+
+    # a draft that trained but was not measured (its replay failed) is measured without training
+    # again, with its training time; under other settings it is not reused (and the trainer refuses
+    # to resume its checkpoint)
+    (work / "results" / "noise-s0.json").unlink()
+    final = work / "runs" / "noise-s0" / "train" / FINAL_DIR
+    trained_at = max(p.stat().st_mtime_ns for p in final.iterdir())
+    run_script(SCRIPT, args)
+    again = json.loads((work / "results" / "noise-s0.json").read_text())
+    assert max(p.stat().st_mtime_ns for p in final.iterdir()) == trained_at
+    assert again["train"]["train_s"] == res["noise"]["0"]["train"]["train_s"]
+    assert again["per_prompt"] == res["noise"]["0"]["per_prompt"]
+    (work / "results" / "noise-s0.json").unlink()
+    changed = [a if a != "noise:train.state_noise=0.2" else "noise:train.state_noise=0.3" for a in args]
+    with pytest.raises(ResumeError, match=r"train\.state_noise: 0\.2 -> 0\.3"):
+        run_script(SCRIPT, changed)
 
     # the greedy tree by replay (the side's continuations, no target forward) is the tree
     # decoder's on the same prompts (tests/test_replay.py holds replay_tree to the decoder itself)
