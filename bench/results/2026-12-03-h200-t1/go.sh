@@ -4,6 +4,8 @@
 # Changed after the run: events.txt recorded "rc 0" for every job (`$?` was read after `$(date)`),
 # so the two speculators drafts, whose replay ran out of memory after training, showed as done;
 # and the CUDA allocator's expandable segments are now on (two eaglet trainings held 48 and 74 GiB).
+# As run, `WAIT=540 go.sh start` outlasted the call's 590 s with its setup, so it never collected;
+# the default wait is now 450 s.
 set -uo pipefail
 PH=$1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=/tmp/site2:/tmp/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/cache OMP_NUM_THREADS=2
@@ -48,7 +50,7 @@ wait
 touch /tmp/L/ALLDONE
 DRV
   setsid nohup bash /tmp/L/driver.sh > /tmp/L/driver.log 2>&1 < /dev/null &
-  waitdone ${WAIT:-500}; collect
+  waitdone ${WAIT:-450}; collect
   ;;
 wait)
   waitdone $2; collect
