@@ -168,6 +168,35 @@ def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_g
         pre.close()
 
 
+def test_prefetch_thread_takes_the_index_of_the_gpu_it_reads_for(monkeypatch):
+    """On a GPU the reading thread makes this rank's device current, by index: the trainer's
+    single-GPU device is torch.device("cuda"), which has none (set_device refuses it), so the
+    thread takes the device current where Prefetch is made. (A stand-in for CUDA's calls.)"""
+    from torch.cuda._utils import _get_device_index
+
+    from eaglet.stages.train_data import Prefetch
+
+    made_current = []
+
+    def set_device(d):
+        made_current.append((_get_device_index(d), threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for device, want in ((torch.device("cuda"), 3), (torch.device("cuda", 1), 1)):
+        made_current.clear()
+        pre = Prefetch(lambda ids: list(ids), [[0], [1]], depth=1, device=device)
+        try:
+            assert pre.take([0]) == [0] and pre.take([1]) == [1]
+        finally:
+            pre.close()
+        assert [i for i, _ in made_current] == [want] and made_current[0][1].startswith("eaglet-prefetch")
+    made_current.clear()
+    pre = Prefetch(lambda ids: list(ids), [[0]], depth=1, device=torch.device("cpu"))
+    assert pre.take([0]) == [0] and not made_current
+    pre.close()
+
+
 def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypatch):
     """A run with the store read ahead (train.prefetch, the default) logs the losses of a run
     reading each micro-batch when needed, bit for bit, evaluations between its steps, and took

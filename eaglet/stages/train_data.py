@@ -231,10 +231,13 @@ class Prefetch:
         self._plan: Iterator[list[int]] = iter(plan)  # taken as needed: a long run's plan is never held whole
         self._ahead: deque[tuple[list[int], Future[HostBatch]]] = deque()
         self._lock = threading.Lock()  # one reader of the store at a time
-        cuda = device is not None and device.type == "cuda"  # the thread's pinned memory from this rank's GPU
+        # The thread's pinned memory from this rank's GPU: its index (torch.device("cuda") has none,
+        # and set_device refuses that), read here, where it is current.
+        gpu = None if device is None or device.type != "cuda" else \
+            device.index if device.index is not None else torch.cuda.current_device()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eaglet-prefetch",
-                                        initializer=torch.cuda.set_device if cuda else None,
-                                        initargs=(device,) if cuda else ())
+                                        initializer=torch.cuda.set_device if gpu is not None else None,
+                                        initargs=(gpu,) if gpu is not None else ())
         self.off_plan = 0
         self._fill()
 
