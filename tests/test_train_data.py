@@ -1,6 +1,7 @@
 """Training data order: packing, the held-out split, the micro-batch stream, and the packed batch."""
 
 import json
+import shutil
 import threading
 from itertools import islice
 from types import SimpleNamespace
@@ -224,7 +225,8 @@ def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypa
     common = [f"target.path={target}", "target.dtype=float32", "target.device=cpu", f"prepare.data=[{data}]",
               "prepare.max_length=128", "extract.store_dtype=float32", "vocab.size=128", "train.device=cpu",
               "train.max_steps=6", "train.max_tokens=256", "train.ttt_steps=2", "train.log_every=1",
-              "train.eval_every=2", "train.tensorboard=false", "train.compile=off", "train.eval_fraction=0.2"]
+              "train.eval_every=2", "train.tensorboard=false", "train.compile=off", "train.eval_fraction=0.2",
+              "train.ckpt_every=2"]
     logs = {}
     for n in (0, 2):
         pipeline.run_all(load_config(None, [f"run.dir={tmp_path / f'run{n}'}", f"train.prefetch={n}", *common]),
@@ -232,6 +234,22 @@ def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypa
         logs[n] = [json.loads(x) for x in (tmp_path / f"run{n}" / "train" / "log.jsonl").read_text().splitlines()]
     assert off_plan == [0]  # one run read ahead, and every load was the one planned
     drop = ("tokens_per_s", "memory_gib")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in logs[2]] == \
-        [{k: v for k, v in r.items() if k not in drop} for r in logs[0]]
+
+    def same(log):
+        return [{k: v for k, v in r.items() if k not in drop} for r in log]
+
+    assert same(logs[2]) == same(logs[0])
     assert {r["split"] for r in logs[2]} == {"train", "eval"}
+
+    # resumed mid-run (its last checkpoints and the stage's manifest gone), the run reads ahead
+    # from where the checkpoint left off: the same log again
+    ckpts = tmp_path / "run2" / "train" / "checkpoints"
+    kept = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    for name in kept[1:]:
+        shutil.rmtree(ckpts / name)
+    (tmp_path / "run2" / "train" / "manifest.json").unlink()
+    pipeline.run_all(load_config(None, [f"run.dir={tmp_path / 'run2'}", "train.prefetch=2", *common]), upto="train")
+    stats = json.loads((tmp_path / "run2" / "train" / "manifest.json").read_text())["stats"]
+    assert 0 < stats["started_at_step"] < 6 and off_plan == [0, 0]
+    resumed = [json.loads(x) for x in (tmp_path / "run2" / "train" / "log.jsonl").read_text().splitlines()]
+    assert same(resumed) == same(logs[0])
