@@ -32,7 +32,6 @@ import torch
 
 from eaglet.config import TrainSection
 from eaglet.distributed import barrier, init_distributed
-from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import parallelize, resolve_strategy
 from eaglet.draft.step import TeacherHead, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile
@@ -134,8 +133,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                       precision=args.precision, attn_impl=args.attn_impl, compile=args.compile, warmup_steps=1,
                       min_lr_ratio=1.0)
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if resolve_attn_impl(tc.attn_impl, device) == "flex":
-        compile_flex_attention()
     results: dict[str, Any] = {}
     if env.is_main:
         results["one"] = run_phase("none", 1, cfg, tc, args, device, frozen, env.rank)

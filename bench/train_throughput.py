@@ -391,8 +391,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     if args.dynamic == "on":
         compiling.PIECE_OPTIONS["dynamic"] = True
     compiling.MARK_DATA_DIMS = args.dynamic == "marked"
-    if resolve_attn_impl(tc.attn_impl, device) == "flex":
-        compile_flex_attention(**({} if args.flex_dynamic == "on" else {"dynamic": None}))
+    if args.flex_dynamic == "auto":  # else compiled with attention.FLEX_OPTIONS at its first CUDA call
+        compile_flex_attention(dynamic=None)
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).to(frozen)  # the target's, random

@@ -49,7 +49,6 @@ from tqdm import tqdm
 
 from ..config import Config, TrainSection
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
-from ..draft.attention import compile_flex_attention, resolve_attn_impl
 from ..draft.compiling import CompileWatch
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
@@ -323,8 +322,6 @@ class Trainer:
         self.steps_per_epoch = max(batches // self.micro_per_step, 1)
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
-        if resolve_attn_impl(self.tc.attn_impl, self.device) == "flex":
-            compile_flex_attention()  # flex_attention is only fast compiled (shapes vary: dynamic)
         self.opt = build_optimizer(self.model, self.tc, strategy, self.device, use_bf16, self.par.compiled)
         if self.tc.lr == "auto":  # build_optimizer resolved it from the draft's width
             log(f"[train] train.lr auto: {self.opt.defaults['lr']:.3g} for hidden size {model.config.hidden_size}")
