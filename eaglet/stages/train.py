@@ -65,8 +65,8 @@ from ..utils import log
 from .context import StageContext
 from .online import OnlineStates
 from .stream import StreamedStates
-from .train_data import (Prefetch, VocabMaskCache, epoch_plan, load_batch, open_states, pack, read_batch,
-                         send_batch, split_ids)
+from .train_data import (Prefetch, VocabMaskCache, epoch_plan, open_states, pack, read_batch, send_batch,
+                         split_ids)
 
 CKPT_DIR = "checkpoints"
 LOG_FILE = "log.jsonl"
@@ -330,15 +330,16 @@ class Trainer:
         self._picked = None  # rank 0: the checkpoint _pick chose, its weights read
         self.vocab_mask = VocabMaskCache(enabled=self.tc.mask_out_of_vocab)
         self.compile_watch = CompileWatch() if self.par.compiled else None
-        self.prefetch: Prefetch | None = None  # run(): an offline store's micro-batches read ahead
+        # One micro-batch up to its copy to the device, as every load reads it (directly, or
+        # through `prefetch`, run()'s reader ahead of an offline store on a GPU).
+        self.read = partial(read_batch, store, max_tokens=self.tc.max_tokens, pin=self.device.type == "cuda",
+                            ttt_steps=self.tc.ttt_steps)
+        self.prefetch: Prefetch | None = None
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
         of it was seen before, the out-of-vocabulary mask's verdict (`VocabMaskCache`)."""
-        if self.prefetch is not None:
-            b = send_batch(self.prefetch.take(ids), self.device)
-        else:
-            b = load_batch(self.store, ids, self.tc.max_tokens, self.device, self.tc.ttt_steps)
+        b = send_batch(self.prefetch.take(ids) if self.prefetch is not None else self.read(ids), self.device)
         b.in_vocab = self.vocab_mask.lookup(b)
         return b
 
@@ -596,9 +597,7 @@ class Trainer:
         if stream is not None:  # the engine starts computing this rank's micro-batches ahead
             stream.start(list(self.planned_loads(step, epoch, micro + 1)), tc.max_tokens)
         elif reads_ahead(self.store, tc, self.device):  # a thread reads the store ahead
-            read = partial(read_batch, self.store, max_tokens=tc.max_tokens, pin=self.device.type == "cuda",
-                           ttt_steps=tc.ttt_steps)
-            self.prefetch = Prefetch(read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
+            self.prefetch = Prefetch(self.read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
         try:
             step, last_eval = self._loop(step, epoch, micro, first_step, metrics, bar, fp, settings)
         finally:  # the bar ends its line first: an error is one line of its own

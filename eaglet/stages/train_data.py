@@ -185,7 +185,7 @@ def read_batch(store: StoreReader | OnlineStates | StreamedStates, ids: list[int
     if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
         mask, docs = tensors["loss_mask"], tensors["docs"]
         host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in cut])
-        rows = host_head_rows(host_mask.bool(), docs.cpu(), ttt_steps)
+        rows = host_head_rows(host_mask.bool(), docs, ttt_steps)
     return HostBatch(tuple(int(i) for i in ids), tuple(lens), tensors, rows)
 
 
