@@ -185,14 +185,14 @@ def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int,
 TRAINED = "ab-trained.json"  # in a draft's run folder: its settings and training time, once it trained
 
 
-def trained_before(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str) -> float | None:
-    """The training time of the draft `name` seed `seed` when it trained already with these
-    settings (its measuring failed, or was stopped, after): it is measured without training again."""
-    path = args.work / "runs" / f"{name}-s{seed}" / TRAINED
+def trained_before(run: Path, settings: list[str], trainer: str) -> float | None:
+    """The training time of the draft in `run` when it trained already with these settings (its
+    measuring failed, or was stopped, after): it is measured without training again."""
+    path = run / TRAINED
     if not path.is_file():
         return None
     rec = json.loads(path.read_text())
-    same = rec.get("settings") == [*sets, f"train.seed={seed}"] and rec.get("trainer") == trainer
+    same = rec.get("settings") == settings and rec.get("trainer") == trainer
     return float(rec["train_s"]) if same else None
 
 
@@ -495,14 +495,16 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 log(f"[ab] {name} seed {seed}: {n} steps, the time of {controls['time_of']} at the rate of "
                     f"{controls['rate_of']}")
             t0 = time.perf_counter()
-            before = trained_before(args, name, [*config, *steps], seed, controls["trainer"])
+            run, settings = run_folder(args, name, seed), [*config, *steps]
+            recorded = [*settings, f"train.seed={seed}"]  # what train_draft sets: the draft's identity
+            before = trained_before(run, recorded, controls["trainer"])
             if before is not None:
-                run, train_s = run_folder(args, name, seed), before
+                train_s = before
                 log(f"[ab] {name} seed {seed}: trained already ({train_s:.1f} s), measuring it")
             else:
-                run = train_draft(args, name, [*config, *steps], seed, controls["trainer"])
+                train_draft(args, name, settings, seed, controls["trainer"])
                 train_s = time.perf_counter() - t0
-                atomic_write_json(run / TRAINED, {"settings": [*config, *steps, f"train.seed={seed}"],
+                atomic_write_json(run / TRAINED, {"settings": recorded,
                                                   "trainer": controls["trainer"], "train_s": round(train_s, 1)})
             if "time_of" in controls:
                 ref = done[controls["time_of"]][seed]["train"]["train_s"]

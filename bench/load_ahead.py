@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eaglet.distributed import resolve_device
 from eaglet.formats.store import StoreReader, StoreWriter
 from eaglet.stages.train_data import Prefetch, epoch_plan, read_batch, send_batch
 from eaglet.utils import atomic_write_json
@@ -94,8 +95,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where to write the store (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     folder = args.dir or Path(tempfile.mkdtemp(prefix="eaglet-load-ahead-"))
     try:
         lengths = write_store(folder, args.hidden, args.tokens * args.batches)
