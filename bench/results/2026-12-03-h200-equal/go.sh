@@ -7,6 +7,10 @@
 # steps eaglet makes in speculators' 241.9 s (2026-12-02-h200-versus, alone). (2) side by side: `spec`
 # (speculators' native draft, 1,600 steps) seed 0 and `eqc` (ec's settings, N steps) seeds 0 and 1; then the
 # tree replays of spec and eqc, greedy and temperature 1, every prompt.
+# As run: `WAIT=470 go.sh start`, then `go.sh wait 540` and `go.sh wait 50`. ec trained in 264.5 s, so eqc had
+# 1,463 steps. The target sides (made once, after ec's training) took 178 s. The tree replays were still in
+# progress when the device time ran out, with no result written: replay_tree ran prompt by prompt, and
+# eqc's had not finished its first 256 prompts in about 340 s.
 set -uo pipefail
 PH=$1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=/tmp/site2:/tmp/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/cache OMP_NUM_THREADS=2

@@ -6,6 +6,9 @@
 #   fwwarm  the same training again (its run/train removed), on the cache fw filled: a user's second run
 #   dsv3    bench/train_throughput.py at the same draft shape, 16 packed micro-batches; empty compile cache
 # Also stashes the target's first GGUF part (/tmp/P) and the A/B's data (/tmp/D) for the next call.
+# As run: fw trained its 250 steps, then died writing the final draft (no space left on the 64 GiB disk: the
+# 23 GB target, the 12.6 GB store and the training checkpoints); its log and per-step figures are kept.
+# fwwarm stopped at its 130 s limit after step 240; dsv3 got the 103 s left and did not finish (no figure).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 mkdir -p /tmp/P /tmp/D /tmp/cache "$OUT"
