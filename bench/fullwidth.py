@@ -15,6 +15,12 @@ layers 1..L-1 and the final state, with the self-check), vocab and `--steps` tra
 tokens/s (training's per logging interval, with the graphs compiled in it) and the peak GPU
 memory of each stage.
 
+It keeps one checkpoint (`train.keep_last=1`): with the 32k draft vocabulary it was run with on
+an H200, one checkpoint is ~10.8 GiB (963M trainable fp32 parameters and two AdamW moments) and
+the final draft ~7.0 GiB; with the default of 3 kept, the run outgrew the machine's 64 GiB disk
+beside the 23 GB target and the store. The doctor's `disk (train)` line counts this, and the
+train stage's preflight stops on it.
+
 The training bench at the same draft shape, for the steady state the trainer should reach:
 
     python bench/train_throughput.py --preset deepseek-v3 --tokens 4096 --doc-tokens 128 --packed 16 \
@@ -136,7 +142,8 @@ def main() -> None:
             f"extract.layers={list(range(1, args.layers))}", "extract.batch_tokens=32768", "vocab.size=2048",
             f"train.max_steps={args.steps}", f"train.epochs={args.steps}", f"train.max_tokens={args.max_tokens}",
             f"train.log_every={args.log_every}",
-            "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0", *args.set]
+            "train.warmup_steps=2", "train.lr=0.0003", "train.tensorboard=false", "train.eval_every=0",
+            "train.keep_last=1", *args.set]
     res["overrides"] = args.set
     cfg = load_config(None, sets)
     lines: list[str] = []

@@ -104,10 +104,16 @@ def test_tokenizer_larger_than_model_vocabulary(tmp_path, assets):
     assert "ids 300..511" in bad[0].fix and "target.tokenizer" in bad[1].fix
 
 
+def _free(monkeypatch, free):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**15, 10**15 - free, free))
+
+
 def test_disk_estimate_over_free_space(tmp_path, assets, monkeypatch):
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10**5, 10**5))
-    (f,) = _fails(_cfg(tmp_path, assets))
-    assert f.check == "disk" and "tokens estimated from 8 sampled records" in f.found and "0.1 MiB free" in f.found
+    _free(monkeypatch, 10**5)
+    store, train = _fails(_cfg(tmp_path, assets))
+    assert store.check == "disk" and "tokens estimated from 8 sampled records" in store.found
+    assert "0.1 MiB free" in store.found
+    assert train.check == "disk (train)" and "the store and target head extract writes first" in train.found
 
 
 def test_disk_estimate_uses_prepare_counts(tmp_path, assets):
@@ -446,6 +452,104 @@ def test_disk_estimate_of_the_states_in_each_store_dtype(tmp_path, assets, dtype
     tokens = json.loads((folder / "index.json").read_text())["num_tokens"]
     shards = sum(f.stat().st_size for f in folder.glob("shard-*.safetensors"))
     assert abs(per_token * tokens - shards) < 0.05 * shards, (per_token, tokens, shards, est.found)
+
+
+# ---- training's disk: checkpoints and the final draft ---------------------------------------------
+
+def _mib(pattern, text):
+    return float(re.search(pattern, text)[1]) * 2**20
+
+
+def _train_disk(cfg, stage=None):
+    (f,) = [f for f in diagnose(cfg, stage).findings if f.check == "disk (train)"]
+    return f
+
+
+def test_train_disk_thresholds_and_the_store_on_the_same_disk(tmp_path, assets, monkeypatch):
+    """Before extract the doctor adds the store it will write to training's checkpoints and
+    final draft, one budget for the one disk: FAIL above the free space, warn above 80% of it."""
+    cfg = _cfg(tmp_path, assets)
+    _free(monkeypatch, 10**15)
+    f = _train_disk(cfg)
+    need = _mib(r"^~([\d.]+) MiB at most at once", f.found)
+    store = _mib(r"the store and target head extract writes first ~([\d.]+) MiB", f.found)
+    (disk,) = [g for g in diagnose(cfg).findings if g.check == "disk"]
+    assert store == _mib(r"~([\d.]+) MiB to write", disk.found)
+    assert need == pytest.approx(_mib(r"together ~([\d.]+) MiB", f.found) + store, abs=0.1 * 2**20)
+    assert f.status == "ok" and "train.keep_last 3 kept" in f.found and "train.ckpt_every 200" in f.found
+    for free, status in ((0.97 * need, "FAIL"), (1.03 * need, "warn"), (0.97 * need / 0.8, "warn"),
+                         (1.03 * need / 0.8, "ok")):
+        _free(monkeypatch, int(free))
+        f = _train_disk(cfg)
+        assert f.status == status, (free / need, f.line())
+    _free(monkeypatch, int(0.5 * need))
+    line = _train_disk(cfg).line()
+    assert line.startswith("FAIL  disk (train):") and f"run.dir {cfg.run_dir}" in line
+    assert "fix: write or keep fewer checkpoints (train.keep_last 1: ~" in line and "train.ckpt_every above the steps the run takes" in line
+
+
+@pytest.mark.parametrize("larger, target", [("checkpoint", {"intermediate_size": 2048}),
+                                            ("final draft", {"vocab_size": 32768})])
+def test_train_disk_estimate_against_a_real_run(tmp_path, assets, monkeypatch, larger, target):
+    """The estimate against a real run's bytes on disk: one checkpoint (a wide MLP: trainable
+    weights and AdamW moments outweigh the final draft) or the final draft (a wide vocabulary:
+    its fp32 embedding outweighs a checkpoint), and the most the run held at once, measured
+    as each checkpoint is made durable (the new one complete before the oldest beyond
+    train.keep_last goes) and at the end (the kept ones beside the final draft)."""
+    import eaglet.formats.checkpoints as checkpoints_mod
+
+    folder = tiny.save_target(tmp_path / "target", family="llama", template="llama3", **target)
+    cfg = _cfg(tmp_path, assets, f"target.path={folder}", "extract.selfcheck_samples=0", "train.device=cpu",
+               "train.max_steps=3", "train.ckpt_every=1", "train.keep_last=2", "train.max_tokens=256",
+               "train.ttt_steps=2", "train.eval_every=0", "train.tensorboard=false")
+    for stage in ("prepare", "extract", "vocab"):
+        pipeline.run_stage(cfg, stage)
+    est = _train_disk(cfg, "train")
+    assert est.status == "ok" and "3 written, train.max_steps 3 / train.ckpt_every 1" in est.found
+    ckpt, final = _mib(r"checkpoints of ~([\d.]+) MiB each", est.found), _mib(r"final draft ~([\d.]+) MiB", est.found)
+    peak = _mib(r"together ~([\d.]+) MiB", est.found)
+
+    train = cfg.run_dir / "train"
+    held = []  # bytes in the train folder each time a checkpoint (or its folder) is fsynced
+
+    def du(path):
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    real_fsync = checkpoints_mod.fsync_dir
+    monkeypatch.setattr(checkpoints_mod, "fsync_dir", lambda d: (held.append(du(train)), real_fsync(d))[1])
+    pipeline.run_stage(cfg, "train")
+    held.append(du(train) - (train / "manifest.json").stat().st_size)
+    kept = checkpoints_mod.checkpoints(train / "checkpoints")
+    assert [c.name for c in kept] == ["step-0000003", "step-0000002"]
+    one, last = du(kept[0]), du(train / "final")
+    assert (one > last) == (larger == "checkpoint"), (one, last)
+    # Within the line's 0.1 MiB rounding and 2%.
+    assert abs(ckpt - one) < 0.05 * 2**20 + 0.02 * one, (ckpt, one, est.found)
+    assert abs(final - last) < 0.05 * 2**20 + 0.02 * last, (final, last, est.found)
+    assert abs(peak - max(held)) < 0.05 * 2**20 + 0.02 * max(held), (peak, held, est.found)
+    assert abs(peak - (2 * one + max(one, last))) < 0.05 * 2**20 + 0.02 * peak  # keep_last 2, + one or the final
+
+    again = _train_disk(cfg, "train")  # the checkpoints there now count against what the run adds
+    assert f"beyond the {2 * one / 2**20:.1f} MiB of checkpoints there" in again.found
+    peak = _mib(r"together ~([\d.]+) MiB", again.found)
+    assert abs(peak - max(one, last)) < 0.05 * 2**20 + 0.02 * peak, (peak, one, last, again.found)
+
+
+def test_train_preflight_stops_on_disk_before_training(tmp_path, assets, monkeypatch):
+    import eaglet.stages.train as train_mod
+
+    cfg = _cfg(tmp_path, assets, "extract.selfcheck_samples=0", "train.device=cpu", "train.max_steps=2")
+    for stage in ("prepare", "extract", "vocab"):
+        pipeline.run_stage(cfg, stage)
+    builds = []
+    monkeypatch.setattr(train_mod, "build_draft", lambda *a: builds.append(a) or (_ for _ in ()).throw(SystemExit))
+    _free(monkeypatch, 10**5)
+    with pytest.raises(PreflightError, match=r"(?s)preflight of `train`.*FAIL  disk \(train\):.*train.keep_last"):
+        pipeline.run_stage(cfg, "train")
+    assert builds == [] and not (cfg.run_dir / "train" / "checkpoints").exists()
+    with pytest.raises(SystemExit):  # --skip-preflight: straight to the (planted) draft
+        pipeline.run_stage(cfg, "train", preflight=False)
+    assert len(builds) == 1
 
 
 def test_engine_fed_plan_for_kimi_k25():

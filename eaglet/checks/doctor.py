@@ -30,6 +30,7 @@ from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import ConfigError, EagletError, PreflightError
 from ..formats.buffer import buffer_folder, micro_batch_bytes
+from ..formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
 from ..formats.datasets import check_data_file, iter_records
 from ..formats.prepared import PreparedData
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
@@ -59,6 +60,7 @@ TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
 DOCTOR_RECORDS = 8  # records per data file rendered by the mask check and the disk estimate
 GiB = 2**30
+CKPT_DIR = "checkpoints"  # in the train stage's folder (stages/train.py CKPT_DIR; checks sit below stages)
 
 
 def _gib(n: float) -> str:
@@ -430,12 +432,22 @@ def _head_bytes(p: Probe, H: int) -> tuple[int, int]:
     return (rows * H + H) * _target_dtype_bytes(p), config
 
 
-def check_disk(p: Probe) -> None:
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a folder eaglet will make lands)."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _store_need(p: Probe) -> tuple[int, str] | None:
+    """(bytes extract still has to write into run.dir/extract, what they are): the states
+    (none in online mode) and the target head, less what is there already; None without a
+    hidden size and a token count."""
     H, n_aux = _hidden_and_aux(p)
     tokens, source = _estimate_tokens(p)
     if H is None or tokens is None:
-        p.add("info", "disk", "a token count to size the store", "none (no prepare manifest and no sampled records)")
-        return
+        return None
     store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
     fp8 = p.cfg.extract.store_dtype == "float8_e4m3fn"  # one float32 scale per token and state besides
     per_token = (n_aux + 1) * (H * store_bytes + (4 if fp8 else 0)) + 4 + 1  # states + int32 id + uint8 mask
@@ -446,23 +458,116 @@ def check_disk(p: Probe) -> None:
     have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() and not online else 0
     have_head = sum(f.stat().st_size for f in (store / HEAD_FILE, store / TARGET_CONFIG) if f.is_file())
     need = (0 if online else max(states - have, 0)) + max(head + config - have_head, 0)
-    where = p.cfg.run_dir.resolve()
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
     head_part = (f"{HEAD_FILE} ~{_gib(head)} (embedding and LM head, {_target_dtype_bytes(p)} B a value) + "
                  f"{TARGET_CONFIG} {config / 1024:.1f} KiB")
     states_part = (f"{tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x {p.cfg.extract.store_dtype}"
                    + (" + a float32 scale each" if fp8 else "") + f"; tokens {source}")
-    found = (f"~{_gib(need)} to write: "
-             + (f"{head_part}; online mode stores no states (an offline store would add ~{_gib(states)}: {states_part})"
-                if online else f"states ~{_gib(states)} ({states_part}) + {head_part}")
-             + (f"; {_gib(have + have_head)} already stored" if have + have_head else "")
-             + f"; {_gib(free)} free on {where}")
+    what = (f"~{_gib(need)} to write: "
+            + (f"{head_part}; online mode stores no states (an offline store would add ~{_gib(states)}: {states_part})"
+               if online else f"states ~{_gib(states)} ({states_part}) + {head_part}")
+            + (f"; {_gib(have + have_head)} already stored" if have + have_head else ""))
+    return need, what
+
+
+def check_disk(p: Probe) -> None:
+    found = _store_need(p)
+    if found is None:
+        p.add("info", "disk", "a token count to size the store", "none (no prepare manifest and no sampled records)")
+        return
+    need, what = found
+    where = _existing(p.cfg.run_dir)
+    free = shutil.disk_usage(where).free
     fix = ("free space or set run.dir on a larger disk; or extract.mode: online (no store, for a target that fits "
            "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16, or float8_e4m3fn: half of it)")
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
-    p.add(status, "disk", "the hidden-state store and the target head fit on run.dir's disk", found, fix)
+    p.add(status, "disk", "the hidden-state store and the target head fit on run.dir's disk",
+          f"{what}; {_gib(free)} free on {where}", fix)
+
+
+def _peak_writes(have: list[int], ckpt: int, final: int, saves: int | None, keep: int) -> int:
+    """The most bytes training adds to its disk at once, over what is there now. Checkpoints
+    come in turn, each complete before the oldest beyond `keep` goes (formats/checkpoints.py
+    save_checkpoint: keep + 1 at once); then the final draft beside the kept ones (formats/draft.py
+    save_final; an old final/ goes only once the new one is written). `have`: the checkpoints
+    there, newest first; `saves`: how many the run writes, None when not known (then enough to
+    reach keep + 1)."""
+    keep = max(keep, 1)
+    held, now, peak = list(have), sum(have), 0
+    for _ in range(keep + 1 if saves is None else min(saves, keep + 1)):
+        held = [ckpt, *held]
+        peak = max(peak, sum(held) - now)
+        held = held[:keep]
+    return max(peak, sum(held) + final - now)
+
+
+def _train_disk(p: Probe) -> dict[str, Any] | None:
+    """What training writes into run.dir/train (stages/train.py: checkpoints/ and final/), from
+    the draft it builds (`_draft_skeleton`, as the memory check sizes it): `ckpt` one checkpoint's
+    bytes, `final` the final draft's, `saves` the checkpoints the run writes (None: not known),
+    `have` the bytes of each checkpoint there (newest first), `peak` the most it adds at once
+    (`_peak_writes`); the parameter counts and dtypes. None before the target's config is known."""
+    found = _draft_skeleton(p)
+    if found is None:
+        return None
+    draft, t = found[1], p.cfg.train
+    state = draft.state_dict()
+    optimized = [q for q in draft.parameters() if q.requires_grad]
+    ckpt = checkpoint_bytes(state, optimized)
+    # save_final: every weight, the frozen embedding in fp32 like the rest (as the meta draft holds it).
+    final = safetensors_bytes(state) + len(json.dumps(draft.config.to_dict(), indent=1)) + 100
+    folder = p.cfg.run_dir / "train" / CKPT_DIR
+    have = [sum(f.stat().st_size for f in c.rglob("*") if f.is_file()) for c in checkpoints(folder)] \
+        if folder.is_dir() else []
+    saves = -(-t.max_steps // t.ckpt_every) if t.max_steps else None  # every ckpt_every steps and at the end
+    return {"ckpt": ckpt, "final": final, "saves": saves, "have": have,
+            "peak": _peak_writes(have, ckpt, final, saves, t.keep_last),
+            "trainable": sum(q.numel() for q in optimized), "params": sum(q.numel() for q in draft.parameters()),
+            "dtypes": "/".join(sorted({str(q.dtype).removeprefix("torch.") for q in draft.parameters()}))}
+
+
+def check_train_disk(p: Probe) -> None:
+    """Training's checkpoints and final draft against the free space of run.dir/train's disk,
+    with what is still to be written on that disk before them: the store (before extract), the
+    stream buffer (an engine-fed run)."""
+    if p.stage is None and p.parts is None:
+        return  # the doctor could not resolve the architecture (already a FAIL)
+    d = _train_disk(p)
+    if d is None:
+        p.add("info", "disk (train)", "the target's config", "none yet (run extract first)")
+        return
+    t, e = p.cfg.train, p.cfg.extract
+    where = _existing(p.cfg.run_dir / "train")
+    device = os.stat(where).st_dev
+    before, parts = 0, []
+    store = _store_need(p)
+    if store is not None and store[0] > 0 and os.stat(_existing(p.cfg.run_dir / "extract")).st_dev == device:
+        before += store[0]
+        parts.append(f"the store and target head extract writes first ~{_gib(store[0])}")
+    if streaming(p.cfg) and os.stat(_existing(buffer_folder(e.stream_dir, p.cfg.run_dir / "train"))).st_dev == device:
+        before += int(float(e.stream_buffer_gb) * 1e9)
+        parts.append(f"the stream buffer <= {e.stream_buffer_gb:g} GB (extract.stream_buffer_gb)")
+    need, free = d["peak"] + before, shutil.disk_usage(where).free
+    saves = (f"{d['saves']} written, train.max_steps {t.max_steps} / train.ckpt_every {t.ckpt_every}"
+             if d["saves"] is not None else f"one every train.ckpt_every {t.ckpt_every} steps")
+    kept = (f"train.keep_last {t.keep_last}: all kept" if d["saves"] is not None and d["saves"] <= t.keep_last
+            else f"train.keep_last {t.keep_last} kept and one more while the next is written")
+    found = (f"~{_gib(need)} at most at once: checkpoints of ~{_gib(d['ckpt'])} each ({d['trainable'] / 1e6:.1f}M "
+             f"trainable params in {d['dtypes']} and AdamW's two moments; {saves}; {kept}) and the final draft "
+             f"~{_gib(d['final'])} ({d['params'] / 1e6:.1f}M params in {d['dtypes']}), together ~{_gib(d['peak'])}"
+             + (f" beyond the {_gib(sum(d['have']))} of checkpoints there" if d["have"] else "")
+             + "".join(f"; + {x}" for x in parts) + f"; {_gib(free)} free on {where} (run.dir {p.cfg.run_dir})")
+    fewer = []
+    if t.keep_last > 1:
+        one_kept = _peak_writes(d["have"], d["ckpt"], d["final"], d["saves"], 1) + before
+        fewer.append(f"train.keep_last 1: ~{_gib(one_kept)}")
+    if d["saves"] is None or d["saves"] > 1:
+        one_saved = _peak_writes(d["have"], d["ckpt"], d["final"], 1, t.keep_last) + before
+        fewer.append(f"train.ckpt_every {f'>= {t.max_steps}' if t.max_steps else 'above the steps the run takes'}, "
+                     f"one checkpoint at the end: ~{_gib(one_saved)}")
+    fix = (f"write or keep fewer checkpoints ({'; '.join(fewer)}), or " if fewer else "") + \
+        "free space or set run.dir on a larger disk"
+    status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
+    p.add(status, "disk (train)", "the checkpoints and the final draft fit on run.dir/train's disk", found, fix)
 
 
 # ---- GPU memory -------------------------------------------------------------------------------------
@@ -566,22 +671,35 @@ def _text_config_for_train(p: Probe) -> Any:
     return text_config_from_dict(read_target_config(folder))
 
 
-def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
-    """Training's memory on one device: (bytes, breakdown, the draft's DraftConfig, trainable
-    parameters); None before the target's config is known."""
+def _draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
+    """(the target's text config, the draft training builds from it on the meta device: its
+    shapes and dtypes, no memory); None before the target's config is known."""
     import torch
 
     tc = _text_config_for_train(p)
     if tc is None:
         return None
     t = p.cfg.train
-    V = int(tc.vocab_size)
-    Vd = min(p.cfg.vocab.size, V)
     _, n_aux = _hidden_and_aux(p)
-    dcfg = DraftConfig.from_target_config(tc, draft_vocab_size=Vd, num_layers=t.draft_layers, fc_norm=t.fc_norm,
-                                          norm_output=t.norm_output, num_aux=n_aux)
+    dcfg = DraftConfig.from_target_config(tc, draft_vocab_size=min(p.cfg.vocab.size, int(tc.vocab_size)),
+                                          num_layers=t.draft_layers, fc_norm=t.fc_norm, norm_output=t.norm_output,
+                                          num_aux=n_aux)
     with torch.device("meta"):
-        draft = Eagle3Draft(dcfg)
+        return tc, Eagle3Draft(dcfg)
+
+
+def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
+    """Training's memory on one device: (bytes, breakdown, the draft's DraftConfig, trainable
+    parameters); None before the target's config is known."""
+    import torch
+
+    found = _draft_skeleton(p)
+    if found is None:
+        return None
+    tc, draft = found
+    t, dcfg = p.cfg.train, draft.config
+    V, Vd = int(tc.vocab_size), dcfg.draft_vocab_size
+    _, n_aux = _hidden_and_aux(p)
     trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
     frozen = sum(q.numel() for q in draft.parameters() if not q.requires_grad)
     H, I = dcfg.hidden_size, dcfg.intermediate_size
@@ -774,10 +892,12 @@ def check_stream(p: Probe) -> None:
               f"{shared:.1f} h with the draft on the engine's GPUs (engine ~{engine_rate / 1e3:.1f}k tokens/s a GPU, "
               f"training ~{train_rate / 1e3:.1f}k: the two take turns), {apart:.1f} h on as many GPUs again for the "
               "draft; from rates measured on one H200 scaled by FLOPs (doctor FORWARD_REF, TRAIN_REF): an estimate")
-    ckpt = (found[3] * 16 if found else 0) * max(t.keep_last, 1)
+    d = _train_disk(p)
     p.add("info", "disk (engine-fed)", "no store: the buffer, the head and the checkpoints",
-          f"buffer <= {e.stream_buffer_gb:g} GB in {e.stream_dir or p.cfg.run_dir / 'train' / 'stream'}; "
-          f"checkpoints ~{_gib(ckpt)} (train.keep_last {t.keep_last}); an offline store would be "
+          f"buffer <= {e.stream_buffer_gb:g} GB in {buffer_folder(e.stream_dir, p.cfg.run_dir / 'train')}; "
+          + (f"checkpoints and the final draft ~{_gib(d['peak'])} at most at once (train.keep_last {t.keep_last}: "
+             "the disk (train) line checks them); " if d is not None else "")
+          + "an offline store would be "
           f"{(n_aux + 1) * H * _DTYPE_BYTES.get(e.store_dtype, 2) / 1e3:.1f} KB a token")
 
 
@@ -802,6 +922,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_vllm_eval, ("eval",)),
     (check_api_contracts, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_disk, ("extract",)),
+    (check_train_disk, ("train",)),
     (check_extract_memory, ("extract",)),
     (check_train_memory, ("train",)),
     (check_stream, ("extract", "train")),

@@ -88,6 +88,26 @@ def trainable_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in state.items() if k != "embed_tokens.weight"}
 
 
+# Beside the tensors' bytes (measured with torch 2.13): save_file's JSON header entry per tensor,
+# torch.save's zip record and pickle per tensor, and the rng, state and checksum files.
+SAFETENSORS_PER_TENSOR = 100
+TORCH_SAVE_PER_TENSOR = 250
+SMALL_FILES = 12 * 2**10
+
+
+def safetensors_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of `save_file(state)` (meta tensors will do): each tensor in its dtype, and the header."""
+    return sum(v.numel() * v.element_size() + SAFETENSORS_PER_TENSOR + len(k) for k, v in state.items())
+
+
+def checkpoint_bytes(model_state: dict[str, torch.Tensor], optimized: list[torch.Tensor]) -> int:
+    """Bytes of one checkpoint folder as `save_checkpoint` writes it (meta tensors will do):
+    `trainable_state(model_state)` in its dtypes; AdamW's state of each tensor in `optimized`
+    (two moments in the parameter's dtype and a float32 step); the small files."""
+    optimizer = sum(2 * q.numel() * q.element_size() + 4 + 3 * TORCH_SAVE_PER_TENSOR for q in optimized)
+    return safetensors_bytes(trainable_state(model_state)) + optimizer + SMALL_FILES
+
+
 def _checksums(folder: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """{name: {"sha256", "bytes"}} of files in `folder`, hashed on one thread each (hashlib
     releases the GIL: a large optimizer.pt and model.safetensors are read side by side)."""
