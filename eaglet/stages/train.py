@@ -9,7 +9,11 @@ the target's LM head on the stored final state, restricted to the draft vocabula
 
 Everything a resume needs is in a checkpoint folder written atomically every
 `train.ckpt_every` steps: trainable weights, optimizer and scheduler state, the data
-position and the RNG states, with checksums (eaglet/formats/checkpoints.py). A killed run
+position and the RNG states, with checksums (eaglet/formats/checkpoints.py). The loop waits
+for a copy of them in host memory only; a thread writes it while training goes on
+(`CheckpointWriter`, train.ckpt_async), one write at a time, and the run ends, or fails,
+only once the last is on disk (a kill mid-write leaves a `.tmp-step-*` folder, which
+resume passes over). A killed run
 started again continues from the newest intact checkpoint (a corrupt one is named and passed
 over) and produces the same losses as an uninterrupted run. Checkpoints carry a fingerprint
 of everything that sets the trajectory (the model, the data, the vocabulary, run.seed and
@@ -36,15 +40,19 @@ refused with the grad_accum to use otherwise.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import resource
+import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..config import Config, TrainSection
@@ -55,7 +63,8 @@ from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
                           freeze_survivors, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile)
 from ..errors import CorruptDataError, ResumeError
-from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, save_checkpoint
+from ..formats.checkpoints import (RNG_FILE, newest_intact, read_checkpoint, restore_rng, save_checkpoint,
+                                   trainable_state)
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, read_target_config
@@ -121,7 +130,7 @@ def _digest(t: torch.Tensor) -> str:
 # precision is compared as resolved (bf16 or fp32), since `auto` follows the device;
 # train.grad_accum as micro-batches per step (grad_accum x world size), which is what it sets.
 RESUME_SAFE_KEYS = ("log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
-                    "device", "parallel", "compile", "attn_impl", "teacher_chunk", "prefetch")
+                    "device", "parallel", "compile", "attn_impl", "teacher_chunk", "prefetch", "ckpt_async")
 # The trajectory settings `eaglet train --extend` may raise: a longer schedule (Trainer._pick).
 EXTEND_KEYS = ("train.epochs", "train.max_steps")
 # Fingerprint keys of checkpoints written before every trajectory setting was in the fingerprint.
@@ -210,6 +219,103 @@ def set_aside(out_dir: Path) -> Path | None:
         p.rename(dest / p.name)
     log(f"[train] --force: the previous run is kept in {dest}; training from step 0")
     return dest
+
+
+# ---- checkpoints written behind the loop ----------------------------------------------------------
+
+def _host_copy(obj: Any, live: set[int]) -> Any:
+    """`obj` (a state dict: nested dicts, lists and tensors) with every tensor on the CPU and
+    apart from training's: one on another device, or sharing its storage with one of `live`
+    (the data pointers of the draft's weights and the optimizer's state), is copied."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.untyped_storage().data_ptr() not in live:
+            return obj
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v, live) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v, live) for v in obj)
+    return obj
+
+
+def _storage(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (fsdp): this rank's shard
+    return local.untyped_storage().data_ptr()
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    """This process's RNG states, keyed as a checkpoint's rng.safetensors holds them."""
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+class _SchedulerAt:
+    """A scheduler's state at one step, for save_checkpoint to record after the loop moved on."""
+
+    def __init__(self, sched: torch.optim.lr_scheduler.LRScheduler):
+        self.state = copy.deepcopy(sched.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
+def _write_then_check_rng(write: Callable[[], Path], rng: dict[str, torch.Tensor]) -> Path:
+    """Run `write` (a save_checkpoint, on the writer's thread) and check that the RNG states it
+    recorded, read as it wrote, are `rng`, the states at the checkpoint's step: else the loop drew
+    from them meanwhile, the checkpoint would not resume its own run, and it is removed."""
+    final = write()
+    written = load_file(str(final / RNG_FILE))
+    if written.keys() != rng.keys() or not all(torch.equal(written[k], v) for k, v in rng.items()):
+        shutil.rmtree(final, ignore_errors=True)
+        raise RuntimeError("the RNG states changed between the step and the write (the loop draws from them): "
+                           "the checkpoint is removed; set train.ckpt_async=false")
+    return final
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, one at a time: on a thread behind the loop (`background`) or
+    in the caller. `submit` waits for the write before it first, so the host holds at most one
+    snapshot; a write that failed is raised by the next `wait` (or `submit`), naming its folder."""
+
+    def __init__(self, background: bool):
+        self.background = background
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[Path, Future] | None = None
+
+    def submit(self, folder: Path, write: Callable[[], Any]) -> None:
+        """Write checkpoint `folder` with `write()`, here or (background) on the thread."""
+        self.wait()
+        if not self.background:
+            write()
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="eaglet-checkpoint")
+        self._pending = (folder, self._pool.submit(write))
+
+    def wait(self) -> None:
+        """Until the write in flight is done; raises its failure. (Interrupted, it stays pending.)"""
+        if self._pending is None:
+            return
+        folder, future = self._pending
+        error = future.exception()
+        self._pending = None
+        if error is not None:
+            raise RuntimeError(f"train: writing checkpoint {folder} failed ({type(error).__name__}: {error}); the "
+                               "checkpoints before it are as they were: a rerun resumes from the newest") from error
+
+    def close(self) -> None:
+        """Wait for the write in flight and end the thread. On an error's way out: a failed
+        write is logged, the error on its way stays the one raised."""
+        try:
+            self.wait()
+        except RuntimeError as e:
+            log(f"[train] {e}")
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -335,6 +441,12 @@ class Trainer:
         self.read = partial(read_batch, store, max_tokens=self.tc.max_tokens, pin=self.device.type == "cuda",
                             ttt_steps=self.tc.ttt_steps)
         self.prefetch: Prefetch | None = None
+        # train.state_noise draws from the RNG states, which save_checkpoint records as it
+        # writes: a write behind the loop would record a later step's.
+        background = self.tc.ckpt_async and self.tc.state_noise == 0
+        if self.tc.ckpt_async and not background:
+            log("[train] train.state_noise > 0: checkpoints are written in the loop, not behind it (train.ckpt_async)")
+        self.writer = CheckpointWriter(background and self.env.is_main)
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
@@ -516,12 +628,23 @@ class Trainer:
         return hint + f"{old_m} micro-batches do not split over {W} ranks: resume on a world size that divides {old_m}"
 
     def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
-        """A checkpoint, written by rank 0 (every rank gathers its part under fsdp)."""
+        """A checkpoint of this step, written by rank 0 (every rank gathers its part under fsdp):
+        behind the loop (self.writer.background) from copies that the next steps leave as they are."""
+        run_on_main(self.writer.wait)  # the write before on disk first; its failure raised on every rank
         model_state, optim_state = self.par.full_state(), self.par.full_optimizer_state(self.opt)
         if self.env.is_main:
-            save_checkpoint(ckpt_dir, step, model_state, optim_state, self.sched,
-                            {**state, "world_size": self.env.world_size, "parallel": self.par.strategy},
-                            self.tc.keep_last)
+            state = {**state, "world_size": self.env.world_size, "parallel": self.par.strategy}
+            sched: Any = self.sched
+            if self.writer.background:  # on the CPU full_state is the weights themselves; the optimizer's are live
+                opt_tensors = (v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+                live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers(), *opt_tensors)}
+                model_state = _host_copy(trainable_state(model_state), live)  # not the frozen embedding
+                optim_state = _host_copy(optim_state, live)
+                sched, state = _SchedulerAt(self.sched), copy.deepcopy(state)
+            write = partial(save_checkpoint, ckpt_dir, step, model_state, optim_state, sched, state, self.tc.keep_last)
+            if self.writer.background:
+                write = partial(_write_then_check_rng, write, _rng_states())
+            self.writer.submit(ckpt_dir / f"step-{step:07d}", write)
         barrier()
 
     def _loop(self, step: int, epoch: int, micro: int, first_step: int, metrics: MetricLog, bar: Any,
@@ -600,6 +723,7 @@ class Trainer:
             self.prefetch = Prefetch(self.read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
         try:
             step, last_eval = self._loop(step, epoch, micro, first_step, metrics, bar, fp, settings)
+            run_on_main(self.writer.wait)  # the last checkpoint on disk before final/ and the manifest
         finally:  # the bar ends its line first: an error is one line of its own
             bar.close()
             if stream is not None:
@@ -607,6 +731,7 @@ class Trainer:
             if self.prefetch is not None:
                 self.prefetch.close()
                 self.prefetch = None
+            self.writer.close()  # on an error's way out too: a write in flight finishes, never half done
         metrics.close()
         steps_run = step - first_step  # optimizer steps this process took
         if last_eval is None and steps_run == 0:  # a finished run resumed: its last evaluation, from the log
