@@ -1,4 +1,4 @@
-"""Checkpoints written behind the loop (train.ckpt_async, stages/train.py CheckpointWriter).
+"""Checkpoints written behind the loop (train.ckpt_async, eaglet/stages/checkpoint_writer.py).
 
 Each is held to a run that writes its checkpoints in the loop (train.ckpt_async=false), fp32
 on the CPU, one thread: the same checkpoints bit for bit, also when the write is held back
@@ -127,28 +127,35 @@ def test_behind_the_loop_writes_what_the_loop_writes(runs):
     assert not list(_ckpts(on).glob(".tmp-*"))
 
 
-def test_a_write_held_back_while_the_loop_runs_on_holds_its_own_step(runs, tmp_path, monkeypatch):
-    """The write of step 4 waits until the loop has taken step 7: on the CPU the weights and the
-    optimizer state it was given would by then be step 7's, were they not copies."""
-    tmp, base, out, _ = runs
+def _hold_back(monkeypatch, step: int, until: int) -> dict[int, int]:
+    """Make checkpoint `step`'s write wait until the loop has taken `until` optimizer steps;
+    returns {checkpoint step: optimizer steps taken when its write ran}, filled as they run."""
     real_write, real_step = train_stage.save_checkpoint, train_stage.optimizer_step
     taken, released, at_write = [], threading.Event(), {}
 
     def stepping(*args, **kw):
         lr = real_step(*args, **kw)
         taken.append(lr)
-        if len(taken) == 7:
+        if len(taken) == until:
             released.set()
         return lr
 
-    def held_back(folder, step, *args):
-        if step == 4:
-            assert released.wait(timeout=300), "the loop did not run on while checkpoint 4 was pending"
-        at_write[step] = len(taken)
-        return real_write(folder, step, *args)
+    def held_back(folder, s, *args):
+        if s == step:
+            assert released.wait(timeout=300), f"the loop did not run on while checkpoint {step} was pending"
+        at_write[s] = len(taken)
+        return real_write(folder, s, *args)
 
     monkeypatch.setattr(train_stage, "optimizer_step", stepping)
     monkeypatch.setattr(train_stage, "save_checkpoint", held_back)
+    return at_write
+
+
+def test_a_write_held_back_while_the_loop_runs_on_holds_its_own_step(runs, tmp_path, monkeypatch):
+    """The write of step 4 waits until the loop has taken step 7: on the CPU the weights and the
+    optimizer state it was given would by then be step 7's, were they not copies."""
+    tmp, base, out, _ = runs
+    at_write = _hold_back(monkeypatch, 4, until=7)
     run, _ = train_on_copy(tmp, base, tmp_path / "held", "train.ckpt_every=4")
     assert at_write[4] >= 7  # written after the loop took steps 5, 6 and 7
     assert at_write[8] >= 8 and at_write[11] == 11
@@ -225,40 +232,21 @@ def test_an_interrupted_run_waits_for_the_write_in_flight(runs, tmp_path, monkey
     assert not list(_ckpts(run).glob(".tmp-*"))
 
 
-def test_the_loop_drawing_from_the_rng_before_the_write_is_refused(runs, tmp_path, monkeypatch):
-    """The RNG states a checkpoint records are read as it is written: one that the loop moved on
-    in between is removed and named, not kept to resume a run it does not belong to."""
-    tmp, base, out, _ = runs
-    real = train_stage.save_checkpoint
-
-    def drawn_meanwhile(folder, step, *args):
-        if step == 4:
-            torch.rand(1)
-        return real(folder, step, *args)
-
-    monkeypatch.setattr(train_stage, "save_checkpoint", drawn_meanwhile)
-    run = tmp_path / "run"
-    shutil.copytree(tmp / "run", run)
-    with pytest.raises(RuntimeError, match=r"step-0000004 failed \(RuntimeError: the RNG states changed between the "
-                                           r"step and the write .*set train\.ckpt_async=false"):
-        _train(run, base)
-    assert [p.name for p in ck.checkpoints(_ckpts(run))] == ["step-0000002"]
-
-
-def test_state_noise_writes_in_the_loop(runs, tmp_path, monkeypatch, capfd):
-    """train.state_noise draws from the RNG states each step: its checkpoints are written in the
-    loop, which the log says."""
-    tmp, base, out, _ = runs
-    real, threads = train_stage.save_checkpoint, []
-
-    def recording(folder, step, *args):
-        threads.append(threading.current_thread().name)
-        return real(folder, step, *args)
-
-    monkeypatch.setattr(train_stage, "save_checkpoint", recording)
-    train_on_copy(tmp, base, tmp_path / "noise", "train.state_noise=0.05", "train.max_steps=4")
-    assert threads == ["MainThread", "MainThread"]
-    assert "[train] train.state_noise > 0: checkpoints are written in the loop" in capfd.readouterr().err
+def test_state_noise_held_back_write_records_its_own_steps_rng(runs, tmp_path, monkeypatch):
+    """train.state_noise draws from the RNG states every step. A write of step 4 held back until
+    the loop has taken step 5 still records step 4's states (taken at the step, not as it
+    writes), so its checkpoints equal those of a run writing in the loop, RNG included."""
+    tmp, base, _, _ = runs
+    noise = ("train.state_noise=0.05", "train.max_steps=6", "train.ckpt_every=4")
+    off, _ = train_on_copy(tmp, base, tmp_path / "noise-off", "train.ckpt_async=false", *noise)
+    at_write = _hold_back(monkeypatch, 4, until=5)
+    on, _ = train_on_copy(tmp, base, tmp_path / "noise-on", "train.ckpt_async=true", *noise)
+    assert at_write[4] >= 5
+    assert [p.name for p in ck.checkpoints(_ckpts(on))] == [p.name for p in ck.checkpoints(_ckpts(off))] \
+        == ["step-0000006", "step-0000004"]
+    for c in ck.checkpoints(_ckpts(off)):
+        _same_checkpoint(_ckpts(on) / c.name, c)
+    assert _log(on) == _log(off)
 
 
 def _killed_copy(src: Path, dst: Path, after: int) -> Path:

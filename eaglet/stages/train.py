@@ -10,10 +10,9 @@ the target's LM head on the stored final state, restricted to the draft vocabula
 Everything a resume needs is in a checkpoint folder written atomically every
 `train.ckpt_every` steps: trainable weights, optimizer and scheduler state, the data
 position and the RNG states, with checksums (eaglet/formats/checkpoints.py). The loop waits
-for a copy of them in host memory only; a thread writes it while training goes on
-(`CheckpointWriter`, train.ckpt_async), one write at a time, and the run ends, or fails,
-only once the last is on disk (a kill mid-write leaves a `.tmp-step-*` folder, which
-resume passes over). A killed run
+for a copy of them in host memory only, and a thread writes it while training goes on
+(eaglet/stages/checkpoint_writer.py, train.ckpt_async); the run ends, or fails, only once
+the last is on disk. A killed run
 started again continues from the newest intact checkpoint (a corrupt one is named and passed
 over) and produces the same losses as an uninterrupted run. Checkpoints carry a fingerprint
 of everything that sets the trajectory (the model, the data, the vocabulary, run.seed and
@@ -40,19 +39,15 @@ refused with the grad_accum to use otherwise.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import resource
-import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..config import Config, TrainSection
@@ -63,14 +58,14 @@ from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
                           freeze_survivors, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile)
 from ..errors import CorruptDataError, ResumeError
-from ..formats.checkpoints import (RNG_FILE, newest_intact, read_checkpoint, restore_rng, save_checkpoint,
-                                   trainable_state)
+from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, rng_state, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..formats.vocab import load_vocab
 from ..targets.families import text_config_from_dict
 from ..utils import log
+from .checkpoint_writer import CheckpointWriter, host_snapshot
 from .context import StageContext
 from .online import OnlineStates
 from .stream import StreamedStates
@@ -221,103 +216,6 @@ def set_aside(out_dir: Path) -> Path | None:
     return dest
 
 
-# ---- checkpoints written behind the loop ----------------------------------------------------------
-
-def _host_copy(obj: Any, live: set[int]) -> Any:
-    """`obj` (a state dict: nested dicts, lists and tensors) with every tensor on the CPU and
-    apart from training's: one on another device, or sharing its storage with one of `live`
-    (the data pointers of the draft's weights and the optimizer's state), is copied."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.untyped_storage().data_ptr() not in live:
-            return obj
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v, live) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v, live) for v in obj)
-    return obj
-
-
-def _storage(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (fsdp): this rank's shard
-    return local.untyped_storage().data_ptr()
-
-
-def _rng_states() -> dict[str, torch.Tensor]:
-    """This process's RNG states, keyed as a checkpoint's rng.safetensors holds them."""
-    out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return out
-
-
-class _SchedulerAt:
-    """A scheduler's state at one step, for save_checkpoint to record after the loop moved on."""
-
-    def __init__(self, sched: torch.optim.lr_scheduler.LRScheduler):
-        self.state = copy.deepcopy(sched.state_dict())
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
-
-
-def _write_then_check_rng(write: Callable[[], Path], rng: dict[str, torch.Tensor]) -> Path:
-    """Run `write` (a save_checkpoint, on the writer's thread) and check that the RNG states it
-    recorded, read as it wrote, are `rng`, the states at the checkpoint's step: else the loop drew
-    from them meanwhile, the checkpoint would not resume its own run, and it is removed."""
-    final = write()
-    written = load_file(str(final / RNG_FILE))
-    if written.keys() != rng.keys() or not all(torch.equal(written[k], v) for k, v in rng.items()):
-        shutil.rmtree(final, ignore_errors=True)
-        raise RuntimeError("the RNG states changed between the step and the write (the loop draws from them): "
-                           "the checkpoint is removed; set train.ckpt_async=false")
-    return final
-
-
-class CheckpointWriter:
-    """Rank 0's checkpoint writes, one at a time: on a thread behind the loop (`background`) or
-    in the caller. `submit` waits for the write before it first, so the host holds at most one
-    snapshot; a write that failed is raised by the next `wait` (or `submit`), naming its folder."""
-
-    def __init__(self, background: bool):
-        self.background = background
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: tuple[Path, Future] | None = None
-
-    def submit(self, folder: Path, write: Callable[[], Any]) -> None:
-        """Write checkpoint `folder` with `write()`, here or (background) on the thread."""
-        self.wait()
-        if not self.background:
-            write()
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="eaglet-checkpoint")
-        self._pending = (folder, self._pool.submit(write))
-
-    def wait(self) -> None:
-        """Until the write in flight is done; raises its failure. (Interrupted, it stays pending.)"""
-        if self._pending is None:
-            return
-        folder, future = self._pending
-        error = future.exception()
-        self._pending = None
-        if error is not None:
-            raise RuntimeError(f"train: writing checkpoint {folder} failed ({type(error).__name__}: {error}); the "
-                               "checkpoints before it are as they were: a rerun resumes from the newest") from error
-
-    def close(self) -> None:
-        """Wait for the write in flight and end the thread. On an error's way out: a failed
-        write is logged, the error on its way stays the one raised."""
-        try:
-            self.wait()
-        except RuntimeError as e:
-            log(f"[train] {e}")
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-
-
 # ---- the loop -------------------------------------------------------------------------------------
 
 class MetricLog:
@@ -441,12 +339,7 @@ class Trainer:
         self.read = partial(read_batch, store, max_tokens=self.tc.max_tokens, pin=self.device.type == "cuda",
                             ttt_steps=self.tc.ttt_steps)
         self.prefetch: Prefetch | None = None
-        # train.state_noise draws from the RNG states, which save_checkpoint records as it
-        # writes: a write behind the loop would record a later step's.
-        background = self.tc.ckpt_async and self.tc.state_noise == 0
-        if self.tc.ckpt_async and not background:
-            log("[train] train.state_noise > 0: checkpoints are written in the loop, not behind it (train.ckpt_async)")
-        self.writer = CheckpointWriter(background and self.env.is_main)
+        self.writer = CheckpointWriter(self.tc.ckpt_async and self.env.is_main)
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
@@ -634,17 +527,12 @@ class Trainer:
         model_state, optim_state = self.par.full_state(), self.par.full_optimizer_state(self.opt)
         if self.env.is_main:
             state = {**state, "world_size": self.env.world_size, "parallel": self.par.strategy}
-            sched: Any = self.sched
-            if self.writer.background:  # on the CPU full_state is the weights themselves; the optimizer's are live
-                opt_tensors = (v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-                live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers(), *opt_tensors)}
-                model_state = _host_copy(trainable_state(model_state), live)  # not the frozen embedding
-                optim_state = _host_copy(optim_state, live)
-                sched, state = _SchedulerAt(self.sched), copy.deepcopy(state)
-            write = partial(save_checkpoint, ckpt_dir, step, model_state, optim_state, sched, state, self.tc.keep_last)
-            if self.writer.background:
-                write = partial(_write_then_check_rng, write, _rng_states())
-            self.writer.submit(ckpt_dir / f"step-{step:07d}", write)
+            sched, rng = self.sched.state_dict(), rng_state()  # this step's, whenever the write runs
+            if self.writer.background:  # copies the next steps leave as they are
+                model_state, optim_state, sched, state = host_snapshot(self.model, self.opt, model_state, optim_state,
+                                                                       sched, state)
+            self.writer.submit(ckpt_dir / f"step-{step:07d}", partial(
+                save_checkpoint, ckpt_dir, step, model_state, optim_state, sched, state, self.tc.keep_last, rng))
         barrier()
 
     def _loop(self, step: int, epoch: int, micro: int, first_step: int, metrics: MetricLog, bar: Any,
