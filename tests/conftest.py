@@ -57,6 +57,22 @@ def train_on_copy(tmp, base: list[str], name: str, *extra: str, fresh: bool = Tr
     return run, [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
 
 
+def killed_copy(src, dst, after: int):
+    """Run folder `src` copied to `dst` as a kill just after its checkpoint of step `after`
+    would have left it: later checkpoints, the final draft and the manifest removed."""
+    import shutil
+
+    from eaglet.formats import checkpoints as ck
+
+    shutil.copytree(src, dst)
+    for p in ck.checkpoints(dst / "train" / "checkpoints"):
+        if int(p.name.split("-")[1]) > after:
+            shutil.rmtree(p)
+    shutil.rmtree(dst / "train" / "final")
+    (dst / "train" / "manifest.json").unlink()
+    return dst
+
+
 def run_script(path, args: list[str]) -> None:
     """Run the script `path` with command-line `args` in this process, as `python path args`
     would (its `__main__` block runs; nothing is imported from it): the benchmarks' tests, without

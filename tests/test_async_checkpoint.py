@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_pipeline_upto_vocab, train_on_copy
+from conftest import killed_copy, tiny_pipeline_upto_vocab, train_on_copy
 from eaglet import pipeline
 from eaglet.config import load_config
 from eaglet.formats import checkpoints as ck
@@ -249,22 +249,11 @@ def test_state_noise_held_back_write_records_its_own_steps_rng(runs, tmp_path, m
     assert _log(on) == _log(off)
 
 
-def _killed_copy(src: Path, dst: Path, after: int) -> Path:
-    """`src` as a kill just after its checkpoint of step `after` would have left it."""
-    shutil.copytree(src, dst)
-    for p in ck.checkpoints(_ckpts(dst)):
-        if int(p.name.split("-")[1]) > after:
-            shutil.rmtree(p)
-    shutil.rmtree(dst / "train" / "final")
-    (dst / "train" / "manifest.json").unlink()
-    return dst
-
-
 def test_resume_from_a_checkpoint_written_behind_the_loop(runs, tmp_path):
     tmp, base, out, _ = runs
     for name, extra, changed in (("same", [], {}),
                                  ("in_loop", ["train.ckpt_async=false"], {"train.ckpt_async": [True, False]})):
-        run = _killed_copy(out["on"], tmp_path / name, after=6)
+        run = killed_copy(out["on"], tmp_path / name, after=6)
         stats = _train(run, base, *extra)
         assert stats["resumed"]["from_step"] == 6 and stats["steps_run"] == 5
         assert stats["resumed"]["changed"] == changed

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_pipeline_upto_vocab, train_on_copy
+from conftest import killed_copy, tiny_pipeline_upto_vocab, train_on_copy
 from eaglet import pipeline
 from eaglet.config import load_config
 from eaglet.draft.step import extend_schedule, lr_lambda
@@ -43,17 +43,6 @@ def clean(tmp_path_factory):
 
 def _ckpts(run: Path) -> Path:
     return run / "train" / "checkpoints"
-
-
-def _killed_copy(src: Path, dst: Path, after: int) -> Path:
-    """`src` as a kill just after its checkpoint of step `after` would have left it."""
-    shutil.copytree(src, dst)
-    for p in ck.checkpoints(_ckpts(dst)):
-        if int(p.name.split("-")[1]) > after:
-            shutil.rmtree(p)
-    shutil.rmtree(dst / "train" / "final")
-    (dst / "train" / "manifest.json").unlink()
-    return dst
 
 
 def _train(run: Path, base: list[str], *extra: str, **kw) -> dict:
@@ -116,7 +105,7 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
 def test_corrupt_newest_checkpoint_is_named_and_training_resumes_from_the_one_before(clean, kind, tmp_path, capfd):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     damage, reason = CORRUPTIONS[kind]
     damage(_ckpts(run) / "step-0000006")
     stats = _train(run, base)
@@ -132,7 +121,7 @@ def test_corrupt_newest_checkpoint_is_named_and_training_resumes_from_the_one_be
 
 def test_non_finite_weights_or_optimizer_state_are_refused_like_corrupt_files(clean, tmp_path, capfd):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     six, four = _ckpts(run) / "step-0000006", _ckpts(run) / "step-0000004"
     weights = load_file(str(six / ck.MODEL_FILE))
     name = sorted(k for k, v in weights.items() if v.is_floating_point())[0]
@@ -155,7 +144,7 @@ def test_non_finite_weights_or_optimizer_state_are_refused_like_corrupt_files(cl
 
 def test_no_intact_checkpoint_is_one_error_naming_the_folder_and_the_fix(clean, tmp_path):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=4)
+    run = killed_copy(ref, tmp_path / "run", after=4)
     for p in ck.checkpoints(_ckpts(run)):
         _truncate(p / ck.MODEL_FILE)
     with pytest.raises(CorruptDataError) as e:
@@ -170,7 +159,7 @@ def test_no_intact_checkpoint_is_one_error_naming_the_folder_and_the_fix(clean, 
 
 def test_checkpoint_written_before_checksums_resumes_with_a_warning(clean, tmp_path, capfd):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     six = _ckpts(run) / "step-0000006"
     (six / ck.CHECKSUM_FILE).unlink()
     state = json.loads((six / ck.STATE_FILE).read_text())
@@ -202,7 +191,7 @@ def test_keep_last_below_one_still_keeps_the_newest(tmp_path):
 
 def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     with pytest.raises(ResumeError) as e:
         _train(run, base, "train.ttt_steps=3", "train.lr=0.003", "train.gamma=0.5", "train.log_every=2")
     assert e.value.exit_code == 6
@@ -215,7 +204,7 @@ def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
 
 def test_safe_settings_may_change_and_are_recorded(clean, tmp_path, capfd):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     stats = _train(run, base, "train.log_every=2", "train.ckpt_every=3", "train.attn_impl=naive")
     assert stats["resumed"]["changed"] == {"train.log_every": [1, 2], "train.ckpt_every": [2, 3],
                                            "train.attn_impl": ["auto", "naive"]}
@@ -231,7 +220,7 @@ def test_safe_settings_may_change_and_are_recorded(clean, tmp_path, capfd):
 
 def test_force_keeps_the_old_run_aside_and_starts_from_step_zero(clean, tmp_path):
     tmp, base, ref = clean
-    run = _killed_copy(ref, tmp_path / "run", after=6)
+    run = killed_copy(ref, tmp_path / "run", after=6)
     stats = _train(run, base, "train.lr=0.003", force=True)
     assert "resumed" not in stats and stats["started_at_step"] == 0 and stats["steps_run"] == stats["total_steps"]
     kept = run / "train" / "previous-1"
@@ -284,7 +273,7 @@ def test_extend_continues_from_the_checkpoint_and_its_learning_rate(clean, tmp_p
     # Killed during the extension, then resumed (the same command or plain): the same run.
     cut = 2 * ((total + 4) // 2)  # a checkpoint of the extension (one every 2 steps)
     for name, kw in (("killed_extend", {"extend": True}), ("killed_plain", {})):
-        killed = _killed_copy(run, tmp_path / name, after=cut)
+        killed = killed_copy(run, tmp_path / name, after=cut)
         again = _train(killed, base, "train.epochs=2", **kw)
         assert again["resumed"]["from_step"] == cut and again["steps_run"] == stats["total_steps"] - cut
         assert [r["lr"] for r in _log(killed)] == lrs
@@ -347,7 +336,7 @@ def test_the_quality_levers_train_log_and_resume_bit_for_bit(clean, tmp_path):
         assert r["loss"] == pytest.approx(sum(0.8**j * (r[f"loss_{j}"] + 0.5 * terms[j]) for j in range(2)), rel=1e-5)
     wa, wb = _final(plain), _final(run)
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)
-    killed = _killed_copy(run, tmp_path / "killed", after=6)
+    killed = killed_copy(run, tmp_path / "killed", after=6)
     _train(killed, levers)
     _same_weights(run, killed)
 
