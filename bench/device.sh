@@ -1,0 +1,73 @@
+# Functions for a device call's script (source it): the A/B target and data, the wheels, a driver
+# started in the background that outlives the call, and what comes back under $OUT.
+#
+#   source bench/device.sh
+#   dev_data                  # ShareGPT 7k -> $DEV/D/sg7k.json, MT-bench -> $DEV/cache (EAGLET_CACHE)
+#   dev_stash gguf.part-aa    # a carried part of the target's GGUF kept for a later call
+#   dev_target                # the parts joined, checked and converted: $DEV/G/smollm2; wheels in $DEV/site
+#   dev_start DRIVER.sh       # run DRIVER.sh (setsid, logs in $DEV/L) and return at once
+#   dev_wait 450; dev_collect # until $DEV/L/ALLDONE or 450 s; results, train logs and logs to $OUT
+#
+# A call carries at most 64 MiB, so the 98 MB GGUF travels in two parts over two calls
+# (.whl-vllm/smol/gguf.part-aa, -ab, SHA256SUMS); the machine keeps /tmp between calls made within
+# 30 s of each other. A driver writes its ab.py work folder to $DEV/W.
+
+DEV=${DEV:-/tmp}
+SMOL=.whl-vllm/smol
+export PYTHONPATH=$DEV/site:$DEV/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export EAGLET_CACHE=$DEV/cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+dev_data() {
+  mkdir -p "$DEV/D" "$DEV/cache"
+  (cd .whl-vllm/ab && sha256sum -c --quiet SHA256SUMS) || return 3
+  xz -dc .whl-vllm/ab/sharegpt7k.json.xz > "$DEV/D/sg7k.json" && cp .whl-vllm/ab/mt_bench_question.jsonl "$DEV/cache/"
+}
+
+dev_stash() {
+  mkdir -p "$DEV/P"
+  if [ -e "$SMOL/$1" ]; then mv "$SMOL/$1" "$DEV/P/"; fi
+}
+
+dev_target() {
+  dev_stash gguf.part-aa; dev_stash gguf.part-ab
+  cp "$SMOL/SHA256SUMS" "$DEV/P/" && (cd "$DEV/P" && sha256sum -c --quiet SHA256SUMS) || return 3
+  pip install --no-index --no-deps --target "$DEV/site" "$SMOL"/gguf-*.whl .whl/*.whl -q 2>&1 | grep -v "as the 'root' user" \
+    || true
+  rm -rf "$DEV/src" && mkdir -p "$DEV/src" "$DEV/L" "$DEV/G" && cp -r eaglet bench "$DEV/src/"
+  python3 -c "import speculators.models.eagle3, speculators.losses" || return 6
+  [ -d "$DEV/G/smollm2" ] && return 0
+  cat "$DEV/P/gguf.part-aa" "$DEV/P/gguf.part-ab" > "$DEV/G/SmolLM2-135M-Instruct.Q4_1.gguf"
+  python3 -c "
+from pathlib import Path
+from eaglet.demo import gguf_to_folder
+gguf_to_folder(Path('$DEV/G/SmolLM2-135M-Instruct.Q4_1.gguf'), Path('$DEV/G/smollm2'))" > "$DEV/L/convert.log" 2>&1 || return 4
+}
+
+dev_start() {
+  mkdir -p "$DEV/L"
+  echo "$(date +%s) start" >> "$DEV/L/events.txt"
+  (cd "$DEV/src" && setsid nohup bash "$1" > "$DEV/L/driver.log" 2>&1 < /dev/null &)
+}
+
+dev_job() {  # dev_job NAME CMD...: run CMD, its output in $DEV/L/NAME.log, its exit status in events.txt
+  local name=$1 rc; shift
+  "$@" > "$DEV/L/$name.log" 2>&1; rc=$?
+  echo "$(date +%s) $name rc $rc" >> "$DEV/L/events.txt"
+  return $rc
+}
+
+dev_wait() {
+  local t=0
+  while [ $t -lt "$1" ] && [ ! -e "$DEV/L/ALLDONE" ]; do sleep 5; t=$((t + 5)); done
+}
+
+dev_collect() {
+  mkdir -p "$OUT"
+  (cd "$DEV/W" 2>/dev/null && tar czf "$OUT/res.tgz" results decode ab.md ab.json 2>/dev/null)
+  (cd "$DEV/W/runs" 2>/dev/null && tar czf "$OUT/trainlogs.tgz" */train/log.jsonl */train/manifest.json \
+    */train/speculators/train_log.jsonl 2>/dev/null)
+  (cd "$DEV" && tar czf "$OUT/logs.tgz" L 2>/dev/null)
+  cat "$DEV/L/events.txt" 2>/dev/null
+  for f in "$DEV"/L/*.log; do echo "== $f"; tail -2 "$f" | cut -c1-300; done
+  cat "$DEV/W/ab.md" 2>/dev/null
+}
