@@ -4,7 +4,10 @@ The reference is `speculative_generate`: for a draft trained until it agrees wit
 part of the time, the replay's accepted count per verification and its new tokens must be the
 decoder's, prompt by prompt, with and without an EOS that cuts the output short; the same for
 greedy EAGLE-2 trees (replay_tree). The batched,
-left-padded greedy continuations must be the batch-1 greedy decode's.
+left-padded greedy continuations must be the batch-1 greedy decode's. Tree replay runs its
+prompts in lockstep batches; it must give the per-prompt replay's results (the decoder's own
+`draft_tree`, `reference_replay_tree`) at every batch size, greedy and sampled, also where
+candidates tie exactly.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines.replay import agreement_runs, continuations, replay_chain, replay_tree, side_of, \
-    target_side
+from eaglet.engines import replay
+from eaglet.engines.replay import agreement_runs, continuations, reference_replay_tree, replay_chain, replay_tree, \
+    side_of, target_side
 from eaglet.engines.specdec import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
 from eaglet.testing.tiny import build_model
@@ -113,6 +117,59 @@ def test_tree_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     with pytest.raises(ValueError, match="hold 44 tokens: too few for 40 new tokens and a tree of depth 5"):
         replay_tree(draft, side, depth=5)
     assert replay_tree(draft, side, top_k=2, depth=5, total_tokens=5, max_new_tokens=39)  # 39 + 5 fit in 44
+
+
+@pytest.fixture(scope="module")
+def sampled_side(target):
+    return target_side(target, AUX, PROMPTS, NEW, K, batch=3, temperature=1.0, seed=5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_batched_tree_replay_is_the_per_prompt_replay(setup, sampled_side, temperature, monkeypatch):
+    """Prompts of different lengths in lockstep batches of 1, 2, 3 (a full batch and one of 1) and
+    all 4, with and without an EOS, for trees of several shapes: the per-prompt replay's accepted
+    counts and tokens, prompt by prompt; no batch holds more prompts than asked."""
+    side, draft = setup
+    if temperature > 0:
+        side = sampled_side
+    stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)})
+    sizes = []
+    run = replay.TreeBatch.run
+    monkeypatch.setattr(replay.TreeBatch, "run", lambda self, *a: sizes.append(len(self.prompts)) or run(self, *a))
+    counts, cut = set(), 0
+    for top_k, total, eos in ((2, 5, []), (3, 7, stop), (10, 60, stop)):
+        ref = reference_replay_tree(draft, side, top_k, K, total, eos=eos)
+        for batch in (1, 2, 3, len(PROMPTS)):
+            sizes.clear()
+            assert replay_tree(draft, side, top_k, K, total, eos=eos, batch=batch) == ref, (top_k, total, eos, batch)
+            assert max(sizes) == batch and sum(sizes) == len(PROMPTS)
+        counts |= {a for accepted, _ in ref for a in accepted}
+        cut += sum(len(tokens) < NEW for _, tokens in ref)
+    # several accepted lengths (fewer on the tiny target's near-uniform samples); the EOS ended outputs early
+    assert len(counts) >= (2 if temperature > 0 else 3) and cut >= 2
+    with pytest.raises(ValueError, match="batch 0"):
+        replay_tree(draft, side, depth=K, batch=0)
+
+
+def test_ties_break_as_the_decoder_breaks_them(setup):
+    """Exact ties decide these trees: twin draft tokens (2i and 2i + 1 with the same lm_head row)
+    score exactly alike, so which twin a top-k takes and the kept order of equal scores (by pool
+    index) shape the tree, and the batched replay must break them as draft_tree does. With d2t
+    mapping both twins to one target token, siblings hold the same token and the path takes the
+    first by score, as `follow` does."""
+    import copy
+
+    side, draft = setup
+    twins, same_token = copy.deepcopy(draft), copy.deepcopy(draft)
+    with torch.no_grad():
+        twins.lm_head.weight[1::2] = twins.lm_head.weight[0::2]
+        same_token.d2t[1::2] = -1  # draft id 2i + 1 proposes target token 2i
+    for d in (twins, same_token):
+        for top_k, total in ((3, 7), (5, 9)):
+            ref = reference_replay_tree(d, side, top_k, K, total)
+            assert len({a for accepted, _ in ref for a in accepted}) >= 3
+            for batch in (1, len(PROMPTS)):
+                assert replay_tree(d, side, top_k, K, total, batch=batch) == ref
 
 
 def test_a_sampled_tree_replays_exactly_what_the_decoder_gave(target, setup):
