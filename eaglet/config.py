@@ -272,8 +272,7 @@ class TrainSection:
     ckpt_async: bool = _f(
         True, "Write each checkpoint on a thread behind the loop: the loop waits only for a copy of the weights and "
         "the optimizer state in host memory (one at a time: a checkpoint's write waits for the one before), not for "
-        "the files; false: the loop waits for the files. With train.state_noise > 0 the loop writes them (the noise "
-        "draws from the RNG state a checkpoint records as it is written).")
+        "the files, and the RNG and scheduler states are taken at the step; false: the loop waits for the files.")
     teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.", _ge(1))
     mask_out_of_vocab: bool = _f(
         True, "Leave out of the loss the rows whose target top-1 token is not a draft token (takes the teacher's "
