@@ -182,7 +182,8 @@ def test_keep_last_below_one_still_keeps_the_newest(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     for step in (1, 2):
-        ck.save_checkpoint(tmp_path, step, model.state_dict(), opt.state_dict(), sched, {"fingerprint": {}}, 0)
+        ck.save_checkpoint(tmp_path, step, model.state_dict(), opt.state_dict(), sched.state_dict(),
+                           {"fingerprint": {}}, 0)
     assert [p.name for p in ck.checkpoints(tmp_path)] == ["step-0000002"]
     assert ck.read_checkpoint(tmp_path / "step-0000002", "cpu").verified
 

@@ -118,13 +118,13 @@ def _checksums(folder: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]
 
 
 def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
-                    sched: torch.optim.lr_scheduler.LRScheduler | dict[str, Any], state: dict[str, Any], keep_last: int,
+                    sched_state: dict[str, Any], state: dict[str, Any], keep_last: int,
                     rng: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` atomically (a temporary folder, checksummed, renamed), keep the
     last `keep_last` (at least this one). `model_state` and `optim_state` are full (unsharded):
-    see Parallel.full_state. `sched` is the scheduler or its state dict, `rng` the RNG states
-    (`rng_state()`; default: taken now): a write behind the loop passes both as they were at
-    the step."""
+    see Parallel.full_state. `sched_state` is the scheduler's state_dict(), `rng` the RNG
+    states (`rng_state()`; default: taken now): a write behind the loop passes both as they
+    were at the step."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step:07d}"
     tmp = folder / f".tmp-step-{step:07d}"
@@ -133,7 +133,6 @@ def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor
     save_file(trainable_state(model_state), str(tmp / MODEL_FILE))
     torch.save(optim_state, tmp / OPTIMIZER_FILE)
     save_file(rng_state() if rng is None else rng, str(tmp / RNG_FILE))
-    sched_state = sched if isinstance(sched, dict) else sched.state_dict()
     atomic_write_json(tmp / STATE_FILE, {**state, "format": FORMAT, "step": step, "scheduler": sched_state})
     atomic_write_json(tmp / CHECKSUM_FILE, {"files": _checksums(tmp, CHECKSUMMED)})
     for f in tmp.iterdir():

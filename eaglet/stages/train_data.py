@@ -250,7 +250,8 @@ class Prefetch:
             ids = next(self._plan, None)
             if ids is None:
                 return
-            self._ahead.append((list(ids), self._pool.submit(self._locked_read, list(ids))))
+            ids = list(ids)
+            self._ahead.append((ids, self._pool.submit(self._locked_read, ids)))
 
     def take(self, ids: list[int]) -> HostBatch:
         if self._ahead and self._ahead[0][0] == list(ids):
