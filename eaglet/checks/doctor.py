@@ -673,9 +673,12 @@ def _text_config_for_train(p: Probe) -> Any:
 
 def _draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
     """(the target's text config, the draft training builds from it on the meta device: its
-    shapes and dtypes, no memory); None before the target's config is known."""
+    shapes and dtypes, no memory); None before the target's config is known. Built once per
+    probe: the memory, disk and stream checks all size it."""
     import torch
 
+    if p.draft is not None:
+        return p.draft
     tc = _text_config_for_train(p)
     if tc is None:
         return None
@@ -685,7 +688,8 @@ def _draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
                                           num_layers=t.draft_layers, fc_norm=t.fc_norm, norm_output=t.norm_output,
                                           num_aux=n_aux)
     with torch.device("meta"):
-        return tc, Eagle3Draft(dcfg)
+        p.draft = tc, Eagle3Draft(dcfg)
+    return p.draft
 
 
 def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:

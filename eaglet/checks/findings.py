@@ -45,6 +45,7 @@ class Probe:
     tokenizer: Any = None
     template: str | None = None
     model: Any = None  # meta-device skeleton
+    draft: Any = None  # (text config, the draft training builds from it on the meta device), once known
     parts: Any = None  # TargetParts of the skeleton
     layers: list[int] | None = None
     sampled: list[dict[str, Any]] = field(default_factory=list)  # per data file: records read, tokens, bytes
