@@ -104,16 +104,19 @@ class Parallel:
         """Names of the trained parameters, in the optimizer's order."""
         return [n for n, p in self.draft.named_parameters() if p.requires_grad]
 
-    def full_state(self) -> dict[str, torch.Tensor]:
+    def full_state(self, frozen: bool = True) -> dict[str, torch.Tensor]:
         """The draft's full state dict on CPU, on rank 0 (the other ranks get {}). Every rank
-        must call it: under fsdp it gathers the shards."""
+        must call it: under fsdp it gathers the shards. `frozen` False leaves out the frozen
+        embedding (a checkpoint does not hold it): neither gathered nor copied to the host."""
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return get_model_state_dict(self.draft, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=not frozen))
         if not self.env.is_main:
             return {}
-        return {k: v.detach().cpu() for k, v in self.draft.state_dict().items()}
+        skip = set() if frozen else {n for n, q in self.draft.named_parameters() if not q.requires_grad}
+        return {k: v.detach().cpu() for k, v in self.draft.state_dict().items() if k not in skip}
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """`opt.state_dict()` with full tensors (parameter ids in `trainable_names` order):

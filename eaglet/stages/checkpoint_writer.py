@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..formats.checkpoints import trainable_state
 from ..utils import log
 
 
@@ -50,13 +49,13 @@ def _storage(t: torch.Tensor) -> int:
 def host_snapshot(model: nn.Module, opt: torch.optim.Optimizer, model_state: dict[str, torch.Tensor],
                   optim_state: dict[str, Any], sched_state: dict[str, Any], state: dict[str, Any]
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model_state without the frozen embedding, optim_state, sched_state, state) as the next
-    steps leave them: every tensor on the GPU or sharing storage with the model's weights or the
-    optimizer's state copied to the CPU (on a CPU run full_state is the weights themselves),
-    the dicts deep-copied. Under fsdp the gathered CPU tensors are already apart and kept."""
+    """(model_state, optim_state, sched_state, state) as the next steps leave them: every tensor
+    on the GPU or sharing storage with the model's weights or the optimizer's state copied to
+    the CPU (on a CPU run full_state is the weights themselves), the dicts deep-copied. Under
+    fsdp the gathered CPU tensors are already apart and kept."""
     opt_tensors = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     live = {_storage(t) for t in (*model.parameters(), *model.buffers(), *opt_tensors)}
-    return (_host_copy(trainable_state(model_state), live), _host_copy(optim_state, live),
+    return (_host_copy(model_state, live), _host_copy(optim_state, live),
             copy.deepcopy(sched_state), copy.deepcopy(state))
 
 

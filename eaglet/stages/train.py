@@ -524,7 +524,7 @@ class Trainer:
         """A checkpoint of this step, written by rank 0 (every rank gathers its part under fsdp):
         behind the loop (self.writer.background) from copies that the next steps leave as they are."""
         run_on_main(self.writer.wait)  # the write before on disk first; its failure raised on every rank
-        model_state, optim_state = self.par.full_state(), self.par.full_optimizer_state(self.opt)
+        model_state, optim_state = self.par.full_state(frozen=False), self.par.full_optimizer_state(self.opt)
         if self.env.is_main:
             state = {**state, "world_size": self.env.world_size, "parallel": self.par.strategy}
             sched, rng = self.sched.state_dict(), rng_state()  # this step's, whenever the write runs
