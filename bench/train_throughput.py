@@ -308,9 +308,19 @@ def _timed_loop(step: Callable[[], Any], warmup: int, steps: int, device: torch.
         _sync(device)
     seconds = (time.perf_counter() - t0) / steps
     return {"step_ms": 1000 * seconds, "warmup_s": warm_s, "warmup_step_s": warm_each, "last_loss": float(last),
+            "compile_times": _compile_times(),
             "graphs_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "host_ms_each": host_ms, "gc": pauses.summary(steps)}
+
+
+def _compile_times() -> str | None:
+    """torch.compile's time by phase (dynamo, AOT autograd, inductor), summed over the run so far."""
+    try:
+        from torch._dynamo.utils import compile_times
+        return str(compile_times(repr="str", aggregate=True))
+    except Exception:  # noqa: BLE001 - a torch without it, or another signature
+        return None
 
 
 def _profile(step: Callable[[], Any], n: int, device: torch.device, top: int, trace: str | None) -> dict[str, Any]:

@@ -33,6 +33,9 @@ TURN_TOKENS = 512
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=512, draft_vocab_size=128),
+    # SmolLM2-135M-Instruct's (the embedded default and bench/ab.py's target).
+    "smollm2-135m": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, draft_vocab_size=32000),
     "llama3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                       intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000),
     "kimi-k2": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
