@@ -64,7 +64,7 @@ def intervals(run_dir: Path) -> dict:
     tr = [r for r in rows if r["split"] == "train"]
     return {"steps_logged": [r["step"] for r in tr], "tokens_per_s": [round(r["tokens_per_s"]) for r in tr],
             "seconds_per_interval": [round(r["tokens"] / r["tokens_per_s"], 2) for r in tr],
-            "compile_graphs": [r.get("compile_graphs") for r in tr]}
+            "compile_graphs": [r.get("compile_graphs") for r in tr], "loss": [r["loss"] for r in tr]}
 
 
 def main() -> None:

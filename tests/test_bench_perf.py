@@ -24,6 +24,7 @@ from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, packed_doc_lens, synth
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_BENCH = REPO / "bench" / "train_throughput.py"
 EXTRACT_BENCH = REPO / "bench" / "extract_throughput.py"
+SMALL_TRAINER = REPO / "bench" / "small_trainer.py"
 ANCHOR = REPO.parent / "shared" / "anchors" / "speculators_train_step.py"
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
 if not SPECULATORS_PYTHON.exists():  # a worktree: the main checkout's side environment
@@ -155,6 +156,7 @@ def test_packed_bench_times_each_warmup_step_and_counts_later_graphs(tmp_path):
     assert r["tokens_per_step"] == pytest.approx(sum(sizes) / 2)
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1000))
     assert len(r["warmup_step_s"]) == 1 and r["graphs_in_timed_steps"] == 0 and r["dynamic"] == "marked"
+    assert "_compile.compile_inner" in r["compile_times"]  # torch.compile's seconds by phase, for the cold start
     torch._dynamo.reset()
     auto = run_bench(TRAIN_BENCH, args + ["--dynamic", "auto"], tmp_path / "a.json")
     torch._dynamo.reset()
@@ -300,6 +302,35 @@ def test_deepseek_v3_preset_is_the_draft_of_deepseek_v3():
     draft = DraftConfig.from_target_config(DeepseekV3Config(), draft_vocab_size=32000)
     assert {k: getattr(draft, k) for k in PRESETS["deepseek-v3"]} == PRESETS["deepseek-v3"]
     assert PRESETS["deepseek-v3"] != PRESETS["kimi-k2"]
+
+
+def test_smollm2_preset_is_the_draft_of_smollm2_135m():
+    """The `smollm2-135m` preset (bench/ab.py's target, the embedded default) is the draft eaglet
+    makes for SmolLM2-135M-Instruct's config, at a 32k draft vocabulary."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    draft = DraftConfig.from_target_config(smollm2, draft_vocab_size=32000)
+    assert {k: getattr(draft, k) for k in PRESETS["smollm2-135m"]} == PRESETS["smollm2-135m"]
+
+
+def test_small_trainer_online_and_offline_train_alike(tmp_path):
+    """bench/small_trainer.py (--smoke): `eaglet train` on online states and on an offline store
+    of the same random target logs the same losses, step by step (the same samples in the same
+    order; online states differ only by a differently composed forward's rounding)."""
+    args = ["--out", str(tmp_path), "--smoke", "--steps", "3", "--log-every", "1", "--conversations", "40",
+            *(f"--set={s}" for s in ["train.compile=off", "vocab.size=256", "train.max_tokens=512",
+                                     "prepare.num_workers=1"])]
+    runs = {}
+    for mode in ("online", "offline"):
+        run_script(SMALL_TRAINER, [*args, "--mode", mode])
+        runs[mode] = json.loads((tmp_path / f"small-{mode}.json").read_text())
+    online, offline = runs["online"]["train"], runs["offline"]["train"]
+    assert online["steps_logged"] == offline["steps_logged"] == [1, 2, 3]
+    assert online["loss"] == pytest.approx(offline["loss"], rel=1e-5)
+    assert all(t > 0 for t in online["tokens_per_s"] + offline["tokens_per_s"])
+    assert (tmp_path / "run-online" / "extract").is_dir() and (tmp_path / "run-offline" / "extract").is_dir()
 
 
 def test_load_ahead_bench_times_both_ways_on_the_micro_batches_it_packs(tmp_path):
