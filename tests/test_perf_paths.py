@@ -956,6 +956,34 @@ def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tm
     assert "[train] done in" in said.err and "torch.compile" not in said.out + said.err
 
 
+def test_compiled_evaluation_runs_the_training_graphs(tmp_path, monkeypatch, capfd):
+    """A compiled run's held-out evaluations make no graph of their own (they run with autograd
+    on, as the steps do: a no-grad evaluation compiled every piece again), their figures are an
+    eager evaluation's, and they keep no autograd graph (the step after them trains as before)."""
+    from conftest import tiny_pipeline_upto_vocab, train_on_copy
+
+    sets = ["run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192",
+            "train.ttt_steps=2", "train.log_every=1", "train.eval_every=2", "train.ckpt_every=100",
+            "train.tensorboard=false", "train.device=cpu", "train.eval_fraction=0.2", "train.max_steps=6"]
+    base = tiny_pipeline_upto_vocab(tmp_path, 12, 3, [*sets, "train.compile=on"])
+    monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
+    monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
+    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
+    torch._dynamo.reset()
+    _, log = train_on_copy(tmp_path, base, "compiled")
+    torch._dynamo.reset()
+    evals = [r for r in log if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    assert [r["compile_graphs"] for r in evals] == [0, 0, 0]
+    assert "torch.compile" not in capfd.readouterr().err
+    _, eager = train_on_copy(tmp_path, base, "eager", "train.compile=off")
+    eager_evals = [r for r in eager if r.get("split") == "eval"]
+    for c, e in zip(evals, eager_evals, strict=True):
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-4) and c["acc_0"] == pytest.approx(e["acc_0"], abs=1e-6)
+    assert [r["loss"] for r in log if r.get("split") == "train"] == pytest.approx(
+        [r["loss"] for r in eager if r.get("split") == "train"], rel=1e-4)
+
+
 def test_the_trainer_says_when_compiling_goes_on_or_gives_up(capfd):
     """After the first logging interval, graphs still made get a line naming the step and
     TORCH_LOGS; a function given up on gets one at any step; the warm-up's graphs none."""

@@ -39,7 +39,7 @@ PIECE_OPTIONS: dict[str, Any] = {}  # e.g. {"dynamic": True} (module doc)
 MARK_DATA_DIMS = True  # the pieces' `data_dims` marked symbolic before their first compile (module doc)
 # Each piece's recompile limit: its own where torch.compile takes one per call (torch 2.13 on),
 # else the global one raised to it. A layer's halves keep graphs per layer, and evaluation's
-# no-grad graphs count too.
+# no-grad graphs (under fsdp: elsewhere it runs the training graphs) count too.
 PIECE_RECOMPILE_LIMIT = 32
 
 

@@ -393,23 +393,30 @@ class Trainer:
             if self.evaluates_at(step):
                 yield from self.eval_batches()
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
-        """Held-out metrics; rank r evaluates micro-batches r, r+W, ... and the sums are reduced."""
+        """Held-out metrics; rank r evaluates micro-batches r, r+W, ... and the sums are reduced.
+
+        Compiled, the forwards run with autograd on, as training's do, and nothing of their
+        graph is kept (`Sums` detaches): torch.compile's graphs are guarded on the grad mode, so
+        a no-grad evaluation compiled every piece again, forward only (30 s at the end of a
+        SmolLM2-width run on the H200, a tenth of it). Eager, and under fsdp (whose forward
+        with autograd on sets up its backward's resharding), they run without autograd."""
         if len(self.eval_ids) == 0:
             return None
         self.model.eval()
         sums = Sums()
         W, r = self.env.world_size, self.env.rank
-        for k, ids in enumerate(self.eval_batches()):
-            # Under fsdp every forward is a collective: a rank past the end repeats the last
-            # batch without counting it, so all ranks run as many forwards.
-            b = self._load(ids)
-            out = forward_loss(self.par, self.model, b, self.tc, self.autocast)
-            self.vocab_mask.record(b, out.in_vocab)
-            if k * W + r < len(self.held_out):
-                sums.add(out)
-            self.par.reshard_frozen()
+        with torch.set_grad_enabled(self.par.compiled and self.par.strategy != "fsdp"):
+            for k, ids in enumerate(self.eval_batches()):
+                # Under fsdp every forward is a collective: a rank past the end repeats the last
+                # batch without counting it, so all ranks run as many forwards.
+                b = self._load(ids)
+                out = forward_loss(self.par, self.model, b, self.tc, self.autocast)
+                self.vocab_mask.record(b, out.in_vocab)
+                if k * W + r < len(self.held_out):
+                    sums.add(out)
+                del out  # its autograd graph, when recorded
+                self.par.reshard_frozen()
         self.model.train()
         sums.all_reduce(self.tc.ttt_steps, self.device, self.tc.accept_loss != "none")
         return sums.metrics()
@@ -571,10 +578,13 @@ class Trainer:
             if self.evaluates_at(step):
                 last_eval = self.evaluate()
                 freeze_survivors()
-                if self.compile_watch is not None:  # the first evaluation's graphs (no grad) are expected
-                    _say_if_compiling(step, 0, self.compile_watch.since_last()[1], warmed=False, show=env.is_main)
+                graphs = None
+                if self.compile_watch is not None:  # evaluation runs training's graphs: none expected
+                    graphs, gave_up = self.compile_watch.since_last()  # and the steps' since the last look
+                    _say_if_compiling(step, graphs, gave_up, warmed=ran > tc.log_every, show=env.is_main)
                 if last_eval is not None:
-                    metrics.write({"split": "eval", "step": step, **last_eval})
+                    metrics.write({"split": "eval", "step": step, **last_eval,
+                                   **({"compile_graphs": graphs} if graphs is not None else {})})
             if step % tc.ckpt_every == 0 or step == self.total_steps:
                 # The next micro-batch is plan[micro + 1] of `epoch` (or the next epoch's first).
                 self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp,
