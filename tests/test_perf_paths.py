@@ -932,6 +932,15 @@ def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(m
                     {"dynamic": None, "backend": "eager"}]
 
 
+def capture_only(monkeypatch) -> None:
+    """The trainer's compiled pieces and loss through dynamo's capture alone (backend eager), from
+    a fresh dynamo: the graphs are counted as a GPU run makes them, at a CPU's cost."""
+    monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
+    monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
+    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
+    torch._dynamo.reset()
+
+
 def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tmp_path, monkeypatch, capfd):
     """`eaglet train` compiled (dynamo's capture alone, backend eager) on a real store's packed
     micro-batches, which differ in tokens, documents and trained rows: the log's compile_graphs
@@ -942,10 +951,7 @@ def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tm
         "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
         "train.log_every=2", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
         "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=6"])  # no evaluation
-    monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
-    monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
-    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
-    torch._dynamo.reset()
+    capture_only(monkeypatch)
     _, log = train_on_copy(tmp_path, base, "watched")
     torch._dynamo.reset()
     train = [r for r in log if r.get("split") == "train"]
@@ -966,10 +972,7 @@ def test_compiled_evaluation_runs_the_training_graphs(tmp_path, monkeypatch, cap
             "train.ttt_steps=2", "train.log_every=1", "train.eval_every=2", "train.ckpt_every=100",
             "train.tensorboard=false", "train.device=cpu", "train.eval_fraction=0.2", "train.max_steps=6"]
     base = tiny_pipeline_upto_vocab(tmp_path, 12, 3, [*sets, "train.compile=on"])
-    monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
-    monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
-    monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
-    torch._dynamo.reset()
+    capture_only(monkeypatch)
     _, log = train_on_copy(tmp_path, base, "compiled")
     torch._dynamo.reset()
     evals = [r for r in log if r.get("split") == "eval"]
