@@ -8,9 +8,10 @@
 #   dev_start DRIVER.sh       # run DRIVER.sh (setsid, logs in $DEV/L) and return at once
 #   dev_wait 450; dev_collect # until $DEV/L/ALLDONE or 450 s; results, train logs and logs to $OUT
 #
-# A call carries at most 64 MiB, so the 98 MB GGUF travels in two parts over two calls
-# (.whl-vllm/smol/gguf.part-aa, -ab, SHA256SUMS); the machine keeps /tmp between calls made within
-# 30 s of each other. A driver writes its ab.py work folder to $DEV/W.
+# A call carries at most 64 MiB, the tree included, so the 98 MB GGUF travels in two parts over two
+# calls (.whl-vllm/smol/gguf.part-aa, -ab, SHA256SUMS), and the wheels may go ahead of the start
+# (`dev_wheels .whl/*.whl`); the machine keeps /tmp between calls made within 30 s of each other.
+# A driver writes its ab.py work folder to $DEV/W.
 
 DEV=${DEV:-/tmp}
 SMOL=.whl-vllm/smol
@@ -28,11 +29,17 @@ dev_stash() {
   if [ -e "$SMOL/$1" ]; then mv "$SMOL/$1" "$DEV/P/"; fi
 }
 
+dev_wheels() {  # dev_wheels WHEEL...: those present installed into $DEV/site (an earlier call may have carried some)
+  local w=() f
+  for f in "$@"; do [ -e "$f" ] && w+=("$f"); done
+  [ ${#w[@]} -eq 0 ] && return 0
+  pip install --no-index --no-deps --target "$DEV/site" --upgrade -q "${w[@]}" 2>&1 | grep -v "as the 'root' user" || true
+}
+
 dev_target() {
   dev_stash gguf.part-aa; dev_stash gguf.part-ab
   cp "$SMOL/SHA256SUMS" "$DEV/P/" && (cd "$DEV/P" && sha256sum -c --quiet SHA256SUMS) || return 3
-  pip install --no-index --no-deps --target "$DEV/site" "$SMOL"/gguf-*.whl .whl/*.whl -q 2>&1 | grep -v "as the 'root' user" \
-    || true
+  dev_wheels "$SMOL"/gguf-*.whl .whl/*.whl
   rm -rf "$DEV/src" && mkdir -p "$DEV/src" "$DEV/L" "$DEV/G" && cp -r eaglet bench "$DEV/src/"
   python3 -c "import speculators.models.eagle3, speculators.losses" || return 6
   [ -d "$DEV/G/smollm2" ] && return 0
