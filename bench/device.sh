@@ -11,7 +11,7 @@
 # A call carries at most 64 MiB, the tree included, so the 98 MB GGUF travels in two parts over two
 # calls (.whl-vllm/smol/gguf.part-aa, -ab, SHA256SUMS), and the wheels may go ahead of the start
 # (`dev_wheels .whl/*.whl`); the machine keeps /tmp between calls made within 30 s of each other.
-# A driver writes its ab.py work folder to $DEV/W.
+# bench/device_payload.sh builds what the calls carry. A driver writes its ab.py work folder to $DEV/W.
 
 DEV=${DEV:-/tmp}
 SMOL=.whl-vllm/smol

