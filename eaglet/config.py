@@ -253,6 +253,10 @@ class TrainSection:
         "auto", "torch.compile the draft's TTT-step pieces and the soft cross-entropy (auto: on GPU; the first steps "
         "then take longer)."
     )
+    compile_cache: str | None = _f(
+        None, "Where torch.compile keeps what it compiled (inductor's cache), so that a resumed or later run sharing "
+        "the folder compiles nothing again; default: $TORCHINDUCTOR_CACHE_DIR where set, else <EAGLET_CACHE or "
+        "~/.cache/eaglet>/compile. On a slow network home, a node-local folder.", path=PATH)
     device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
     draft_layers: int = _f(1, "Decoder layers in the draft.", _ge(1))
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")

@@ -20,6 +20,9 @@ import collections
 import copy
 import os
 import re
+import shutil
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -932,9 +935,14 @@ def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(m
                     {"dynamic": None, "backend": "eager"}]
 
 
-def capture_only(monkeypatch) -> None:
+def capture_only(monkeypatch, cache=None) -> None:
     """The trainer's compiled pieces and loss through dynamo's capture alone (backend eager), from
-    a fresh dynamo: the graphs are counted as a GPU run makes them, at a CPU's cost."""
+    a fresh dynamo: the graphs are counted as a GPU run makes them, at a CPU's cost. The compile
+    cache's variable is restored afterwards (the trainer sets it), to `cache` meanwhile if given."""
+    if cache is None:
+        monkeypatch.delenv(compiling.CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(compiling.CACHE_ENV, str(cache))
     monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
     monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
     monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
@@ -951,7 +959,7 @@ def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tm
         "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
         "train.log_every=2", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
         "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=6"])  # no evaluation
-    capture_only(monkeypatch)
+    capture_only(monkeypatch, tmp_path / "inductor")
     _, log = train_on_copy(tmp_path, base, "watched")
     torch._dynamo.reset()
     train = [r for r in log if r.get("split") == "train"]
@@ -972,7 +980,7 @@ def test_compiled_evaluation_runs_the_training_graphs(tmp_path, monkeypatch, cap
             "train.ttt_steps=2", "train.log_every=1", "train.eval_every=2", "train.ckpt_every=100",
             "train.tensorboard=false", "train.device=cpu", "train.eval_fraction=0.2", "train.max_steps=6"]
     base = tiny_pipeline_upto_vocab(tmp_path, 12, 3, [*sets, "train.compile=on"])
-    capture_only(monkeypatch)
+    capture_only(monkeypatch, tmp_path / "inductor")
     _, log = train_on_copy(tmp_path, base, "compiled")
     torch._dynamo.reset()
     evals = [r for r in log if r.get("split") == "eval"]
@@ -985,6 +993,76 @@ def test_compiled_evaluation_runs_the_training_graphs(tmp_path, monkeypatch, cap
         assert c["loss"] == pytest.approx(e["loss"], rel=1e-4) and c["acc_0"] == pytest.approx(e["acc_0"], abs=1e-6)
     assert [r["loss"] for r in log if r.get("split") == "train"] == pytest.approx(
         [r["loss"] for r in eager if r.get("split") == "train"], rel=1e-4)
+
+
+def test_compile_cache_folder_setting_then_environment_then_eaglet_cache(tmp_path, monkeypatch):
+    """use_compile_cache: train.compile_cache wins, then $TORCHINDUCTOR_CACHE_DIR, then the
+    default (eaglet's cache); the folder is made and set for inductor, and reported empty or not."""
+    monkeypatch.delenv(compiling.CACHE_ENV, raising=False)
+    default = tmp_path / "eaglet-cache" / "compile"
+    assert compiling.use_compile_cache(None, default) == (default, False)
+    assert os.environ[compiling.CACHE_ENV] == str(default.resolve()) and default.is_dir()
+    monkeypatch.setenv(compiling.CACHE_ENV, str(tmp_path / "from-env"))
+    assert compiling.use_compile_cache(None, default)[0] == tmp_path / "from-env"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    monkeypatch.setenv(compiling.CACHE_ENV, default_cache_dir())  # as importing dynamo leaves it: unset
+    assert compiling.use_compile_cache(None, default)[0] == default
+    (default / "fxgraph").mkdir()
+    assert compiling.use_compile_cache(str(default), tmp_path / "unused") == (default, True)
+    assert os.environ[compiling.CACHE_ENV] == str(default.resolve())
+    assert cache_dir() == str(default.resolve())  # where inductor itself will look
+
+
+_CACHED_COMPILE = """
+import sys, torch
+from pathlib import Path
+from torch._dynamo.utils import counters
+from eaglet.draft.compiling import use_compile_cache
+folder, warm = use_compile_cache(None, Path(sys.argv[1]))
+torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + 1)(torch.randn(64, 32))
+print(warm, counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
+def test_a_second_process_finds_the_first_ones_compile_in_the_cache(tmp_path):
+    """Inductor itself (not a mock): a process that points its cache at the folder an earlier
+    one compiled into takes the graph from it (a cache hit, no compile), as a resumed run does;
+    the folder is the default's, as dynamo's import has filled the variable with torch's own.
+    About 15 s on a 2-core CPU, most of it the first process's C++ build."""
+    env = {k: v for k, v in os.environ.items() if k != compiling.CACHE_ENV}
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_COMPILE, str(tmp_path / "compile")], env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+    assert [r.stdout.split() for r in runs] == [["False", "0", "1"], ["True", "1", "0"]]
+
+
+def test_compiled_training_keeps_its_compile_cache_in_the_setting_or_eaglets_cache(tmp_path, monkeypatch, capfd):
+    """A compiled run points inductor at train.compile_cache before it compiles, and says which
+    folder and whether it held anything; unset (and no $TORCHINDUCTOR_CACHE_DIR), at
+    <EAGLET_CACHE>/compile. An eager run leaves the variable alone."""
+    from conftest import tiny_pipeline_upto_vocab, train_on_copy
+
+    base = tiny_pipeline_upto_vocab(tmp_path, 8, 2, [
+        "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
+        "train.log_every=2", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
+        "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=2"])
+    capture_only(monkeypatch)
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "ec"))
+    train_on_copy(tmp_path, base, "default")
+    assert os.environ[compiling.CACHE_ENV] == str((tmp_path / "ec" / "compile").resolve())
+    assert f"[train] compile cache: {tmp_path / 'ec' / 'compile'} (empty)" in capfd.readouterr().err
+    mine = tmp_path / "mine"
+    (mine / "fxgraph").mkdir(parents=True)
+    train_on_copy(tmp_path, base, "set", f"train.compile_cache={mine}")
+    torch._dynamo.reset()
+    assert os.environ[compiling.CACHE_ENV] == str(mine.resolve())
+    assert f"[train] compile cache: {mine} (holds earlier compiles)" in capfd.readouterr().err
+    monkeypatch.delenv(compiling.CACHE_ENV)
+    train_on_copy(tmp_path, base, "eager", "train.compile=off")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    assert os.environ.get(compiling.CACHE_ENV) in (None, default_cache_dir())  # torch's, if anything's
+    assert "compile cache" not in capfd.readouterr().err
 
 
 def test_the_trainer_says_when_compiling_goes_on_or_gives_up(capfd):

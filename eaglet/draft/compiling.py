@@ -24,13 +24,19 @@ three places:
 
 `CompileWatch` reads dynamo's counters, so the trainer can say when graphs are still being
 made after the warm-up, or a function was given up on.
+
+`use_compile_cache(folder)` keeps inductor's cache (its compiled graphs, kernels and autotuning)
+in `folder` for the process: a run that finds the graphs of an earlier one there compiles
+nothing, and only dynamo's tracing is left of the warm-up (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +47,29 @@ MARK_DATA_DIMS = True  # the pieces' `data_dims` marked symbolic before their fi
 # else the global one raised to it. A layer's halves keep graphs per layer, and evaluation's
 # no-grad graphs (under fsdp: elsewhere it runs the training graphs) count too.
 PIECE_RECOMPILE_LIMIT = 32
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor reads it when it first needs its cache
+
+
+def use_compile_cache(folder: str | Path | None, default: Path) -> tuple[Path, bool]:
+    """Point inductor's cache at `folder` for this process, before its first compile: a set
+    `folder` wins; else $TORCHINDUCTOR_CACHE_DIR where set; else `default`. (The folder in use,
+    whether it held anything already.) Made if missing."""
+    chosen = Path(folder).expanduser() if folder else Path(_cache_env_set() or default)
+    chosen.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(chosen.resolve())
+    with os.scandir(chosen) as entries:
+        return chosen, any(True for _ in entries)
+
+
+def _cache_env_set() -> str | None:
+    """$TORCHINDUCTOR_CACHE_DIR as someone set it: importing dynamo fills it with torch's own
+    default (under the temp folder), which therefore counts as unset."""
+    value = os.environ.get(CACHE_ENV)
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return value
+    return None if value and os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
 
 
 def takes_recompile_limit() -> bool:

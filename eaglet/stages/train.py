@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from ..config import Config, TrainSection
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
-from ..draft.compiling import CompileWatch
+from ..draft.compiling import CompileWatch, use_compile_cache
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
@@ -60,6 +60,7 @@ from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_sche
 from ..errors import CorruptDataError, ResumeError
 from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, rng_state, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
+from ..formats.pypi import default_cache
 from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..formats.vocab import load_vocab
@@ -125,7 +126,8 @@ def _digest(t: torch.Tensor) -> str:
 # precision is compared as resolved (bf16 or fp32), since `auto` follows the device;
 # train.grad_accum as micro-batches per step (grad_accum x world size), which is what it sets.
 RESUME_SAFE_KEYS = ("log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
-                    "device", "parallel", "compile", "attn_impl", "teacher_chunk", "prefetch", "ckpt_async")
+                    "device", "parallel", "compile", "compile_cache", "attn_impl", "teacher_chunk", "prefetch",
+                    "ckpt_async")
 # The trajectory settings `eaglet train --extend` may raise: a longer schedule (Trainer._pick).
 EXTEND_KEYS = ("train.epochs", "train.max_steps")
 # Fingerprint keys of checkpoints written before every trajectory setting was in the fingerprint.
@@ -308,8 +310,13 @@ class Trainer:
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see eaglet/draft/parallelize.py).
         teacher = TeacherHead.from_head(head, self.tc.teacher_chunk, self.tc.mask_out_of_vocab)
+        compile = resolve_compile(self.tc.compile, self.device)
+        if compile:
+            folder, warm = use_compile_cache(self.tc.compile_cache, default_cache() / "compile")
+            if self.env.is_main:
+                log(f"[train] compile cache: {folder} ({'holds earlier compiles' if warm else 'empty'})")
         self.par = parallelize(model, teacher, strategy, self.device, frozen_dtype=head.lm_head.dtype, env=self.env,
-                               compile=resolve_compile(self.tc.compile, self.device))
+                               compile=compile)
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
         use_bf16 = uses_bf16(self.tc, self.device)
