@@ -935,14 +935,13 @@ def test_compile_piece_passes_a_recompile_limit_only_to_a_torch_that_takes_one(m
                     {"dynamic": None, "backend": "eager"}]
 
 
-def capture_only(monkeypatch, cache=None) -> None:
+def capture_only(monkeypatch, tmp_path) -> None:
     """The trainer's compiled pieces and loss through dynamo's capture alone (backend eager), from
-    a fresh dynamo: the graphs are counted as a GPU run makes them, at a CPU's cost. The compile
-    cache's variable is restored afterwards (the trainer sets it), to `cache` meanwhile if given."""
-    if cache is None:
-        monkeypatch.delenv(compiling.CACHE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(compiling.CACHE_ENV, str(cache))
+    a fresh dynamo: the graphs are counted as a GPU run makes them, at a CPU's cost. eaglet's cache
+    (so the default compile cache) under tmp_path; the compile cache's variable, which the trainer
+    sets, unset meanwhile and restored afterwards."""
+    monkeypatch.delenv(compiling.CACHE_ENV, raising=False)
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "eaglet-cache"))
     monkeypatch.setitem(compiling.PIECE_OPTIONS, "backend", "eager")
     monkeypatch.setattr(loss_mod, "_compiled_soft_ce", None)
     monkeypatch.setattr(loss_mod, "_compiled_accept_term", None)
@@ -959,7 +958,7 @@ def test_compiled_training_on_real_packing_makes_its_graphs_in_the_first_step(tm
         "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
         "train.log_every=2", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
         "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=6"])  # no evaluation
-    capture_only(monkeypatch, tmp_path / "inductor")
+    capture_only(monkeypatch, tmp_path)
     _, log = train_on_copy(tmp_path, base, "watched")
     torch._dynamo.reset()
     train = [r for r in log if r.get("split") == "train"]
@@ -980,7 +979,7 @@ def test_compiled_evaluation_runs_the_training_graphs(tmp_path, monkeypatch, cap
             "train.ttt_steps=2", "train.log_every=1", "train.eval_every=2", "train.ckpt_every=100",
             "train.tensorboard=false", "train.device=cpu", "train.eval_fraction=0.2", "train.max_steps=6"]
     base = tiny_pipeline_upto_vocab(tmp_path, 12, 3, [*sets, "train.compile=on"])
-    capture_only(monkeypatch, tmp_path / "inductor")
+    capture_only(monkeypatch, tmp_path)
     _, log = train_on_copy(tmp_path, base, "compiled")
     torch._dynamo.reset()
     evals = [r for r in log if r.get("split") == "eval"]
@@ -1047,11 +1046,10 @@ def test_compiled_training_keeps_its_compile_cache_in_the_setting_or_eaglets_cac
         "run.seed=0", "extract.store_dtype=float32", "vocab.size=128", "train.max_tokens=192", "train.ttt_steps=2",
         "train.log_every=2", "train.eval_every=0", "train.ckpt_every=100", "train.tensorboard=false",
         "train.device=cpu", "train.eval_fraction=0", "train.compile=on", "train.max_steps=2"])
-    capture_only(monkeypatch)
-    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "ec"))
+    capture_only(monkeypatch, tmp_path)
     train_on_copy(tmp_path, base, "default")
-    assert os.environ[compiling.CACHE_ENV] == str((tmp_path / "ec" / "compile").resolve())
-    assert f"[train] compile cache: {tmp_path / 'ec' / 'compile'} (empty)" in capfd.readouterr().err
+    assert os.environ[compiling.CACHE_ENV] == str((tmp_path / "eaglet-cache" / "compile").resolve())
+    assert f"[train] compile cache: {tmp_path / 'eaglet-cache' / 'compile'} (empty)" in capfd.readouterr().err
     mine = tmp_path / "mine"
     (mine / "fxgraph").mkdir(parents=True)
     train_on_copy(tmp_path, base, "set", f"train.compile_cache={mine}")
