@@ -310,13 +310,13 @@ class Trainer:
         strategy = resolve_strategy(self.tc.parallel, self.env.world_size)
         # The pure draft; self.par.module is what the training forward calls (see eaglet/draft/parallelize.py).
         teacher = TeacherHead.from_head(head, self.tc.teacher_chunk, self.tc.mask_out_of_vocab)
-        compile = resolve_compile(self.tc.compile, self.device)
-        if compile:
+        compiled = resolve_compile(self.tc.compile, self.device)
+        if compiled:
             folder, warm = use_compile_cache(self.tc.compile_cache, default_cache() / "compile")
             if self.env.is_main:
                 log(f"[train] compile cache: {folder} ({'holds earlier compiles' if warm else 'empty'})")
         self.par = parallelize(model, teacher, strategy, self.device, frozen_dtype=head.lm_head.dtype, env=self.env,
-                               compile=compile)
+                               compile=compiled)
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
         use_bf16 = uses_bf16(self.tc, self.device)
