@@ -163,6 +163,11 @@ class ExtractSection:
         None, "mode online, backend vllm: the buffer's folder (local disk or a RAM disk such as /dev/shm/eaglet); "
         "default <run.dir>/train/stream. Emptied when training ends; what a killed run left is deleted on restart.",
         path=PATH)
+    online_ahead: int | None = _f(
+        None, "mode online, backend hf: micro-batches the target computes ahead of training, in a process of its own "
+        "on the same device (its Python does not contend with the training loop's; the target's weights live there, "
+        "not in the trainer); 0: the target runs in the trainer's process, between steps. None: 2 on a GPU, 0 on a "
+        "CPU (whose cores both would share). Always 0 under extract.tp_plan.", _ge(0))
     tp_plan: Literal["auto"] | None = _f(
         None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
         "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."

@@ -1,9 +1,11 @@
-"""Small shared helpers: atomic writes, file hashing, logging, dtype names, host-to-device copies."""
+"""Small shared helpers: atomic writes, file hashing, logging, dtype names, host-to-device copies,
+child processes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -111,3 +113,22 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a child's watch on the trainer that started it)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or its number taken by another user's process
+        return False
+    return True
+
+
+def child_context(*preload: str) -> Any:
+    """A multiprocessing context whose children fork from Python's fork server, a single-threaded
+    process that has imported the `preload` modules (torch with them) once: no child forks the
+    trainer, with its CUDA context and threads, and none pays torch's import again. The server is
+    one per process: the first call that starts a child fixes what it preloaded."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx

@@ -2,27 +2,34 @@
 same states, samples, order and losses as an offline run of the same config."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from eaglet import pipeline
 from eaglet.testing import tiny
-from eaglet.config import load_config
-from eaglet.stages.online import OnlineStates, split_source
+from eaglet.config import TargetSection, load_config
+from eaglet.stages.online import AheadStates, OnlineStates, TargetStopped, online_ahead, split_source
 from eaglet.stages.train_data import open_states
 from eaglet.formats.store import StoreReader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cfg(root, target, data, mode, extra=()):
+AHEAD = ["extract.online_ahead=2"]
+
+
+def _cfg(root, target, data, mode, extra=(), name=None):
     return load_config(None, [
-        f"run.dir={root / mode}", "run.seed=7", f"target.path={target}", "target.dtype=float32",
+        f"run.dir={root / (name or mode)}", "run.seed=7", f"target.path={target}", "target.dtype=float32",
         f"prepare.data=[{data}]", "extract.store_dtype=float32", f"extract.mode={mode}", "extract.selfcheck_samples=3",
         "vocab.size=200", "train.max_steps=8", "train.max_tokens=384", "train.ttt_steps=2", "train.log_every=1",
         "train.eval_every=4", "train.warmup_steps=2", "train.lr=0.002", "train.attn_impl=chunked",
-        "train.tensorboard=false", "eval.num_prompts=2", "eval.max_new_tokens=6", *extra,
+        "train.tensorboard=false", "train.ckpt_every=4", "eval.num_prompts=2", "eval.max_new_tokens=6", *extra,
     ])
 
 
@@ -36,6 +43,10 @@ def runs(tmp_path_factory):
         cfg = _cfg(root, target, data, mode)
         pipeline.run_all(cfg, upto="eval")
         out[mode] = cfg
+    # the target in a process of its own, computing two micro-batches ahead (a GPU's default)
+    out["ahead"] = _cfg(root, target, data, "online", AHEAD, name="ahead")
+    pipeline.run_all(out["ahead"], upto="train")
+    out["inputs"] = (root, target, data)
     return out
 
 
@@ -85,8 +96,108 @@ def test_online_training_reproduces_the_offline_losses(runs):
     assert _log(runs["online"], "train")[-1]["loss"] < _log(runs["online"], "train")[0]["loss"]
 
 
+def test_ahead_training_reproduces_the_offline_losses(runs):
+    """The target's own process computes the same states for the same micro-batches, in order:
+    the run's losses are the offline run's, at every logged step and evaluation."""
+    for split in ("train", "eval"):
+        off, ah = _log(runs["offline"], split), _log(runs["ahead"], split)
+        assert [r["step"] for r in ah] == [r["step"] for r in off] and ah
+        for a, b in zip(off, ah):
+            for k in ("loss", "loss_0", "loss_1"):
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), f"{split} step {a['step']} {k}"
+        if split == "train":
+            assert all(r["states_wait_s"] >= 0 and r["target_tokens_per_s"] > 0 for r in ah)
+    stats = json.loads((runs["ahead"].run_dir / "train" / "manifest.json").read_text())["stats"]
+    ahead = stats["online_ahead"]
+    assert ahead["ahead"] == 2 and ahead["consumed"] == ahead["micro_batches"] > 8  # 8 steps and two evaluations
+    assert stats["online_nonfinite_samples"] == 0
+
+
+def test_ahead_run_resumes_exactly(runs, tmp_path):
+    """A run stopped after its checkpoint of step 4 resumes with the target's process planning
+    from there, and ends with the uninterrupted run's losses."""
+    from conftest import killed_copy
+
+    root, target, data = runs["inputs"]
+    killed_copy(runs["ahead"].run_dir, root / "ahead-cut", after=4)
+    again = _cfg(root, target, data, "online", AHEAD, name="ahead-cut")
+    pipeline.run_all(again, upto="train")
+    whole = _log(runs["ahead"], "train")
+    stats = json.loads((again.run_dir / "train" / "manifest.json").read_text())["stats"]
+    assert stats["resumed"]["from_step"] == 4
+    resumed = {r["step"]: r for r in _log(again, "train")}
+    for r in whole:
+        if r["step"] > 4:
+            assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-5), r["step"]
+
+
+def _states(runs, depth=2, **kw):
+    up = {name: runs["online"].run_dir / name for name in pipeline.STAGE_NAMES}
+    base = StoreReader(up["extract"], verify=False)
+    return AheadStates(base, up["prepare"], runs["online"].target, depth, **kw), up
+
+
+def test_ahead_states_equal_the_in_process_states_and_keep_the_plan(runs):
+    states, up = _states(runs, depth=1)
+    inproc = open_states(runs["online"], up, runs["online"].run_dir / "train")
+    ids = inproc.sample_ids.tolist()
+    plan = [ids[0:3], ids[3:4], ids[4:9], ids[9:11]]
+    try:
+        states.start(plan, 40)
+        for load in plan[:3]:
+            got, want = states.get_many(load, 40), inproc.get_many(load, 40)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                for k in ("aux", "final", "input_ids", "loss_mask", "loss_mask_host"):
+                    torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="out of step"):
+            states.get_many(plan[2], 40)  # not the next planned micro-batch
+        assert states.stats()["consumed"] == 4 and states.stats()["target_s"] > 0
+    finally:
+        states.close()
+    assert not states._proc.is_alive()
+
+
+def test_ahead_process_failure_is_one_line(runs, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    broken = TargetSection(path=str(tmp_path), dtype="float32")
+    up = {name: runs["online"].run_dir / name for name in pipeline.STAGE_NAMES}
+    states = AheadStates(StoreReader(up["extract"], verify=False), up["prepare"], broken, 2)
+    try:
+        states.start([states.sample_ids[:2].tolist()], 40)
+        with pytest.raises(TargetStopped, match=r"target's process stopped before micro-batch 0 of 1 \(") as e:
+            states.get_many(states.sample_ids[:2].tolist(), 40)
+        assert "\n" not in str(e.value).split(" (fix:")[0]
+    finally:
+        states.close()
+    assert not states._proc.is_alive()
+
+
+def test_ahead_process_ends_when_the_trainer_is_gone(runs):
+    """Nothing but the trainer would end the target's process: it watches the trainer's pid."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    states, _ = _states(runs, watch_pid=gone.pid)
+    deadline = time.time() + 120
+    while states._proc.is_alive() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not states._proc.is_alive() and states._proc.exitcode == 0
+    states.close()
+
+
+def test_online_ahead_is_on_for_a_gpu_only_and_off_under_tp_plan(tmp_path):
+    def cfg(*extra):
+        return load_config(None, [f"run.dir={tmp_path}", "extract.mode=online", *extra])
+
+    assert online_ahead(cfg("target.device=cpu")) == 0
+    assert online_ahead(cfg("target.device=cuda")) == 2
+    assert online_ahead(cfg("target.device=cpu", "extract.online_ahead=3")) == 3
+    assert online_ahead(cfg("target.device=cuda", "extract.online_ahead=0")) == 0
+    assert online_ahead(cfg("target.device=cuda", "extract.tp_plan=auto")) == 0
+
+
 def test_online_eval_uses_the_same_heldout_prompts(runs):
-    ev = {m: json.loads((runs[m].run_dir / "eval" / "eval.json").read_text()) for m in runs}
+    ev = {m: json.loads((runs[m].run_dir / "eval" / "eval.json").read_text()) for m in ("offline", "online")}
     assert [p["sample_id"] for p in ev["online"]["prompts"]] == [p["sample_id"] for p in ev["offline"]["prompts"]]
     assert ev["online"]["aggregate"]["lossless"] is True
 

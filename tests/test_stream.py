@@ -31,6 +31,7 @@ from eaglet.formats.store import StoreReader
 from eaglet.stages import stream as stream_mod
 from eaglet.testing import tiny
 from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
+from eaglet.utils import child_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = [1, 2, 3]
@@ -306,7 +307,7 @@ def test_the_engine_process_answers_as_the_engine_here(assets, tmp_path):
     ids = [*LAYERS, model.config.num_hidden_layers]
     requests = [(5, np.arange(3, 20)), (9, np.arange(7, 15))]
     here = FakeVLLM(model, tmp_path / "here", ids).run(requests, 4)
-    proc = EngineProcess(partial(FakeVLLM.load, target, tmp_path / "child", ids), stream_mod.child_context())
+    proc = EngineProcess(partial(FakeVLLM.load, target, tmp_path / "child", ids), child_context(stream_mod.__name__))
     try:
         there = proc.run(requests, 4)
         assert proc._proc.pid != os.getpid() and [r.sample_id for r in there] == [5, 9]

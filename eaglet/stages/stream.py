@@ -31,7 +31,6 @@ the time it waited and the engine's tokens/s against training's (`progress`).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 import time
@@ -52,7 +51,7 @@ from ..engines.vllm import EngineProcess, LocalEngine, ServerEngine, engine_args
 from ..errors import ConfigError, InputError
 from ..formats.buffer import clear_entries, micro_batch_bytes, read_entry, write_entry
 from ..formats.store import FP8, StoreReader, capture_dtype, quantize_states
-from ..utils import log
+from ..utils import child_context, log, pid_alive
 from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
 from .online import PreparedStates
 
@@ -111,18 +110,10 @@ def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
             quantize_states(aux, job.n_aux), quantize_states(final, 1))
     else:
         tensors["aux"], tensors["final"] = aux.to(job.dtype), final.to(job.dtype)
-    if _trainer is not None and not _alive(_trainer):  # killed mid-job: what its restart reads is its own
+    if _trainer is not None and not pid_alive(_trainer):  # killed mid-job: what its restart reads is its own
         raise SystemExit(0)
     path, size = write_entry(job.buffer, job.rank, job.seq, [sid for sid, *_ in job.samples], lens, tensors)
     return path, size, time.perf_counter() - t0, aside
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # gone, or its number taken by another user's process
-        return False
-    return True
 
 
 _trainer: int | None = None  # in a converter: the trainer's pid (_converter_start)
@@ -139,18 +130,9 @@ def _exit_with(pid: int, every: float = 1.0) -> None:
     """End this converter once the trainer `pid` is gone (killed). Nothing else would end it: a
     pool worker holds both ends of its own call queue, so a dead trainer never reads as EOF, and
     the fork server stays up while any of its children holds its alive pipe."""
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(every)
     os._exit(0)
-
-
-def child_context() -> Any:
-    """The converters and the engine's client fork from Python's fork server, a single-threaded
-    process that has imported this module (torch with it) once: no child forks the trainer,
-    with its CUDA context and threads, and none pays torch's import again."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
 
 
 class StreamedStates(PreparedStates):
@@ -222,7 +204,7 @@ class StreamedStates(PreparedStates):
         if left:
             log(f"[stream] rank {self.rank}: deleted {left} entries a stopped run left in {self.buffer}; they are "
                 "computed again")
-        self._pool = ProcessPoolExecutor(CONVERTERS, child_context(), _converter_start, (os.getpid(),))
+        self._pool = ProcessPoolExecutor(CONVERTERS, child_context(__name__), _converter_start, (os.getpid(),))
         for _ in range(CONVERTERS):  # the converters start (fork) while the engine does
             self._pool.submit(os.getpid)
         if self.engine is None:
@@ -241,7 +223,7 @@ class StreamedStates(PreparedStates):
             for f in self.connector.iterdir():  # a killed run's connector files
                 f.unlink()
             make = partial(LocalEngine, engine_args(self.cfg, self.ids, self.connector, longest))
-        return EngineProcess(make, child_context()) if e.stream_client_process else make()
+        return EngineProcess(make, child_context(__name__)) if e.stream_client_process else make()
 
     def close(self) -> None:
         with self._cond:

@@ -68,7 +68,7 @@ from ..targets.families import text_config_from_dict
 from ..utils import log
 from .checkpoint_writer import CheckpointWriter, host_snapshot
 from .context import StageContext
-from .online import OnlineStates
+from .online import AheadStates, OnlineStates
 from .stream import StreamedStates
 from .train_data import (Prefetch, VocabMaskCache, epoch_plan, open_states, pack, read_batch, send_batch,
                          split_ids)
@@ -327,7 +327,8 @@ class Trainer:
             raise ValueError("train: no training samples (is the store empty, or train.eval_fraction 1?)")
         self.eval_ids = self.eval_ids[: self.tc.eval_max_samples]
         self.held_out = pack(self.eval_ids, self.lengths, self.tc.max_tokens)  # every evaluation's micro-batches
-        self.stream = store if isinstance(store, StreamedStates) else None
+        # States computed ahead of the loop, from the plan of its loads: a stream, or the target's own process
+        self.stream = store if isinstance(store, (StreamedStates, AheadStates)) else None
         self.micro_per_step = self.tc.grad_accum * self.env.world_size
         batches = len(epoch_plan(self.train_ids, self.lengths, self.tc.max_tokens, train_seed(cfg), 0))
         self.steps_per_epoch = max(batches // self.micro_per_step, 1)
@@ -575,7 +576,7 @@ class Trainer:
                            memory_gib=_memory_gib(self.device))
                 if self.stream is not None:
                     rec.update(self.stream.progress())
-                    _say_if_behind(rec, dt, env.is_main)
+                    _say_if_behind(rec, dt, env.is_main and isinstance(self.stream, StreamedStates))
                 if self.compile_watch is not None:
                     rec["compile_graphs"], gave_up = self.compile_watch.since_last()
                     _say_if_compiling(step, rec["compile_graphs"], gave_up, warmed=ran > tc.log_every, show=env.is_main)
@@ -622,7 +623,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not env.is_main)
         stream = self.stream
-        if stream is not None:  # the engine starts computing this rank's micro-batches ahead
+        if stream is not None:  # the engine (or the target's process) starts computing this rank's micro-batches
             stream.start(list(self.planned_loads(step, epoch, micro + 1)), tc.max_tokens)
         elif reads_ahead(self.store, tc, self.device):  # a thread reads the store ahead
             self.prefetch = Prefetch(self.read, self.planned_loads(step, epoch, micro + 1), tc.prefetch, self.device)
@@ -648,7 +649,7 @@ class Trainer:
         if resumed is not None:
             stats["resumed"] = resumed
         if stream is not None:
-            stats["stream"] = stream.stats()
+            stats["stream" if isinstance(stream, StreamedStates) else "online_ahead"] = stream.stats()
         return stats
 
 
@@ -674,6 +675,6 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers)
     barrier()
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if isinstance(store, OnlineStates):
+    if isinstance(store, (OnlineStates, AheadStates)):
         stats["online_nonfinite_samples"] = store.nonfinite
     return stats

@@ -24,7 +24,7 @@ from ..draft.step import Batch, host_head_rows, send_head_rows
 from ..formats.buffer import buffer_folder
 from ..formats.store import StoreReader, dequantize_states, open_verified
 from ..utils import to_device
-from .online import OnlineStates, is_online
+from .online import AheadStates, OnlineStates, is_online, online_ahead
 from .stream import StreamedStates
 
 
@@ -127,12 +127,15 @@ class VocabMaskCache:
         self.fresh = {}
 
 
-def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0
-                ) -> StoreReader | OnlineStates | StreamedStates:
+States = StoreReader | OnlineStates | AheadStates | StreamedStates  # what training reads
+
+
+def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0) -> States:
     """What training reads: extract's store, every shard checked first (`open_verified`, a
     collective under torchrun), or, when extract ran online, states computed as training goes:
-    by the target beside the draft (backend hf, eaglet/stages/online.py) or streamed from the
-    serving engine (backend vllm, eaglet/stages/stream.py)."""
+    by the target beside the draft (backend hf, eaglet/stages/online.py: in a process of its own
+    with extract.online_ahead) or streamed from the serving engine (backend vllm,
+    eaglet/stages/stream.py)."""
     store = open_verified(upstream["extract"])
     if not is_online(store):
         return store
@@ -140,6 +143,9 @@ def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: i
         raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
     if store.meta.get("backend") == "vllm":
         return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg.extract.stream_dir, train_dir), rank)
+    ahead = online_ahead(cfg)
+    if ahead:
+        return AheadStates(store, upstream["prepare"], cfg.target, ahead)
     return OnlineStates(store, upstream["prepare"], cfg.target)
 
 
@@ -155,12 +161,12 @@ class HostBatch:
     rows: tuple[torch.Tensor, list[int]] | None
 
 
-def read_batch(store: StoreReader | OnlineStates | StreamedStates, ids: list[int], max_tokens: int, pin: bool,
+def read_batch(store: States, ids: list[int], max_tokens: int, pin: bool,
                ttt_steps: int = 0) -> HostBatch:
     """The samples `ids` packed into one micro-batch, each cut to max_tokens, up to the copy to the
     device: the store's reads and the host's copies (into pinned memory when `pin`). ttt_steps > 0:
     with the rows each TTT step's loss can count (Batch.head_rows)."""
-    if isinstance(store, (OnlineStates, StreamedStates)):
+    if isinstance(store, (OnlineStates, AheadStates, StreamedStates)):
         parts = store.get_many(ids, max_tokens)  # one forward of the target, or one entry of the stream
     elif getattr(store, "scaled", False):  # an fp8 store's states as stored, dequantized on the device
         parts = [store.get(i, raw=True) for i in ids]
@@ -207,7 +213,7 @@ def send_batch(h: HostBatch, device: torch.device) -> Batch:
                  sent("docs"), sum(h.lens), sample_ids=h.ids, lens=h.lens, head_rows=rows, active_rows=active)
 
 
-def load_batch(store: StoreReader | OnlineStates | StreamedStates, ids: list[int], max_tokens: int, device: torch.device,
+def load_batch(store: States, ids: list[int], max_tokens: int, device: torch.device,
                ttt_steps: int = 0) -> Batch:
     """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
     ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
