@@ -30,8 +30,11 @@ A variant's settings may also hold keys without a section, read by this script:
   trainer=speculators      train with speculators' own model, TTT and loss (bench/speculators_train.py,
                            its own loss mask and initialisation: the "native" draft; needs the
                            speculators package); trainer=speculators-parity: eaglet's mask and init
-  time_of=REF,rate_of=CAL  equal training time: as many steps as variant CAL's trainer ran in the
-                           time variant REF's took (same seed): steps(CAL) x train_s(REF) / train_s(CAL)
+  time_of=REF,rate_of=CAL  equal training time: as many steps as variant CAL's trainer runs in the
+                           time variant REF's took (same seed): steps(CAL) + (train_s(REF) - train_s(CAL))
+                           / step_s(CAL), step_s its seconds a step past its first logging interval (which
+                           holds the compile): CAL's fixed costs counted once, not scaled with the steps;
+                           steps(CAL) x train_s(REF) / train_s(CAL) for a trainer whose log has no intervals
 Every draft's train_s is the wall time of its training call here, setup and compiling included
 (a speculators draft trains in a process of its own, so its train_s also holds that process's
 start and imports, a few seconds); the time_of draft's own train_s is measured too, so the
@@ -152,6 +155,8 @@ def equal_time_steps(name: str, controls: dict[str, str], done: dict[str, dict[i
         raise SystemExit(f"[ab] variant {name} seed {seed}: time_of/rate_of need {', '.join(missing)} measured "
                          f"first (list them before {name})")
     r, c = done[ref][seed]["train"], done[cal][seed]["train"]
+    if c.get("step_s"):
+        return max(1, round(c["steps"] + (r["train_s"] - c["train_s"]) / c["step_s"]))
     return max(1, round(c["steps"] * r["train_s"] / c["train_s"]))
 
 
@@ -221,8 +226,12 @@ def train_summary(run: Path) -> dict[str, Any]:
     train = [r for r in recs if r["split"] == "train"]
     evals = [r for r in recs if r["split"] == "eval"]
     rates = [r["tokens_per_s"] for r in train[1:] if r.get("tokens_per_s")]
+    # seconds a step past the first interval: each interval's tokens over its rate, over its steps
+    later = [(r["tokens"] / r["tokens_per_s"], r["step"] - p["step"]) for p, r in zip(train, train[1:])
+             if r.get("tokens_per_s") and r.get("tokens")]
     return {"steps": manifest["stats"].get("total_steps"), "seconds": manifest.get("seconds"),
             "tokens_per_s": statistics.median(rates) if rates else None,
+            "step_s": sum(t for t, _ in later) / sum(n for _, n in later) if later else None,
             "sim_tau_train": train[-1].get("sim_tau") if train else None,
             "sim_tau_heldout": evals[-1].get("sim_tau") if evals else None,
             "acc_train": [train[-1].get(f"acc_{j}") for j in range(7)] if train else None}

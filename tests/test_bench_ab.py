@@ -149,3 +149,27 @@ def test_ab_against_speculators_in_equal_time_on_two_sets_and_decoded(tmp_path):
     # a setting the script does not know stops it before training, naming the variant
     with pytest.raises(AssertionError, match="variant bad: 'epochs' is neither section.key"):
         run_script(SCRIPT, [*common, "--variant", "bad:epochs=2"])
+
+
+def test_equal_time_steps_count_the_fixed_costs_once(tmp_path):
+    """time_of/rate_of: the calibrating draft's seconds a step come from its log past the first
+    interval (the compile's), so its fixed costs are not scaled with the steps; without intervals
+    (speculators' log) the steps scale with the times."""
+    import runpy
+
+    ab = runpy.run_path(str(SCRIPT))
+    run = tmp_path / "cal"
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "manifest.json").write_text(json.dumps({"stats": {"total_steps": 300}, "seconds": 50.0}))
+    log = [{"split": "train", "step": 100, "tokens": 1000, "tokens_per_s": 50.0},  # 20 s: the compile
+           {"split": "train", "step": 200, "tokens": 1000, "tokens_per_s": 100.0},  # 10 s
+           {"split": "eval", "step": 200, "sim_tau": 1.5},
+           {"split": "train", "step": 300, "tokens": 1000, "tokens_per_s": 50.0}]  # 20 s
+    (run / "train" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    cal = ab["train_summary"](run)
+    assert cal["step_s"] == pytest.approx(30.0 / 200)
+    done = {"ref": {0: {"train": {"train_s": 80.0}}}, "cal": {0: {"train": {**cal, "train_s": 50.0}}}}
+    controls = {"time_of": "ref", "rate_of": "cal"}
+    assert ab["equal_time_steps"]("eq", controls, done, 0) == 300 + 200  # 30 s more at 0.15 s a step
+    done["cal"][0]["train"]["step_s"] = None
+    assert ab["equal_time_steps"]("eq", controls, done, 0) == 480  # 300 x 80 / 50
