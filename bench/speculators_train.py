@@ -122,7 +122,8 @@ def open_states(run_dir: str | Path, cfg: Any) -> Any:
     from eaglet.stages.train_data import open_states as eaglet_open_states
 
     run_dir = Path(run_dir)
-    return eaglet_open_states(cfg, {name: run_dir / name for name in STAGE_NAMES}, run_dir / "train")
+    # this harness loads in an order of its own, so an online run's target computes in this process
+    return eaglet_open_states(cfg, {name: run_dir / name for name in STAGE_NAMES}, run_dir / "train", planned=False)
 
 
 # ---- the model ------------------------------------------------------------------------------------

@@ -158,6 +158,21 @@ def test_ahead_states_equal_the_in_process_states_and_keep_the_plan(runs):
     assert not states._proc.is_alive()
 
 
+def test_open_states_computes_ahead_only_for_a_reader_that_plans(runs):
+    """The Trainer hands over its plan; a reader in an order of its own (speculators' harness)
+    gets the target in its process even where extract.online_ahead is set."""
+    up = {name: runs["ahead"].run_dir / name for name in pipeline.STAGE_NAMES}
+    planned = open_states(runs["ahead"], up, runs["ahead"].run_dir / "train")
+    try:
+        assert isinstance(planned, AheadStates)
+        with pytest.raises(RuntimeError, match=r"0 were planned \(a reader in its own order"):
+            planned.get_many(planned.sample_ids[:1].tolist())
+    finally:
+        planned.close()
+    own = open_states(runs["ahead"], up, runs["ahead"].run_dir / "train", planned=False)
+    assert isinstance(own, OnlineStates) and len(own.get_many(own.sample_ids[:2].tolist(), 16)) == 2
+
+
 def test_ahead_process_failure_is_one_line(runs, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     broken = TargetSection(path=str(tmp_path), dtype="float32")

@@ -219,7 +219,8 @@ class AheadStates(PreparedStates):
         max_tokens): per sample what `OnlineStates.get_many` gives, on the target's device."""
         seq = self._next
         if seq >= len(self.loads):
-            raise RuntimeError(f"online states: micro-batch {seq} asked for, but {len(self.loads)} were planned")
+            raise RuntimeError(f"online states: micro-batch {seq} asked for, but {len(self.loads)} were planned"
+                               + ("" if self.loads else " (a reader in its own order: open_states(..., planned=False))"))
         t0 = time.perf_counter()
         _, got, ids, lens, tensors, nonfinite, seconds = self._message()
         self._credits.release()  # room for one more ahead

@@ -130,12 +130,15 @@ class VocabMaskCache:
 States = StoreReader | OnlineStates | AheadStates | StreamedStates  # what training reads
 
 
-def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0) -> States:
+def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0, planned: bool = True
+                ) -> States:
     """What training reads: extract's store, every shard checked first (`open_verified`, a
     collective under torchrun), or, when extract ran online, states computed as training goes:
     by the target beside the draft (backend hf, eaglet/stages/online.py: in a process of its own
     with extract.online_ahead) or streamed from the serving engine (backend vllm,
-    eaglet/stages/stream.py)."""
+    eaglet/stages/stream.py). `planned`: the reader hands over the micro-batches it will load, in
+    order, before the first (`start`, as the Trainer does); a reader in an order of its own gets
+    the target in its process (a stream needs the plan)."""
     store = open_verified(upstream["extract"])
     if not is_online(store):
         return store
@@ -143,7 +146,7 @@ def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: i
         raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
     if store.meta.get("backend") == "vllm":
         return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg.extract.stream_dir, train_dir), rank)
-    ahead = online_ahead(cfg)
+    ahead = online_ahead(cfg) if planned else 0
     if ahead:
         return AheadStates(store, upstream["prepare"], cfg.target, ahead)
     return OnlineStates(store, upstream["prepare"], cfg.target)
