@@ -62,8 +62,12 @@ FRACTION = Range(0, 1)  # in [0, 1]
 PATH, MODEL = "path", "model"  # `path` metadata: a file or folder; a model folder or a hub id
 
 
-def _f(default: Any, doc: str, check: Range | None = None, path: str | None = None, **kw: Any) -> Any:
-    meta = {"doc": doc, "check": check, "path": path}
+def _f(default: Any, doc: str, check: Range | None = None, path: str | None = None, hashed: bool = True,
+       **kw: Any) -> Any:
+    """A config field. hashed=False: a key of how a stage runs, not of what it writes, left out of
+    the stage's input hash (`Config.hashed_section`): setting it reruns nothing, and adding such a
+    key to eaglet leaves the runs made before it valid."""
+    meta = {"doc": doc, "check": check, "path": path, "hashed": hashed}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -167,7 +171,7 @@ class ExtractSection:
         None, "mode online, backend hf: micro-batches the target computes ahead of training, in a process of its own "
         "on the same device (its Python does not contend with the training loop's; the target's weights live there, "
         "not in the trainer); 0: the target runs in the trainer's process, between steps. None: 2 on a GPU, 0 on a "
-        "CPU (whose cores both would share). Always 0 under extract.tp_plan.", _ge(0))
+        "CPU (whose cores both would share). Always 0 under extract.tp_plan.", _ge(0), hashed=False)
     tp_plan: Literal["auto"] | None = _f(
         None, "Under torchrun: 'auto' splits the target over all ranks with transformers' tensor-parallel plan (for "
         "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."
@@ -415,6 +419,12 @@ class Config:
 
     def section(self, name: str) -> dict[str, Any]:
         return dataclasses.asdict(getattr(self, name))
+
+    def hashed_section(self, name: str) -> dict[str, Any]:
+        """The section's keys that decide what its stage writes (all but those marked hashed=False)."""
+        section = getattr(self, name)
+        return {f.name: v for f, v in zip(dataclasses.fields(section), self.section(name).values())
+                if f.metadata.get("hashed", True)}
 
     @property
     def run_dir(self) -> Path:

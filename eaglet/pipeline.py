@@ -136,7 +136,7 @@ def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[s
     cache = cfg.run_dir / ".fingerprints.json"
     inputs = {
         "stage": stage.name,
-        "config": {s: cfg.section(s) for s in stage.sections},
+        "config": {s: cfg.hashed_section(s) for s in stage.sections},
         "files": {p: _fingerprint(key, p, cache) for key, p in stage.input_files(cfg)},
         "previous": previous_hash,
         "seed": cfg.run.seed,

@@ -105,6 +105,30 @@ def _hashes(cfg):
     return {stage.name: h for stage, h, _ in pipeline._stage_plan(cfg, "eval")}
 
 
+def test_keys_of_how_a_stage_runs_leave_its_hash_alone(tmp_path):
+    """extract.online_ahead decides where training's target runs, not what extract writes: no
+    value of it, and its absence (a run made before eaglet had it), changes any stage's hash;
+    a key of what extract writes does."""
+    import dataclasses
+
+    from eaglet.testing.tiny import save_target
+
+    target = tmp_path / "target"
+    save_target(target, "llama", seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    sets = [f"run.dir={tmp_path / 'run'}", f"prepare.data=[{data}]", f"target.path={target}"]
+    base = _hashes(load_config(None, sets))
+    assert _hashes(load_config(None, [*sets, "extract.online_ahead=3"])) == base
+    cfg = load_config(None, sets)
+    assert "online_ahead" in cfg.section("extract") and "online_ahead" not in cfg.hashed_section("extract")
+    before = {f.name: v for f, v in zip(dataclasses.fields(cfg.extract), cfg.section("extract").values())
+              if f.name != "online_ahead"}
+    assert before == cfg.hashed_section("extract")  # what a run made before the key hashed
+    changed = _hashes(load_config(None, [*sets, "extract.batch_tokens=1024"]))
+    assert changed["extract"] != base["extract"] and changed["prepare"] == base["prepare"]
+
+
 def test_a_target_replaced_in_place_reruns_what_reads_it(tmp_path):
     """Another model, tokenizer, chat template or fine-tuned weights in the same target folder
     change the input hash of the stage that reads them (and so of every stage after it);
