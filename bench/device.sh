@@ -78,3 +78,16 @@ dev_collect() {
   for f in "$DEV"/L/*.log; do echo "== $f"; tail -2 "$f" | cut -c1-300; done
   cat "$DEV/W/ab.md" 2>/dev/null
 }
+
+# The A/B's training and tree replays, for a driver that sets AB=(python3 bench/ab.py --work $DEV/W ...):
+#   dev_ab_train NAME SEED VARIANT  one draft trained and measured, on an empty inductor cache of its own
+#   dev_ab_tree D                   draft D (seed 0) replayed as the EAGLE-2 tree, greedy and at temperature 1
+dev_ab_train() {
+  local n=$1 s=$2; shift 2
+  TORCHINDUCTOR_CACHE_DIR=$DEV/ind-$n-s$s dev_job t-$n-s$s "${AB[@]}" --seeds "$s" --variant "$@"
+}
+
+dev_ab_tree() {
+  TORCHINDUCTOR_CACHE_DIR=$DEV/ind-tree dev_job tree-$1 "${AB[@]}" --seeds 0 --variant "$1" --only "$1" \
+    --decode tree-replay:0 tree-replay:1 --decode-prompts "${TREE_PROMPTS:-256}"
+}

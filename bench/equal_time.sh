@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# eaglet against speculators' native draft in equal GPU time on one GPU, SmolLM2-135M-Instruct and the first
+# 6,000 of 7,000 ShareGPT records (docs/quality.md), each training alone on the GPU from an empty compile cache:
+#   ec    eaglet's defaults at this width, EC_STEPS steps (default 600): the calibration of eaglet's rate
+#   spec  speculators 0.9.0's own model, TTT, loss, mask and initialisation, 1,600 steps
+#   eq    eaglet's defaults for the steps that fit spec's time at ec's rate (ab.py time_of=spec,rate_of=ec:
+#         ec's fixed costs once, then its seconds a step), seed 0; then seed 1 at the same steps, beside the
+#         tree replays (EAGLE-2 10/6/60, greedy and temperature 1) of spec and eq seed 0
+# Every draft is also replayed as a chain of 7, greedy and at temperature 1, on 256 held-out prompts and the
+# 80 MT-bench questions. Run from $DEV/src by `dev_start` (bench/device.sh) after `dev_data` and `dev_target`.
+# Time on an H200 whose host ran the A/B's 1,600 eaglet steps in 246 s: ec ~110 s, the target's side of the
+# replays ~190 s (once), spec ~300-450 s, eq about spec's, the trees ~120 s: 20-25 minutes with the payload.
+source bench/device.sh
+export OMP_NUM_THREADS=2
+AB=(python3 bench/ab.py --work $DEV/W --target $DEV/G/smollm2 --data $DEV/D/sg7k.json --records 6000 --prompts 256
+    --sets heldout mt_bench --steps 1600 --max-new-tokens 128 --k 7 --replay-temperature 1 --batch 256)
+L=train.lr=0.0012,train.accept_loss=log_accept
+dev_ab_train ec 0 ec:train.max_steps=${EC_STEPS:-600},$L
+dev_ab_train spec 0 spec:trainer=speculators
+dev_ab_train eq 0 eq:time_of=spec,rate_of=ec,$L
+N=$(python3 -c "import json; print(json.load(open('$DEV/W/results/eq-s0.json'))['train']['steps'])") || N=0
+echo "$(date +%s) eq steps $N" >> $DEV/L/events.txt
+if [ "$N" -gt 0 ]; then dev_ab_train eq 1 eq:train.max_steps=$N,$L & fi
+dev_ab_tree spec & dev_ab_tree eq &
+wait
+dev_job report "${AB[@]}" --report
+touch $DEV/L/ALLDONE
