@@ -664,6 +664,7 @@ def describe_defaults() -> str:
                 many = typing.get_origin(hints[f.name]) is list or "list[" in _type_name(hints[f.name])
                 extra = f", {f'{rng.items} items, ' if rng.items else ''}{'each ' if many else ''}{rng}"
             extra += {PATH: ", a path", MODEL: ", a path or hub id"}.get(f.metadata.get("path"), "")
+            extra += "" if f.metadata.get("hashed", True) else ", reruns nothing"
             lines.append(f"  # {f.metadata.get('doc', '')}  [{_type_name(hints[f.name])}{extra}]")
             lines.append(f"  {f.name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
         lines.append("")
@@ -697,7 +698,7 @@ resolved.
 
 Every stage saves the resolved config in its `manifest.json`; a stage's input hash covers its
 own sections (eaglet/pipeline.py), so changing a key reruns the stages that read it and those
-after them. This page is generated (`python -m eaglet.config > docs/config.md`; a test checks
+after them; a key marked "reruns nothing" is one of how a stage runs, not of what it writes. This page is generated (`python -m eaglet.config > docs/config.md`; a test checks
 that it is current).
 """
 
