@@ -89,5 +89,5 @@ dev_ab_train() {
 
 dev_ab_tree() {
   TORCHINDUCTOR_CACHE_DIR=$DEV/ind-tree dev_job tree-$1 "${AB[@]}" --seeds 0 --variant "$1" --only "$1" \
-    --decode tree-replay:0 tree-replay:1 --decode-prompts "${TREE_PROMPTS:-256}"
+    --decode tree-replay:0 tree-replay:1 --decode-prompts "${TREE_PROMPTS:-256}" --decode-new-tokens "${TREE_NEW_TOKENS:-128}"
 }

@@ -10,10 +10,20 @@
 # 80 MT-bench questions. Run from $DEV/src by `dev_start` (bench/device.sh) after `dev_data` and `dev_target`.
 # Time on an H200 whose host ran the A/B's 1,600 eaglet steps in 246 s: ec ~110 s, the target's side of the
 # replays ~190 s (once), spec ~300-450 s, eq about spec's, the trees ~120 s: 20-25 minutes with the payload.
+# A check of this script on a CPU before a device call (a few minutes; the results mean nothing):
+#   DEV=/tmp/ets PY=.venv-speculators/bin/python TARGET=~/.cache/eaglet/smollm2-135m-instruct \
+#   DATA=~/.cache/eaglet/ShareGPT_V3_unfiltered_cleaned_split.json RECORDS=150 PROMPTS=3 STEPS=4 EC_STEPS=3 \
+#   NEW_TOKENS=8 SETS="--set train.max_tokens=512 --set prepare.max_length=256 --set vocab.size=4096 \
+#   --set target.dtype=float32 --set extract.online_ahead=2" bash bench/equal_time.sh
 source bench/device.sh
 export OMP_NUM_THREADS=2
-AB=(python3 bench/ab.py --work $DEV/W --target $DEV/G/smollm2 --data $DEV/D/sg7k.json --records 6000 --prompts 256
-    --sets heldout mt_bench --steps 1600 --max-new-tokens 128 --k 7 --replay-temperature 1 --batch 256)
+mkdir -p $DEV/L
+# SETS: extra --set arguments for every draft (word-split on purpose)
+# shellcheck disable=SC2206
+AB=(${PY:-python3} bench/ab.py --work $DEV/W --target ${TARGET:-$DEV/G/smollm2} --data ${DATA:-$DEV/D/sg7k.json}
+    --records ${RECORDS:-6000} --prompts ${PROMPTS:-256} --sets heldout mt_bench --steps ${STEPS:-1600}
+    --max-new-tokens ${NEW_TOKENS:-128} --k 7 --replay-temperature 1 --batch 256 ${SETS:-})
+TREE_PROMPTS=${PROMPTS:-256} TREE_NEW_TOKENS=${NEW_TOKENS:-128}
 L=train.lr=0.0012,train.accept_loss=log_accept
 dev_ab_train ec 0 ec:train.max_steps=${EC_STEPS:-600},$L
 dev_ab_train spec 0 spec:trainer=speculators
