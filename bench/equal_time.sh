@@ -7,7 +7,8 @@
 #         ec's fixed costs once, then its seconds a step), seed 0; then seed 1 at the same steps, beside the
 #         tree replays (EAGLE-2 10/6/60, greedy and temperature 1) of spec and eq seed 0
 # Every draft is also replayed as a chain of 7, greedy and at temperature 1, on 256 held-out prompts and the
-# 80 MT-bench questions. Run from $DEV/src by `dev_start` (bench/device.sh) after `dev_data` and `dev_target`.
+# 80 MT-bench questions. On a device: `bash bench/device_go.sh a`, `... b`, `... start bench/equal_time.sh`, then
+# `... wait 560` until it is done (each call within 30 s of the last; bench/device_go.sh says what each carries).
 # Time on an H200 whose host ran the A/B's 1,600 eaglet steps in 246 s: ec ~110 s, the target's side of the
 # replays ~190 s (once), spec ~300-450 s, eq about spec's, the trees ~120 s: 20-25 minutes with the payload.
 # A check of this script on a CPU before a device call (a few minutes; the results mean nothing):
