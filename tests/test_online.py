@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -178,11 +179,19 @@ def test_ahead_process_failure_is_one_line(runs, tmp_path):
     broken = TargetSection(path=str(tmp_path), dtype="float32")
     up = {name: runs["online"].run_dir / name for name in pipeline.STAGE_NAMES}
     states = AheadStates(StoreReader(up["extract"], verify=False), up["prepare"], broken, 2)
+    # a long run's plan is larger than a pipe holds: handing it over returns even though the
+    # process failed before it read anything
+    ids = states.sample_ids.tolist()
+    plan = [ids[:2]] + [ids[:5]] * 400000  # more than the pipe takes before the process reads it
     try:
-        states.start([states.sample_ids[:2].tolist()], 40)
-        with pytest.raises(TargetStopped, match=r"target's process stopped before micro-batch 0 of 1 \(") as e:
+        sender = threading.Thread(target=states.start, args=(plan, 40), daemon=True)
+        sender.start()
+        sender.join(timeout=120)
+        assert not sender.is_alive(), "start() blocked on a process that failed"
+        with pytest.raises(TargetStopped, match=r"target's process stopped before micro-batch 0 of 400001 \(") as e:
             states.get_many(states.sample_ids[:2].tolist(), 40)
         assert "\n" not in str(e.value).split(" (fix:")[0]
+        assert "config" in str(e.value) and "exit code" not in str(e.value)  # the cause, from the process
     finally:
         states.close()
     assert not states._proc.is_alive()

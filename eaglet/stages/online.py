@@ -300,15 +300,16 @@ def _ahead_main(conn: Any, credits: Any, stop: Any, trainer: int, base_folder: s
                 torch.cuda.ipc_collect()  # memory the trainer let go of, back to this process
         while wanted():
             time.sleep(WATCH_S)
-    except (EOFError, OSError):  # the trainer closed its end
+    except (EOFError, ConnectionError):  # the trainer closed its end of the pipe
         return
-    except Exception as e:  # noqa: BLE001 - the trainer raises it
+    except Exception as e:  # noqa: BLE001 - the trainer raises it (a missing file's OSError included)
         try:
             conn.send(("error", f"{type(e).__name__}: {e}"))
-        except OSError:
+            while wanted():  # the trainer reads the error before this process ends; a plan it is
+                if conn.poll(WATCH_S):  # still sending (larger than the pipe holds) is taken, so its
+                    conn.recv()  # send returns and its next get_many raises the error
+        except (EOFError, ConnectionError):
             return
-        while wanted():  # the trainer reads the error before this process ends
-            time.sleep(WATCH_S)
 
 
 def is_online(store: StoreReader) -> bool:
