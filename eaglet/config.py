@@ -422,9 +422,8 @@ class Config:
 
     def hashed_section(self, name: str) -> dict[str, Any]:
         """The section's keys that decide what its stage writes (all but those marked hashed=False)."""
-        section = getattr(self, name)
-        return {f.name: v for f, v in zip(dataclasses.fields(section), self.section(name).values())
-                if f.metadata.get("hashed", True)}
+        hashed = {f.name for f in dataclasses.fields(getattr(self, name)) if f.metadata.get("hashed", True)}
+        return {k: v for k, v in self.section(name).items() if k in hashed}
 
     @property
     def run_dir(self) -> Path:
