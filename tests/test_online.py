@@ -87,27 +87,28 @@ def test_online_states_equal_the_offline_store(runs):
         assert g["loss_mask_host"].device.type == "cpu" and torch.equal(g["loss_mask_host"], want["loss_mask"][:n])
 
 
+def _same_losses(runs, name, split):
+    """Run `name`'s logged losses of `split` are the offline run's, step by step; its records."""
+    off, got = _log(runs["offline"], split), _log(runs[name], split)
+    assert [r["step"] for r in got] == [r["step"] for r in off] and got
+    for a, b in zip(off, got):
+        for k in ("loss", "loss_0", "loss_1"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), f"{split} step {a['step']} {k}"
+    return got
+
+
 def test_online_training_reproduces_the_offline_losses(runs):
     for split in ("train", "eval"):
-        off, on = _log(runs["offline"], split), _log(runs["online"], split)
-        assert [r["step"] for r in on] == [r["step"] for r in off] and on
-        for a, b in zip(off, on):
-            for k in ("loss", "loss_0", "loss_1"):
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), f"{split} step {a['step']} {k}"
+        _same_losses(runs, "online", split)
     assert _log(runs["online"], "train")[-1]["loss"] < _log(runs["online"], "train")[0]["loss"]
 
 
 def test_ahead_training_reproduces_the_offline_losses(runs):
     """The target's own process computes the same states for the same micro-batches, in order:
     the run's losses are the offline run's, at every logged step and evaluation."""
-    for split in ("train", "eval"):
-        off, ah = _log(runs["offline"], split), _log(runs["ahead"], split)
-        assert [r["step"] for r in ah] == [r["step"] for r in off] and ah
-        for a, b in zip(off, ah):
-            for k in ("loss", "loss_0", "loss_1"):
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), f"{split} step {a['step']} {k}"
-        if split == "train":
-            assert all(r["states_wait_s"] >= 0 and r["target_tokens_per_s"] > 0 for r in ah)
+    _same_losses(runs, "ahead", "eval")
+    ah = _same_losses(runs, "ahead", "train")
+    assert all(r["states_wait_s"] >= 0 and r["target_tokens_per_s"] > 0 for r in ah)
     stats = json.loads((runs["ahead"].run_dir / "train" / "manifest.json").read_text())["stats"]
     ahead = stats["online_ahead"]
     assert ahead["ahead"] == 2 and ahead["consumed"] == ahead["micro_batches"] > 8  # 8 steps and two evaluations
