@@ -11,8 +11,9 @@ mid-size targets), recomputing the states every epoch beats storing them.
 In online mode the extract stage stores only the self-check's samples (so the same check
 guards the captured states) and marks its store `mode: online`; `train_data.open_states` then gives
 training an `OnlineStates`: the read interface of `StoreReader` (sample ids, lengths,
-meta, `get`, `get_many`) whose states come from the same capture code extract uses, one
-padded forward per packed micro-batch, on the target's device. Offline and online runs
+meta, `get`, `get_many`; and `get_packed`, one micro-batch packed, which training reads) whose
+states come from the same capture code extract uses, one padded forward per packed micro-batch,
+on the target's device. Offline and online runs
 of the same config see the same samples in the same order; their states agree to the
 rounding of a differently composed batch.
 
@@ -74,6 +75,21 @@ class PreparedStates:
     def target_head(self, device: torch.device) -> TargetHead:
         return read_target_head(self.folder, self.meta, device)
 
+    def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
+                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The samples `sample_ids`, each cut at `max_tokens`, as one packed micro-batch: their
+        lengths, and each tensor their rows end to end (what training reads, `read_batch`)."""
+        raise NotImplementedError
+
+    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """`get_packed`, sample by sample (views)."""
+        lens, tensors = self.get_packed(sample_ids, max_tokens)
+        cuts = np.cumsum([0, *lens]).tolist()
+        return [{k: v[a:b] for k, v in tensors.items()} for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
+        return self.get_many([sample_id])[0]
+
 
 class OnlineStates(PreparedStates):
     """The `StoreReader` interface over prepared data, states computed by the target on demand."""
@@ -95,15 +111,14 @@ class OnlineStates(PreparedStates):
         """Samples whose states were not finite (their loss mask was cleared)."""
         return int(self._nonfinite)
 
-    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
-        return self.get_many([sample_id])[0]
-
-    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """Per sample, on the target's device: aux [T, n_aux*H], final [T, H] (store dtype),
-        input_ids int32 [T], loss_mask uint8 [T]; T cut at `max_tokens` before the forward
-        (states of a causal model's prefix do not depend on what follows). Nothing here waits
-        for the device: a sample with non-finite states gets its loss mask cleared on it.
-        loss_mask_host: the prepared loss mask on the host, before any clearing (a superset)."""
+    def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
+                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """One padded forward of the target; packed, on its device: aux [N, n_aux*H], final [N, H]
+        (store dtype), input_ids int32 [N], loss_mask uint8 [N]; each sample cut at `max_tokens`
+        before the forward (states of a causal model's prefix do not depend on what follows).
+        Nothing here waits for the device: a sample with non-finite states gets its loss mask
+        cleared on it. loss_mask_host: the prepared loss mask on the host, before any clearing (a
+        superset)."""
         samples = []
         for sid in sample_ids:
             if int(sid) not in self._row:
@@ -125,13 +140,15 @@ class OnlineStates(PreparedStates):
             bad = nonfinite_rows(aux, final, attn).to(device)
         loss_mask = loss_mask * (~bad)[:, None]
         self._nonfinite = self._nonfinite + bad.sum()
-        return [{"aux": aux[b, :len(seq)], "final": final[b, :len(seq)],
-                 "input_ids": input_ids[b, :len(seq)].to(torch.int32), "loss_mask": loss_mask[b, :len(seq)],
-                 "loss_mask_host": host_mask[b, :len(seq)]}
-                for b, seq in enumerate(ids)]
+        lens = [len(seq) for seq in ids]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # the padded batch's real rows, end to end
+            return torch.cat([t[b, :n] for b, n in enumerate(lens)])
+
+        return lens, {"aux": rows(aux), "final": rows(final), "input_ids": rows(input_ids).to(torch.int32),
+                      "loss_mask": rows(loss_mask), "loss_mask_host": rows(host_mask)}
 
 
-SENT = ("aux", "final", "input_ids", "loss_mask", "loss_mask_host")  # what a computed micro-batch holds
 WATCH_S = 1.0  # how often the target's process looks whether the trainer is still there
 
 
@@ -155,10 +172,12 @@ class AheadStates(PreparedStates):
 
     The process starts here and loads the target while the trainer builds and compiles the
     draft. `start(loads, max_tokens)` hands it this rank's micro-batches in the order
-    `get_many` will ask for them; it computes each (the same `OnlineStates.get_many` as in
-    process) and sends it packed, holding at most `depth` that training has not taken. What is
+    `get_packed` will ask for them; it computes each (the same `OnlineStates.get_packed` as in
+    process) and sends it, holding at most `depth` that training has not taken. What is
     sent stays the process's memory, lent to the trainer: the process lives until `close`, and
     ends by itself once the trainer is gone."""
+
+    STATS_KEY = "online_ahead"  # its stats() in the train stage's manifest
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection, depth: int,
                  watch_pid: int | None = None):
@@ -192,7 +211,7 @@ class AheadStates(PreparedStates):
         self.loads = [list(map(int, x)) for x in loads]
         try:
             self._conn.send(("plan", self.loads, int(max_tokens)))
-        except OSError:  # the process already ended: get_many says why
+        except OSError:  # the process already ended: get_packed says why
             pass
 
     def _message(self) -> tuple[Any, ...]:
@@ -214,9 +233,10 @@ class AheadStates(PreparedStates):
             f"online states: the target's process stopped before micro-batch {self._next} of {len(self.loads)} ({why})",
             fix="see the lines above; extract.online_ahead=0 runs the target in the trainer's process instead")
 
-    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+    def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
+                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The next planned micro-batch, which must be `sample_ids` (cut at the plan's
-        max_tokens): per sample what `OnlineStates.get_many` gives, on the target's device."""
+        max_tokens): what `OnlineStates.get_packed` gives, on the target's device."""
         seq = self._next
         if seq >= len(self.loads):
             raise RuntimeError(f"online states: micro-batch {seq} asked for, but {len(self.loads)} were planned"
@@ -234,11 +254,7 @@ class AheadStates(PreparedStates):
         if got != seq or ids != [int(i) for i in sample_ids]:
             raise RuntimeError(f"online states out of step: micro-batch {got} holds samples {ids}, training asked for "
                                f"{list(sample_ids)} as micro-batch {seq}")
-        cuts = np.cumsum([0, *lens]).tolist()
-        return [{k: v[a:b] for k, v in tensors.items()} for a, b in zip(cuts[:-1], cuts[1:])]
-
-    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
-        return self.get_many([sample_id])[0]
+        return lens, tensors
 
     def target_rate(self) -> float | None:
         """Tokens/s the target's process computes while it works (None before the first)."""
@@ -290,12 +306,10 @@ def _ahead_main(conn: Any, credits: Any, stop: Any, trainer: int, base_folder: s
             if not wanted():
                 return
             t0 = time.perf_counter()
-            parts = states.get_many(ids, max_tokens)
-            packed = {k: torch.cat([p[k] for p in parts]) for k in SENT}
+            lens, packed = states.get_packed(ids, max_tokens)
             nonfinite = states.nonfinite  # waits for the forward: what is sent is computed
-            conn.send(("batch", seq, ids, [int(p["input_ids"].shape[0]) for p in parts], packed, nonfinite,
-                       time.perf_counter() - t0))
-            del parts, packed
+            conn.send(("batch", seq, ids, lens, packed, nonfinite, time.perf_counter() - t0))
+            del packed
             if cuda:
                 torch.cuda.ipc_collect()  # memory the trainer let go of, back to this process
         while wanted():
@@ -307,7 +321,7 @@ def _ahead_main(conn: Any, credits: Any, stop: Any, trainer: int, base_folder: s
             conn.send(("error", f"{type(e).__name__}: {e}"))
             while wanted():  # the trainer reads the error before this process ends; a plan it is
                 if conn.poll(WATCH_S):  # still sending (larger than the pipe holds) is taken, so its
-                    conn.recv()  # send returns and its next get_many raises the error
+                    conn.recv()  # send returns and its next get_packed raises the error
         except (EOFError, ConnectionError):
             return
 

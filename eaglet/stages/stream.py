@@ -16,7 +16,7 @@ not depend on what follows) and waits while the bytes on disk (entries and the c
 files of the requests in flight) would pass the bound. The engine's client (vLLM's, or the
 HTTP requests to a server) runs in a child process unless extract.stream_client_process is
 false. Converter processes turn the connector's files into one buffer entry per micro-batch
-(eaglet/formats/buffer.py; quantized when extract.store_dtype is fp8). `get_many` takes the
+(eaglet/formats/buffer.py; quantized when extract.store_dtype is fp8). `get_packed` takes the
 next entry (read ahead while the step before trains), checks that it holds the samples asked
 for, and deletes it. So a stream run sees the same samples in the same order as an offline
 run of the same config, and a run killed at any moment resumes from its checkpoint exactly:
@@ -141,6 +141,8 @@ class StreamedStates(PreparedStates):
     dtype, head.safetensors and target_config.json); `engine` (tests): anything with
     run/read/discard/close, else vLLM in process or at extract.vllm_server."""
 
+    STATS_KEY = "stream"  # its stats() in the train stage's manifest
+
     def __init__(self, base: StoreReader, prepared_folder: str | Path, cfg: Config, folder: Path, rank: int = 0,
                  engine: Any = None):
         super().__init__(base, prepared_folder)
@@ -159,12 +161,12 @@ class StreamedStates(PreparedStates):
         self._cond = threading.Condition()
         self._ready: dict[int, tuple[Path, int]] = {}  # seq -> (entry, bytes)
         self._used = 0  # bytes on disk or reserved for requests in flight
-        self._next = 0  # the seq get_many hands out next
+        self._next = 0  # the seq get_packed hands out next
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
         self.peak_bytes = 0  # the largest _used seen
-        self._waited = 0.0  # seconds get_many waited since the last progress()
+        self._waited = 0.0  # seconds get_packed waited since the last progress()
         self._engine_tokens, self._engine_s = 0, 0.0
         self._convert_s = 0.0  # converter-seconds spent writing entries
         self._t0 = self._t_last = 0.0  # the producer's start, the last entry written
@@ -182,7 +184,7 @@ class StreamedStates(PreparedStates):
     # ---- start and stop ---------------------------------------------------------------------
 
     def start(self, loads: list[list[int]], max_tokens: int) -> None:
-        """Begin computing `loads` (this rank's micro-batches, in the order get_many will be
+        """Begin computing `loads` (this rank's micro-batches, in the order get_packed will be
         called): the bound is checked, what a killed run left is deleted, the engine starts
         and the self-check runs on the first samples before the producer does."""
         self.loads, self.max_tokens = [list(map(int, x)) for x in loads], int(max_tokens)
@@ -351,10 +353,11 @@ class StreamedStates(PreparedStates):
 
     # ---- the trainer's side -----------------------------------------------------------------
 
-    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """The next micro-batch of the stream, which must be `sample_ids`: per sample aux,
-        final (raw fp8 with their scales for an fp8 stream), input_ids, loss_mask, on the host.
-        The entry after it is read ahead (into memory, off the disk) while this one trains."""
+    def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
+                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The next micro-batch of the stream, which must be `sample_ids`, as its entry holds it:
+        aux, final (raw fp8 with their scales for an fp8 stream), input_ids, loss_mask, on the
+        host. The entry after it is read ahead (into memory, off the disk) while this one trains."""
         seq = self._next
         if seq >= len(self.loads):
             raise RuntimeError(f"stream: micro-batch {seq} asked for, but the stream holds {len(self.loads)}")
@@ -367,8 +370,7 @@ class StreamedStates(PreparedStates):
         if ids != [int(i) for i in sample_ids]:
             raise RuntimeError(f"stream out of step: micro-batch {seq} holds samples {ids}, training asked for "
                                f"{list(sample_ids)}")
-        cuts = np.cumsum([0, *lens]).tolist()
-        return [{k: v[a:b] for k, v in t.items()} for a, b in zip(cuts[:-1], cuts[1:])]
+        return lens, t
 
     def _take(self, seq: int) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
         """Entry `seq` once it is written: read, deleted, its bytes given back to the bound."""
@@ -385,9 +387,6 @@ class StreamedStates(PreparedStates):
             self._used -= size
             self._cond.notify_all()
         return out
-
-    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
-        return self.get_many([sample_id])[0]
 
     def _stopped(self) -> BaseException:
         e = self._error

@@ -293,8 +293,8 @@ def _say_if_compiling(step: int, graphs: int, gave_up: int, warmed: bool, show: 
 
 
 def _say_if_behind(rec: dict[str, Any], seconds: float, show: bool) -> None:
-    """Log that the engine fell behind when training waited for its states (a stream run)."""
-    if show and seconds > 0 and rec["stream_wait_s"] > BEHIND * seconds:
+    """Log that the engine fell behind when training waited for its states (a stream run's record)."""
+    if show and seconds > 0 and rec.get("stream_wait_s", 0) > BEHIND * seconds:
         busy = max(seconds - rec["stream_wait_s"], 1e-9)  # training's own time: its rate were it never kept waiting
         log(f"[train] step {rec['step']}: the engine is behind: training waited {rec['stream_wait_s']:.1f} s of the "
             f"last {seconds:.1f} s for states; the engine computes {rec['engine_tokens_per_s']:.0f} tokens/s, "
@@ -576,7 +576,7 @@ class Trainer:
                            memory_gib=_memory_gib(self.device))
                 if self.stream is not None:
                     rec.update(self.stream.progress())
-                    _say_if_behind(rec, dt, env.is_main and isinstance(self.stream, StreamedStates))
+                    _say_if_behind(rec, dt, env.is_main)
                 if self.compile_watch is not None:
                     rec["compile_graphs"], gave_up = self.compile_watch.since_last()
                     _say_if_compiling(step, rec["compile_graphs"], gave_up, warmed=ran > tc.log_every, show=env.is_main)
@@ -649,7 +649,7 @@ class Trainer:
         if resumed is not None:
             stats["resumed"] = resumed
         if stream is not None:
-            stats["stream" if isinstance(stream, StreamedStates) else "online_ahead"] = stream.stats()
+            stats[stream.STATS_KEY] = stream.stats()
         return stats
 
 

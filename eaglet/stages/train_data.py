@@ -24,7 +24,7 @@ from ..draft.step import Batch, host_head_rows, send_head_rows
 from ..formats.buffer import buffer_folder
 from ..formats.store import StoreReader, dequantize_states, open_verified
 from ..utils import to_device
-from .online import AheadStates, OnlineStates, is_online, online_ahead
+from .online import AheadStates, OnlineStates, PreparedStates, is_online, online_ahead
 from .stream import StreamedStates
 
 
@@ -169,31 +169,30 @@ def read_batch(store: States, ids: list[int], max_tokens: int, pin: bool,
     """The samples `ids` packed into one micro-batch, each cut to max_tokens, up to the copy to the
     device: the store's reads and the host's copies (into pinned memory when `pin`). ttt_steps > 0:
     with the rows each TTT step's loss can count (Batch.head_rows)."""
-    if isinstance(store, (OnlineStates, AheadStates, StreamedStates)):
-        parts = store.get_many(ids, max_tokens)  # one forward of the target, or one entry of the stream
-    elif getattr(store, "scaled", False):  # an fp8 store's states as stored, dequantized on the device
-        parts = [store.get(i, raw=True) for i in ids]
-    else:
-        parts = [store.get(i) for i in ids]
-    cut = [{k: v[:max_tokens] for k, v in p.items()} for p in parts]
-    lens = [int(p["input_ids"].shape[0]) for p in cut]
 
     def cat(pieces: list[torch.Tensor]) -> torch.Tensor:
         """[1, N]: host pieces concatenated straight into pinned memory when bound for a GPU
         (one host copy, then `to_device`); device pieces (online states) on their device."""
         if pieces[0].device.type != "cpu":
-            return torch.cat(pieces).unsqueeze(0)
+            return torch.cat(pieces).unsqueeze(0) if len(pieces) > 1 else pieces[0][None]
         shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
         return torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=pin))[None]
 
-    keys = ("aux", "final", "input_ids", "loss_mask") + (("aux_scale", "final_scale") if "aux_scale" in cut[0] else ())
-    tensors = {k: cat([p[k] for p in cut]) for k in keys}
+    if isinstance(store, PreparedStates):  # one forward of the target, or one entry of the stream: packed
+        lens, packed = store.get_packed(ids, max_tokens)
+        parts = [packed]
+    else:  # a store, sample by sample; an fp8 one's states as stored, dequantized on the device
+        raw = {"raw": True} if getattr(store, "scaled", False) else {}
+        parts = [{k: v[:max_tokens] for k, v in store.get(i, **raw).items()} for i in ids]
+        lens = [int(p["input_ids"].shape[0]) for p in parts]
+    keys = ("aux", "final", "input_ids", "loss_mask") + (("aux_scale", "final_scale") if "aux_scale" in parts[0] else ())
+    tensors = {k: cat([p[k] for p in parts]) for k in keys}
     tensors["docs"] = cat([torch.full((n,), d) for d, n in enumerate(lens)])
     tensors["positions"] = cat([torch.arange(n) for n in lens])
     rows = None
     if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
         mask, docs = tensors["loss_mask"], tensors["docs"]
-        host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in cut])
+        host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in parts])
         rows = host_head_rows(host_mask.bool(), docs, ttt_steps)
     return HostBatch(tuple(int(i) for i in ids), tuple(lens), tensors, rows)
 
