@@ -26,7 +26,7 @@ from pathlib import Path
 from .checks.doctor import run_doctor
 from .config import RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
-from .distributed import dist_env
+from .distributed import dist_env, keep_group_at_exit
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
 from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage, run_summary
 from .shadow import shadow_findings
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, SystemExit):
             raise
         code, line = _error_line(e)
+        keep_group_at_exit()
         if debug:
             traceback.print_exception(e)
     print(f"eaglet: {line}", file=sys.stderr)

@@ -117,7 +117,7 @@ class PrepareSection:
     max_length: int = _f(2048, "Longest sample in tokens, after rendering with the chat template.", _ge(2))
     overflow: Literal["truncate", "drop"] = _f("truncate", "What to do with a sample longer than max_length.")
     max_records: int | None = _f(None, "Read at most this many records per file (None: all). For quick runs.", _ge(1))
-    num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).", _ge(0))
+    num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).", _ge(0), hashed=False)
     shard_samples: int = _f(50000, "Samples per prepared-data shard.", _ge(1))
     report_examples: int = _f(20, "Bad records quoted by name in the report (all are counted).", _ge(0))
     min_loss_tokens: int = _f(
@@ -141,11 +141,11 @@ class ExtractSection:
     )
     vllm_server_api_key_env: str | None = _f(
         None, "extract.vllm_server: the name of an environment variable holding the server's API key (vllm serve "
-        "--api-key), sent as 'Authorization: Bearer'; the key itself is never written (None: no key).")
+        "--api-key), sent as 'Authorization: Bearer'; the key itself is never written (None: no key).", hashed=False)
     vllm_storage: str | None = _f(
         None, "backend vllm: folder where vLLM's connector writes each request's states before eaglet stores them "
         "(deleted once stored); default <run.dir>/extract/vllm-states. A RAM disk (/dev/shm/...) is fastest.", path=PATH
-    )
+    , hashed=False)
     vllm_requests: int = _f(
         256, "backend vllm: samples sent to vLLM per round (in-process) or kept in flight (server); connector files "
         "of at most this many samples exist at once.", _ge(1)
@@ -158,15 +158,15 @@ class ExtractSection:
     stream_buffer_gb: float = _f(
         4.0, "mode online, backend vllm: the most the states buffer holds on disk, in GB (1e9 bytes): the micro-batches "
         "the engine computed ahead of training and the connector files of its requests in flight. At least two "
-        "micro-batches; more absorbs the engine's pauses.", _gt(0))
+        "micro-batches; more absorbs the engine's pauses.", _gt(0), hashed=False)
     stream_client_process: bool = _f(
         True, "mode online, backend vllm: drive the engine (vLLM's client loop, or the HTTP requests to "
         "extract.vllm_server) from a child process, whose Python does not contend with the training loop for the "
-        "GIL; false: from a thread of the trainer (see docs/streaming.md for both, measured).")
+        "GIL; false: from a thread of the trainer (see docs/streaming.md for both, measured).", hashed=False)
     stream_dir: str | None = _f(
         None, "mode online, backend vllm: the buffer's folder (local disk or a RAM disk such as /dev/shm/eaglet); "
         "default <run.dir>/train/stream. Emptied when training ends; what a killed run left is deleted on restart.",
-        path=PATH)
+        path=PATH, hashed=False)
     online_ahead: int | None = _f(
         None, "mode online, backend hf: micro-batches the target computes ahead of training, in a process of its own "
         "on the same device (its Python does not contend with the training loop's; the target's weights live there, "
@@ -190,10 +190,10 @@ class ExtractSection:
         "bfloat16", "Dtype of the stored hidden states. float8_e4m3fn: half of bfloat16's bytes, each token's state "
         "scaled by its largest magnitude (one float32 scale per token and state), quantized on the GPU in "
         "extraction and dequantized on the training device.")
-    writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.", _ge(1))
+    writer_queue: int = _f(2, "Shards waiting for the background writers before the forward loop waits.", _ge(1), hashed=False)
     writer_threads: int = _f(
-        4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).", _ge(1))
-    fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).")
+        4, "Background threads that checksum and write shards (host memory: threads + queue + 1 shards).", _ge(1), hashed=False)
+    fsync: bool = _f(True, "fsync every shard before it counts as written (needed for crash safety).", hashed=False)
     selfcheck_samples: int = _f(
         4, "Stored samples rerun alone through the model's own forward and compared, at the end of extract (0: off). "
         "Backend vllm: these samples are extracted first, with vLLM's prompt logprobs, and checked before the rest.",
@@ -265,7 +265,7 @@ class TrainSection:
     compile_cache: str | None = _f(
         None, "Where torch.compile keeps what it compiled (inductor's cache), so that a resumed or later run sharing "
         "the folder compiles nothing again; default: $TORCHINDUCTOR_CACHE_DIR where set, else <EAGLET_CACHE or "
-        "~/.cache/eaglet>/compile. On a slow network home, a node-local folder.", path=PATH)
+        "~/.cache/eaglet>/compile. On a slow network home, a node-local folder.", path=PATH, hashed=False)
     device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
     draft_layers: int = _f(1, "Decoder layers in the draft.", _ge(1))
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
@@ -279,13 +279,13 @@ class TrainSection:
     eval_every: int = _f(200, "Evaluate every N optimizer steps (and at the end); 0: only at the end.", _ge(0))
     log_every: int = _f(10, "Log metrics every N optimizer steps (the only host syncs of the loop).", _ge(1))
     prefetch: int = _f(2, "Micro-batches a thread reads ahead from an offline store, into pinned memory, while the "
-                       "GPU trains on the current one; 0 (and on a CPU): each is read when it is needed.", _ge(0))
+                       "GPU trains on the current one; 0 (and on a CPU): each is read when it is needed.", _ge(0), hashed=False)
     ckpt_every: int = _f(200, "Write a resumable checkpoint every N optimizer steps (and at the end).", _ge(1))
     keep_last: int = _f(3, "Checkpoints kept; older ones are deleted.", _ge(1))
     ckpt_async: bool = _f(
         True, "Write each checkpoint on a thread behind the loop: the loop waits only for a copy of the weights and "
         "the optimizer state in host memory (one at a time: a checkpoint's write waits for the one before), not for "
-        "the files, and the RNG and scheduler states are taken at the step; false: the loop waits for the files.")
+        "the files, and the RNG and scheduler states are taken at the step; false: the loop waits for the files.", hashed=False)
     teacher_chunk: int = _f(1024, "Positions per chunk when computing full-vocabulary teacher logits.", _ge(1))
     mask_out_of_vocab: bool = _f(
         True, "Leave out of the loss the rows whose target top-1 token is not a draft token (takes the teacher's "
@@ -422,8 +422,8 @@ class Config:
 
     def hashed_section(self, name: str) -> dict[str, Any]:
         """The section's keys that decide what its stage writes (all but those marked hashed=False)."""
-        hashed = {f.name for f in dataclasses.fields(getattr(self, name)) if f.metadata.get("hashed", True)}
-        return {k: v for k, v in self.section(name).items() if k in hashed}
+        skip = unhashed_keys(name)
+        return {k: v for k, v in self.section(name).items() if k not in skip}
 
     @property
     def run_dir(self) -> Path:
@@ -451,6 +451,14 @@ class Config:
 
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def unhashed_keys(section: str) -> frozenset[str]:
+    """The keys of a config section marked hashed=False: how its stage runs, not what it writes
+    (none for a section this eaglet does not have)."""
+    cls = _sections().get(section)
+    return frozenset() if cls is None else frozenset(
+        f.name for f in dataclasses.fields(cls) if not f.metadata.get("hashed", True))
 
 
 def all_keys() -> list[str]:
@@ -697,8 +705,9 @@ resolved.
 
 Every stage saves the resolved config in its `manifest.json`; a stage's input hash covers its
 own sections (eaglet/pipeline.py), so changing a key reruns the stages that read it and those
-after them; a key marked "reruns nothing" is one of how a stage runs, not of what it writes. This page is generated (`python -m eaglet.config > docs/config.md`; a test checks
-that it is current).
+after them. A key marked "reruns nothing" is one of how a stage runs, not of what it writes; a
+run an older eaglet made, which hashed such keys, stays up to date. This page is generated
+(`python -m eaglet.config > docs/config.md`; a test checks that it is current).
 """
 
 

@@ -12,6 +12,7 @@ the draft is wrapped for DDP or FSDP2, in eaglet/draft/parallelize.py.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from dataclasses import dataclass
@@ -58,7 +59,26 @@ def init_distributed(timeout_minutes: float = 60.0) -> DistEnv:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        atexit.register(_destroy_at_exit)
     return dist_env()
+
+
+_KEEP_AT_EXIT = False
+
+
+def _destroy_at_exit() -> None:
+    """The group destroyed while the interpreter is whole. Left to the interpreter's teardown,
+    gloo's worker threads can abort a rank whose work is done ("terminate called without an
+    active exception", SIGABRT), and NCCL warns that it was never destroyed."""
+    if dist.is_initialized() and not _KEEP_AT_EXIT:
+        dist.destroy_process_group()
+
+
+def keep_group_at_exit() -> None:
+    """After a failure: leave the group to the process's end. A rank that failed may hold
+    collectives its peers never matched, which destroying the group could wait on."""
+    global _KEEP_AT_EXIT
+    _KEEP_AT_EXIT = True
 
 
 def dist_env() -> DistEnv:

@@ -6,7 +6,8 @@ A stage's inputs are its own config sections, the fingerprints of files it reads
 reads of the target (prepare its tokenizer files, extract its config and weights:
 eaglet/targets/identity.py), and the input hash of the stage before it, so a change anywhere
 reruns that stage and all after it.
-`eaglet run` skips a stage whose manifest is complete with the same input hash.
+`eaglet run` skips a stage whose manifest is complete with the same input hash, or with the hash
+an older eaglet gave the same inputs when it still hashed keys it no longer does (`Plan.renamed`).
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
 (they split the work, see eaglet/draft/parallelize.py); the other stages run on rank 0 while the
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checks.doctor import preflight as run_preflight
-from .config import Config, TargetSection
+from .config import Config, TargetSection, unhashed_keys
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .errors import InputError, ResumeError
 from .formats.datasets import check_data_files
@@ -156,17 +157,44 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _stage_plan(cfg: Config, upto: str) -> list[tuple[Stage, str, dict[str, Any]]]:
-    plan, hashes = [], {}
+def hashed_today(inputs: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
+    """A manifest's inputs as this eaglet hashes them: without the config keys it marks
+    hashed=False (an older eaglet hashed some of them: the extract's writer threads, say), and
+    with the stage before it under its hash of today (`renamed`: a manifest's hash -> today's)."""
+    config = {s: {k: v for k, v in sec.items() if k not in unhashed_keys(s)} if isinstance(sec, dict) else sec
+              for s, sec in (inputs.get("config") or {}).items()}
+    previous = inputs.get("previous")
+    return {**inputs, "config": config, "previous": renamed.get(previous, previous)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stages up to one, with their input hashes; `renamed` maps the hash of a manifest an
+    older eaglet wrote to today's, where the two differ only in keys eaglet no longer hashes."""
+    stages: list[tuple[Stage, str, dict[str, Any]]]
+    renamed: dict[str, str]
+
+    def current(self, manifest: dict[str, Any] | None, h: str) -> bool:
+        """Whether `manifest` was written for the inputs whose hash is `h`."""
+        old = None if manifest is None else manifest.get("input_hash")
+        return old is not None and (old == h or self.renamed.get(old) == h)
+
+
+def _stage_plan(cfg: Config, upto: str) -> Plan:
+    plan, hashes, renamed = [], {}, {}
     for stage in STAGES:
         needs = _needs(cfg, stage)
         inputs = stage_inputs(cfg, stage, hashes[needs[-1]] if needs else None)
         h = _hash_json(inputs)
         plan.append((stage, h, inputs))
         hashes[stage.name] = h
+        old = read_manifest(cfg.run_dir / stage.name) or {}
+        if old.get("input_hash") not in (None, h) and isinstance(old.get("inputs"), dict) \
+                and _hash_json(hashed_today(old["inputs"], renamed)) == h:
+            renamed[old["input_hash"]] = h
         if stage.name == upto:
             break
-    return plan
+    return Plan(plan, renamed)
 
 
 def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
@@ -183,28 +211,30 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
     upstream = {}
-    needed = _needs(cfg, plan[-1][0])
-    for stage, h, inputs in plan[:-1]:
+    needed = _needs(cfg, plan.stages[-1][0])
+    for stage, h, inputs in plan.stages[:-1]:
         if stage.name not in needed:
             continue
         m = read_manifest(run_dir / stage.name)
-        if check_upstream and (m is None or m.get("input_hash") != h):
+        if check_upstream and not plan.current(m, h):
             why = "has not run" if m is None else "is out of date (its inputs changed since it ran)"
             raise InputError(f"stage {name} needs stage {stage.name}, which {why} in {run_dir / stage.name}",
                              fix=f"run `eaglet {stage.name} CONFIG` first, or `eaglet run CONFIG` for every stage")
         upstream[stage.name] = run_dir / stage.name
-    stage, h, inputs = plan[-1]
-    return _execute(cfg, stage, h, inputs, upstream, force, preflight, extend)
+    stage, h, inputs = plan.stages[-1]
+    return _execute(cfg, plan, stage, h, inputs, upstream, force, preflight, extend)
 
 
-def _execute(cfg: Config, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path], force: bool,
-             preflight: bool = True, extend: bool = False) -> dict[str, Any]:
+def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, Any], upstream: dict[str, Path],
+             force: bool, preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     env = dist_env()
     out_dir = cfg.run_dir / stage.name
     old = read_manifest(out_dir)
-    up_to_date = not force and old is not None and old.get("input_hash") == h and old.get("status") == "complete"
+    up_to_date = not force and plan.current(old, h) and old.get("status") == "complete"
     if broadcast_object(up_to_date):  # rank 0 decides, before it removes anything
-        log(f"[{stage.name}] up to date ({out_dir}), skipped")
+        older = "; its manifest is an older eaglet's, which hashed settings that change nothing" \
+            if old.get("input_hash") != h else ""
+        log(f"[{stage.name}] up to date ({out_dir}{older}), skipped")
         return old
     if preflight and stage.name in PREFLIGHT_STAGES:
         run_on_main(run_preflight, cfg, stage.name)  # raises PreflightError before any weights load
@@ -256,8 +286,9 @@ def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight
     """`eaglet run`: every stage in order, skipping those up to date (`extend`: train's --extend)."""
     init_distributed(cfg.run.dist_timeout_minutes)
     manifests, upstream = [], {}
-    for stage, h, inputs in _stage_plan(cfg, upto or STAGE_NAMES[-1]):
-        manifests.append(_execute(cfg, stage, h, inputs, dict(upstream), force, preflight, extend))
+    plan = _stage_plan(cfg, upto or STAGE_NAMES[-1])
+    for stage, h, inputs in plan.stages:
+        manifests.append(_execute(cfg, plan, stage, h, inputs, dict(upstream), force, preflight, extend))
         upstream[stage.name] = cfg.run_dir / stage.name
     return manifests
 

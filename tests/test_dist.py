@@ -12,7 +12,8 @@ this process with one rank:
   same micro-batches per step (the resumed process runs only the steps after the checkpoint),
   and are refused, naming the grad_accum to use, with another;
 - tensor-parallel extraction (transformers' tp_plan) matches one rank;
-- bench/scaling.py runs.
+- bench/scaling.py runs;
+- a rank destroys its process group at exit, unless it failed.
 """
 
 from __future__ import annotations
@@ -260,3 +261,41 @@ def test_strategy_choice():
     with pytest.raises(ValueError, match="every rank would train its own draft"):
         resolve_strategy("none", 2)
     assert DistEnv().is_main and not DistEnv().active
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch, torch.distributed as dist
+# registered before eaglet's handler, so it runs after it (atexit runs last in, first out)
+atexit.register(lambda: print("kept" if dist.is_initialized() else "destroyed", flush=True))
+from eaglet.distributed import all_reduce_sum, init_distributed, keep_group_at_exit
+init_distributed(1.0)
+assert float(all_reduce_sum(torch.ones(1))) == 2.0
+if sys.argv[1] == "keep":
+    keep_group_at_exit()
+"""
+
+
+@pytest.mark.parametrize("how", ["done", "keep"])
+def test_a_rank_destroys_its_group_at_exit_unless_it_failed(tmp_path, how):
+    """A rank that ends destroys the process group while its interpreter is whole (left to the
+    interpreter's teardown, gloo's threads can abort a rank whose work is done); after a failure
+    (`keep_group_at_exit`, which the CLI calls) it leaves the group as it is."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, how], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    want = "destroyed" if how == "done" else "kept"
+    for p, (out, err) in zip(procs, outs):
+        assert out.strip().splitlines()[-1:] == [want], out + err[-2000:]
+        if how == "done":
+            assert p.returncode == 0, err[-2000:]
