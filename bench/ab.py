@@ -7,7 +7,9 @@
 Each variant is `name` or `name:section.key=value,section.key=value` (its settings over the common
 ones); `base` is the reference. Every draft trains for --steps steps on the first --records
 records of --data (prepared once, in W/base; the states computed online), with train.seed set to
-each --seed, so the seeds move the draft's initialisation and data order and nothing else.
+each --seed, so the seeds move the draft's initialisation and data order and nothing else. A
+variant that sets a key of a shared stage (`vocab.size=8192`) runs that stage, and those after
+it, in its own folder (W/runs/NAME-sSEED/) instead of sharing W/base's.
 
 Every draft is measured by replay (eaglet/engines/replay.py): tau of greedy chain decoding with
 k = --k draft tokens, --max-new-tokens per prompt, exactly as decoding would give it, on --prompts
@@ -160,23 +162,38 @@ def equal_time_steps(name: str, controls: dict[str, str], done: dict[str, dict[i
     return max(1, round(c["steps"] * r["train_s"] / c["train_s"]))
 
 
-def run_folder(args: argparse.Namespace, name: str, seed: int) -> Path:
+def own_stages(settings: list[str]) -> tuple[str, ...]:
+    """The shared stages a variant's settings change: the first stage whose config sections
+    they set, and those after it (which read it). The variant runs these in its own folder."""
+    sections = {s.partition("=")[0].partition(".")[0] for s in settings}
+    reads = {stage.name: set(stage.sections) for stage in pipeline.STAGES}
+    for i, stage in enumerate(SHARED):
+        if sections & reads[stage]:
+            return SHARED[i:]
+    return ()
+
+
+def run_folder(args: argparse.Namespace, name: str, seed: int, own: tuple[str, ...] = ()) -> Path:
     run = args.work / "runs" / f"{name}-s{seed}"
     run.mkdir(parents=True, exist_ok=True)
     for stage in SHARED:  # the same prepared data, states and vocabulary as every other draft
         link = run / stage
-        if not link.exists():
+        if stage in own:  # but a stage the variant's settings change: its own, made by its training call
+            if link.is_symlink():
+                link.unlink()
+        elif not link.exists():
             link.symlink_to(args.work / "base" / stage, target_is_directory=True)
     return run
 
 
 def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str = "eaglet") -> Path:
-    run = run_folder(args, name, seed)
+    run = run_folder(args, name, seed, own_stages(sets))
     settings = _sets(args, run, [*sets, f"train.seed={seed}"])
     cfg = load_config(None, settings)
     if TRAINERS[trainer] is None:
         pipeline.run_all(cfg, upto="train")
     else:  # bench/speculators_train.py in its own process (speculators: an optional dependency)
+        pipeline.run_all(cfg, upto="vocab")  # the stages of the variant's own (none: W/base's, up to date)
         mask, init = TRAINERS[trainer]
         cmd = [sys.executable, str(Path(__file__).with_name("speculators_train.py")), "--run-dir", str(run),
                "--out", str(run / "train" / SPEC_DIR), "--mask", mask, "--init", init,
@@ -504,7 +521,8 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 log(f"[ab] {name} seed {seed}: {n} steps, the time of {controls['time_of']} at the rate of "
                     f"{controls['rate_of']}")
             t0 = time.perf_counter()
-            run, settings = run_folder(args, name, seed), [*config, *steps]
+            settings = [*config, *steps]
+            run = run_folder(args, name, seed, own_stages(settings))
             recorded = [*settings, f"train.seed={seed}"]  # what train_draft sets: the draft's identity
             before = trained_before(run, recorded, controls["trainer"])
             if before is not None:

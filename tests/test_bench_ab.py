@@ -31,14 +31,14 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     work = tmp_path / "ab"
     args = ["--work", str(work), "--target", str(target), "--data", str(data), "--records", "30", "--prompts", "4",
             "--steps", "3", "--max-new-tokens", "10", "--k", "2", "--seeds", "0", "1", "--replay-temperature", "1",
-            "--variant", "base", "--variant", "noise:train.state_noise=0.2",
+            "--variant", "base", "--variant", "noise:train.state_noise=0.2", "--variant", "v64:vocab.size=64",
             *(f"--set={s}" for s in ["target.dtype=float32", "prepare.num_workers=1", "vocab.size=128",
                                      "train.max_tokens=256", "train.ttt_steps=2", "train.device=cpu",
                                      "train.warmup_steps=1", "train.log_every=1", "train.eval_fraction=0.1"])]
     run_script(SCRIPT, args)
     out = json.loads((work / "ab.json").read_text())
     res, summary = out["results"], out["summary"]
-    assert set(res) == {"base", "noise"} and all(set(r) == {"0", "1"} for r in res.values())
+    assert set(res) == {"base", "noise", "v64"} and all(set(r) == {"0", "1"} for r in res.values())
     for r in (x for v in res.values() for x in v.values()):
         assert len(r["per_prompt"]) == 4 and r["train"]["steps"] == 3
         assert set(r["eval"]) == {"heldout", "heldout-t1"} and len(r["eval"]["heldout-t1"]["per_prompt"]) == 4
@@ -48,6 +48,12 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     assert sampled["key"]["temperature"] == 1.0 and "heldout-t1" in out["by_set"]
     assert {p.name for p in (work / "runs" / "noise-s1").iterdir()} >= {"prepare", "extract", "vocab", "train"}
     assert (work / "runs" / "noise-s1" / "prepare").is_symlink()
+    # a variant of the vocabulary builds its own; prepare and extract stay base's
+    vocab = {run: json.loads((work / run / "vocab" / "manifest.json").read_text())["stats"]["draft_vocab_size"]
+             for run in ("base", "runs/v64-s0", "runs/v64-s1")}
+    assert vocab == {"base": 128, "runs/v64-s0": 64, "runs/v64-s1": 64}
+    assert not (work / "runs" / "v64-s0" / "vocab").is_symlink() and (work / "runs" / "v64-s0" / "extract").is_symlink()
+    assert load_final(work / "runs" / "v64-s0" / "train" / FINAL_DIR)[0].config.draft_vocab_size == 64
     noise = summary["noise"]
     want = sum(res["noise"][s]["tau"] - res["base"][s]["tau"] for s in ("0", "1")) / 2
     assert noise["diff"] == pytest.approx(want) and noise["se"] >= 0 and noise["paired_seeds"] == [0, 1]
