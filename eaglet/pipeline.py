@@ -167,12 +167,20 @@ def hashed_today(inputs: dict[str, Any], renamed: dict[str, str]) -> dict[str, A
     return {**inputs, "config": config, "previous": renamed.get(previous, previous)}
 
 
+# Keys marked hashed=False that no eaglet ever hashed. The others were hashed by eaglets before
+# they were marked, so `Plan.earlier` gives each stage the hash such an eaglet gave its inputs.
+NEVER_HASHED = {"extract": frozenset({"online_ahead"})}
+
+
 @dataclass(frozen=True)
 class Plan:
     """The stages up to one, with their input hashes; `renamed` maps the hash of a manifest an
-    older eaglet wrote to today's, where the two differ only in keys eaglet no longer hashes."""
+    older eaglet wrote to today's, where the two differ only in keys eaglet no longer hashes;
+    `earlier`, by stage, the hash an older eaglet gave the same inputs, keys of how a stage runs
+    included (the hash a stage it left unfinished, an extract store cut short, was begun under)."""
     stages: list[tuple[Stage, str, dict[str, Any]]]
     renamed: dict[str, str]
+    earlier: dict[str, str]
 
     def current(self, manifest: dict[str, Any] | None, h: str) -> bool:
         """Whether `manifest` was written for the inputs whose hash is `h`."""
@@ -181,20 +189,24 @@ class Plan:
 
 
 def _stage_plan(cfg: Config, upto: str) -> Plan:
-    plan, hashes, renamed = [], {}, {}
+    plan, hashes, renamed, earlier = [], {}, {}, {}
     for stage in STAGES:
         needs = _needs(cfg, stage)
         inputs = stage_inputs(cfg, stage, hashes[needs[-1]] if needs else None)
         h = _hash_json(inputs)
         plan.append((stage, h, inputs))
         hashes[stage.name] = h
+        older = {s: {k: v for k, v in cfg.section(s).items() if k not in NEVER_HASHED.get(s, ())}
+                 for s in stage.sections}
+        earlier[stage.name] = _hash_json({**inputs, "config": older,
+                                          "previous": earlier[needs[-1]] if needs else None})
         old = read_manifest(cfg.run_dir / stage.name) or {}
         if old.get("input_hash") not in (None, h) and isinstance(old.get("inputs"), dict) \
                 and _hash_json(hashed_today(old["inputs"], renamed)) == h:
             renamed[old["input_hash"]] = h
         if stage.name == upto:
             break
-    return Plan(plan, renamed)
+    return Plan(plan, renamed, earlier)
 
 
 def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
@@ -244,7 +256,8 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
         (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
 
     run_on_main(start)
-    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream, force=force, extend=extend)
+    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream, force=force, extend=extend,
+                       earlier_hashes=tuple({plan.earlier[stage.name]} - {h}))
     log(f"[{stage.name}] running -> {out_dir}" + (f" on {env.world_size} ranks" if env.active and stage.distributed
                                                  else " on rank 0" if env.active else ""))
     t0 = time.time()

@@ -67,20 +67,29 @@ def test_run_skips_up_to_date_and_reruns_downstream(stages):
 
 
 def test_a_run_an_older_eaglet_made_stays_valid_when_keys_leave_the_hash(stages, monkeypatch, capsys):
-    """Manifests written by an eaglet that hashed every key (extract.writer_threads among them)
-    are up to date for today's, which hashes no key of how a stage runs: nothing reruns, with any
-    value of those keys, nor is a single stage refused for its upstream; a key that decides what a
-    stage writes still reruns that stage and those after it."""
+    """Manifests written by an older eaglet, which hashed keys of how a stage runs
+    (extract.writer_threads among them), are up to date for today's, which hashes none: nothing
+    reruns, with any value of those keys, nor is a single stage refused for its upstream; the
+    older eaglet's hashes are today's `Plan.earlier` (what it left unfinished resumes under them);
+    a key that decides what a stage writes still reruns that stage and those after it."""
     import eaglet.config
 
     tmp_path, data = stages
+    def older_eaglet(patch):  # it hashed every key but those no eaglet ever hashed
+        patch.setattr(eaglet.config, "unhashed_keys", lambda section: pipeline.NEVER_HASHED.get(section, frozenset()))
+
     with monkeypatch.context() as older:
-        older.setattr(eaglet.config, "unhashed_keys", lambda section: frozenset())  # it hashed every key
+        older_eaglet(older)
         pipeline.run_all(_cfg(tmp_path, data, "extract.writer_threads=4", "prepare.num_workers=1"))
     old = {n: json.loads((tmp_path / "run" / n / "manifest.json").read_text())["input_hash"] for n in "abc"}
     plan = pipeline._stage_plan(_cfg(tmp_path, data), "c")
     assert all(old[s.name] != h for s, h, _ in plan.stages)  # the hashes did change
     assert plan.renamed == {old[s.name]: h for s, h, _ in plan.stages}
+
+    # the hash the older eaglet gave each stage's inputs, which a stage it left unfinished resumes under
+    assert plan.earlier != old  # prepare.num_workers=0 here
+    now = pipeline._stage_plan(_cfg(tmp_path, data, "extract.writer_threads=4", "prepare.num_workers=1"), "c")
+    assert now.earlier == old
 
     CALLS.clear()
     capsys.readouterr()

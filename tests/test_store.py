@@ -277,3 +277,23 @@ def test_resume_folder_deletes_bad_shards_and_names_missing_ones(tmp_path):
     _assert_same(open_verified(tmp_path), samples)
     again = resume_folder(tmp_path, _meta(), fsync=False)
     assert again.bad == again.missing == [] and again.summary().endswith("shards intact")
+
+
+@pytest.mark.parametrize("earlier", [("h0",), ()])
+def test_a_store_begun_under_an_earlier_hash_of_the_same_inputs_resumes(tmp_path, earlier):
+    """A store an older eaglet began (store.json under the hash it gave the same inputs) is kept
+    when that hash is among `earlier`, its store.json given today's; under any other hash it is
+    cleared."""
+    samples = _samples(12)
+    _write(tmp_path, samples, input_hash="h0")
+    shards = sorted(p.name for p in tmp_path.glob("shard-r*.safetensors"))
+    check = resume_folder(tmp_path, _meta(input_hash="h1"), fsync=False, earlier=earlier)
+    assert json.loads((tmp_path / "store.json").read_text())["input_hash"] == "h1"
+    kept = sorted(p.name for p in tmp_path.glob("shard-r*.safetensors"))
+    if earlier:
+        assert kept == shards and check.intact == len(shards) and check.missing == []
+        w = StoreWriter(tmp_path, _meta(input_hash="h1"), shard_bytes=4000, fsync=False, prepare=False)
+        assert w.done_ids() == set(samples)
+        w.close()
+    else:
+        assert kept == [] and check.intact == 0

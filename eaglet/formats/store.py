@@ -57,6 +57,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -307,7 +308,8 @@ class StoreCheck:
             log(f"[extract] {self.summary()}")
 
 
-def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> StoreCheck:
+def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
+                   earlier: Iterable[str] = ()) -> StoreCheck:
     """Make `folder` ready for writers of `meta`; returns the unfinished files removed and the
     shards that were finished once (listed in index.json, or a sidecar left without its
     shard) and are gone: their samples are no longer stored.
@@ -316,18 +318,29 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True)
     is valid again only when this extraction completes); debris of any rank (temporary
     files, a shard without its sidecar, a sidecar without its shard) is removed. Under
     torchrun rank 0 runs this alone, before any rank opens a writer. Checksums are not
-    read here (`resume_folder` checks them).
+    read here (`resume_folder` checks them). `earlier`: the input hashes an older eaglet gave
+    the same inputs (`StageContext.earlier_hashes`); a store begun under one is kept, its
+    store.json given today's hash.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, **meta}
+    earlier = set(earlier)
+
+    def same(m: Any) -> bool:  # made for these inputs, by this eaglet or an older one
+        return m == meta or (isinstance(m, dict) and m.get("input_hash") in earlier
+                             and {**m, "input_hash": meta.get("input_hash")} == meta)
+
     old = _read_json(folder / STORE_META)
     files = [p for p in folder.iterdir() if _is_store_file(p.name)]
     index = _read_json(folder / INDEX)
     listed: dict[str, int] = {}  # shards known to have been finished -> their samples
-    if isinstance(index, dict) and index.get("meta") == meta:
+    if isinstance(index, dict) and same(index.get("meta")):
         listed = {str(sh["file"]): int(sh["samples"]) for sh in index.get("shards", []) if isinstance(sh, dict)}
-    if old != meta and files:
+    if old != meta and same(old) and files:
+        log(f"[extract] store in {folder} was begun by an older eaglet, which hashed the same inputs as "
+            f"{str(old['input_hash'])[:12]}; resuming it")
+    elif old != meta and files:
         listed = {}
         if isinstance(old, dict) and old.get("input_hash") != meta.get("input_hash"):
             why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
@@ -435,13 +448,14 @@ def _delete_shards(folder: Path, bad: list[dict[str, Any]], missing: list[dict[s
 
 
 def resume_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
-                  threads: int | None = None) -> StoreCheck:
+                  threads: int | None = None, earlier: Iterable[str] = ()) -> StoreCheck:
     """Make `folder` ready for an extraction of `meta` that keeps what is intact: `prepare_folder`
-    (on rank 0), then every finished shard checked (`check_shards_all_ranks`) and the bad ones
-    deleted, shard and sidecar, so that their samples count as not done. A collective under
-    torchrun: every rank calls it, before any rank opens a writer; all get the same result."""
+    (on rank 0; `earlier` as there), then every finished shard checked (`check_shards_all_ranks`)
+    and the bad ones deleted, shard and sidecar, so that their samples count as not done. A
+    collective under torchrun: every rank calls it, before any rank opens a writer; all get the
+    same result."""
     folder = Path(folder)
-    found = run_on_main(prepare_folder, folder, meta, fsync)
+    found = run_on_main(prepare_folder, folder, meta, fsync, tuple(earlier))
     sides = list(finished_shards(folder).values())
     bad = check_shards_all_ranks(folder, sides, int(meta["n_aux"]), int(meta["hidden_size"]), threads)
     run_on_main(_delete_shards, folder, bad, found.missing)
