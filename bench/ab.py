@@ -45,9 +45,10 @@ equality is checked, not assumed.
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
 eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; the training call's
 replay is of chains) for drafts trained already; one JSON per draft, set, method and temperature in
-W/decode/. `tree-replay:T` gives the tree by replay instead (eaglet/engines/replay.py's
-replay_tree: the decoder's own tree drafting, followed along the target's continuation, no
-target forward; the tree settings are eval's defaults): greedy at 0, and at T > 0 on
+W/decode/, which the report pairs with base's as it pairs the replays. `tree-replay:T` gives the
+tree by replay instead (eaglet/engines/replay.py's replay_tree: the decoder's own tree drafting,
+followed along the target's continuation, no target forward; the tree settings are eval's
+defaults): greedy at 0, and at T > 0 on
 continuations sampled at T (W/side*-tT/, seed 0), where the output token decides the tree's path.
 Several such calls can run at once (each loads the target), and so can training calls with
 different --variant or --seeds: W/base and the target sides are made under a lock, once.
@@ -404,18 +405,42 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]], prompt_set: str = H
                                "train_s": statistics.mean(t.get("train_s") or t["seconds"] or 0 for t in trains),
                                "acceptance": [statistics.mean(r["acceptance_rate"][j] or 0 for r in by_seed.values())
                                               for j in range(len(next(iter(by_seed.values()))["acceptance_rate"]))]}
-        paired = sorted(set(by_seed) & set(base))
-        if name != "base" and paired:
-            per_prompt = [statistics.mean(by_seed[s]["per_prompt"][i] - base[s]["per_prompt"][i] for s in paired)
-                          for i in range(len(base[paired[0]]["per_prompt"]))]
-            ref = statistics.mean(base[s]["tau"] for s in paired)
-            diff = statistics.mean(by_seed[s]["tau"] for s in paired) - ref
-            se = statistics.stdev(per_prompt) / math.sqrt(len(per_prompt))
-            row.update(paired_seeds=paired, diff=diff, rel_diff=diff / ref,
-                       prompt_mean_diff=statistics.mean(per_prompt), se=se, rel_se=se / ref,
-                       per_seed_diff=[by_seed[s]["tau"] - base[s]["tau"] for s in paired])
+        if name != "base":
+            row.update(against_base(by_seed, base))
         out[name] = row
     return out
+
+
+def against_base(by_seed: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """A variant's measurements against base's on the same prompts, seed by seed (each a dict with
+    `tau` and `per_prompt`): the difference of the mean tau, and the standard error over prompts of
+    the per-prompt difference averaged over the seeds both have ({} when they share none)."""
+    paired = sorted(set(by_seed) & set(base))
+    if not paired:
+        return {}
+    per_prompt = [statistics.mean(by_seed[s]["per_prompt"][i] - base[s]["per_prompt"][i] for s in paired)
+                  for i in range(len(base[paired[0]]["per_prompt"]))]
+    ref = statistics.mean(base[s]["tau"] for s in paired)
+    diff = statistics.mean(by_seed[s]["tau"] for s in paired) - ref
+    se = statistics.stdev(per_prompt) / math.sqrt(len(per_prompt)) if len(per_prompt) > 1 else 0.0
+    return {"paired_seeds": paired, "diff": diff, "rel_diff": diff / ref, "prompt_mean_diff": statistics.mean(per_prompt),
+            "se": se, "rel_se": se / ref, "per_seed_diff": [by_seed[s]["tau"] - base[s]["tau"] for s in paired]}
+
+
+def summarize_decodes(decoded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decodes by set, method and temperature: each variant's mean tau over its seeds and,
+    beside base's decodes of the same prompts, `against_base`."""
+    groups: dict[tuple[str, str, float], dict[str, dict[int, dict[str, Any]]]] = {}
+    for d in decoded:
+        groups.setdefault((d["set"], d["method"], d["temperature"]), {}).setdefault(d["variant"], {})[d["seed"]] = d
+    rows = []
+    for (prompt_set, method, temperature), variants in sorted(groups.items()):
+        base = variants.get("base", {})
+        for name, by_seed in sorted(variants.items(), key=lambda kv: (kv[0] != "base", kv[0])):
+            row = {"set": prompt_set, "method": method, "temperature": temperature, "variant": name,
+                   "seeds": sorted(by_seed), "tau": statistics.mean(d["tau"] for d in by_seed.values())}
+            rows.append({**row, **(against_base(by_seed, base) if name != "base" else {})})
+    return rows
 
 
 def table(by_set: dict[str, dict[str, Any]]) -> str:
@@ -429,6 +454,18 @@ def table(by_set: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {prompt_set} | {name} | {len(r['seeds'])} | {r['steps']:.0f} | {r['train_s']:.1f} | "
                          f"{r['tau']:.3f} | {sd} | {vs} | {se} | {' '.join(f'{a:.2f}' for a in r['acceptance'][:3])} | "
                          f"{r['sim_tau_heldout']:.3f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def decode_summary_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["| set | method | temperature | variant | seeds | tau | vs base | ± se (prompts) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = f"{100 * r['rel_diff']:+.1f}%" if "rel_diff" in r else ""
+        se = f"{100 * r['rel_se']:.1f}%" if "rel_se" in r else ""
+        lines.append(f"| {r['set']} | {r['method']} | {r['temperature']:g} | {r['variant']} | {len(r['seeds'])} | "
+                     f"{r['tau']:.3f} | {vs} | {se} |")
     return "\n".join(lines)
 
 
@@ -594,11 +631,12 @@ def main() -> None:
                   key=lambda s: (s != HELDOUT, s))
     by_set = {s: summarize(results, s) for s in sets}
     decoded = [json.loads(p.read_text()) for p in sorted((args.work / "decode").glob("*.json"))]
+    decodes = summarize_decodes(decoded)
     atomic_write_json(args.work / "ab.json", {"args": {k: str(v) for k, v in vars(args).items()},
                                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                                               "summary": by_set.get(HELDOUT, {}), "by_set": by_set,
-                                              "results": results, "decoded": decoded})
-    md = "\n\n".join(t for t in (table(by_set), decode_table(decoded)) if t)
+                                              "results": results, "decoded": decoded, "decode_summary": decodes})
+    md = "\n\n".join(t for t in (table(by_set), decode_summary_table(decodes), decode_table(decoded)) if t)
     (args.work / "ab.md").write_text(md + "\n")
     print(md)
 

@@ -6,6 +6,7 @@ is held to real decoding of the same prompts with the same draft."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,20 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
         assert rep["prompts"] == dec["prompts"] == 4 and rep["method"] == "tree-replay"
         assert rep["per_prompt"] == pytest.approx(dec["per_prompt"]) and rep["tau"] == pytest.approx(dec["tau"])
     assert json.loads((work / "decode" / "base-s0-heldout-tree-replay-t1.json").read_text())["temperature"] == 1.0
+    # another variant's decodes are paired with base's, prompt by prompt, as the replays are
+    run_script(SCRIPT, [*args, "--only", "v64", "--decode", "tree-replay:0", "--decode-prompts", "4",
+                        "--decode-new-tokens", "5"])
+    rows = {(r["method"], r["temperature"], r["variant"]): r
+            for r in json.loads((work / "ab.json").read_text())["decode_summary"]}
+    dec = {(v, s): json.loads((work / "decode" / f"{v}-s{s}-heldout-tree-replay-t0.json").read_text())
+           for v in ("base", "v64") for s in (0, 1)}
+    v64 = rows["tree-replay", 0.0, "v64"]
+    assert v64["diff"] == pytest.approx(sum(dec["v64", s]["tau"] - dec["base", s]["tau"] for s in (0, 1)) / 2)
+    per_prompt = [sum(dec["v64", s]["per_prompt"][i] - dec["base", s]["per_prompt"][i] for s in (0, 1)) / 2
+                  for i in range(4)]
+    assert v64["se"] == pytest.approx(statistics.stdev(per_prompt) / 2) and v64["paired_seeds"] == [0, 1]
+    assert "diff" not in rows["tree-replay", 0.0, "base"] and ("tree", 0.0, "v64") not in rows
+    assert "| heldout | tree-replay | 0 | v64 | 2 |" in (work / "ab.md").read_text()
     with pytest.raises(AssertionError, match="tree-replay:T"):
         run_script(SCRIPT, [*args, "--decode", "tree-replay"])
 
