@@ -174,7 +174,9 @@ def own_stages(settings: list[str]) -> tuple[str, ...]:
     return ()
 
 
-def run_folder(args: argparse.Namespace, name: str, seed: int, own: tuple[str, ...] = ()) -> Path:
+def run_folder(args: argparse.Namespace, name: str, seed: int, settings: list[str]) -> Path:
+    """The draft's run folder, linked to W/base's stages but those its settings change (`own_stages`)."""
+    own = own_stages(settings)
     run = args.work / "runs" / f"{name}-s{seed}"
     run.mkdir(parents=True, exist_ok=True)
     for stage in SHARED:  # the same prepared data, states and vocabulary as every other draft
@@ -187,8 +189,9 @@ def run_folder(args: argparse.Namespace, name: str, seed: int, own: tuple[str, .
     return run
 
 
-def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int, trainer: str = "eaglet") -> Path:
-    run = run_folder(args, name, seed, own_stages(sets))
+def train_draft(args: argparse.Namespace, run: Path, name: str, sets: list[str], seed: int,
+                trainer: str = "eaglet") -> None:
+    """Train the draft of `sets` in `run` (its `run_folder`)."""
     settings = _sets(args, run, [*sets, f"train.seed={seed}"])
     cfg = load_config(None, settings)
     if TRAINERS[trainer] is None:
@@ -202,7 +205,6 @@ def train_draft(args: argparse.Namespace, name: str, sets: list[str], seed: int,
                *(a for s in settings for a in ("--set", s))]
         if subprocess.run(cmd).returncode:
             raise SystemExit(f"[ab] variant {name} seed {seed}: bench/speculators_train.py failed (its log above)")
-    return run
 
 
 TRAINED = "ab-trained.json"  # in a draft's run folder: its settings and training time, once it trained
@@ -559,14 +561,14 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                     f"{controls['rate_of']}")
             t0 = time.perf_counter()
             settings = [*config, *steps]
-            run = run_folder(args, name, seed, own_stages(settings))
+            run = run_folder(args, name, seed, settings)
             recorded = [*settings, f"train.seed={seed}"]  # what train_draft sets: the draft's identity
             before = trained_before(run, recorded, controls["trainer"])
             if before is not None:
                 train_s = before
                 log(f"[ab] {name} seed {seed}: trained already ({train_s:.1f} s), measuring it")
             else:
-                train_draft(args, name, settings, seed, controls["trainer"])
+                train_draft(args, run, name, settings, seed, controls["trainer"])
                 train_s = time.perf_counter() - t0
                 atomic_write_json(run / TRAINED, {"settings": recorded,
                                                   "trainer": controls["trainer"], "train_s": round(train_s, 1)})

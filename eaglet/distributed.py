@@ -13,6 +13,7 @@ the draft is wrapped for DDP or FSDP2, in eaglet/draft/parallelize.py.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 from dataclasses import dataclass
@@ -69,8 +70,11 @@ _KEEP_AT_EXIT = False
 def _destroy_at_exit() -> None:
     """The group destroyed while the interpreter is whole. Left to the interpreter's teardown,
     gloo's worker threads can abort a rank whose work is done ("terminate called without an
-    active exception", SIGABRT), and NCCL warns that it was never destroyed."""
+    active exception", SIGABRT), and NCCL warns that it was never destroyed. Garbage is
+    collected first: a DDP wrapper left in a reference cycle holds the group, and freed after
+    it, as the group's last holder, it would join gloo's threads holding the GIL."""
     if dist.is_initialized() and not _KEEP_AT_EXIT:
+        gc.collect()
         dist.destroy_process_group()
 
 

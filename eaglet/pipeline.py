@@ -157,14 +157,22 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def _without(config: dict[str, Any], drop: Callable[[str], frozenset[str]]) -> dict[str, Any]:
+    """Each config section of `config` without the keys `drop(section)` names."""
+    out = {}
+    for section, values in config.items():
+        skip = drop(section)
+        out[section] = {k: v for k, v in values.items() if k not in skip} if isinstance(values, dict) else values
+    return out
+
+
 def hashed_today(inputs: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
     """A manifest's inputs as this eaglet hashes them: without the config keys it marks
     hashed=False (an older eaglet hashed some of them: the extract's writer threads, say), and
     with the stage before it under its hash of today (`renamed`: a manifest's hash -> today's)."""
-    config = {s: {k: v for k, v in sec.items() if k not in unhashed_keys(s)} if isinstance(sec, dict) else sec
-              for s, sec in (inputs.get("config") or {}).items()}
     previous = inputs.get("previous")
-    return {**inputs, "config": config, "previous": renamed.get(previous, previous)}
+    return {**inputs, "config": _without(inputs.get("config") or {}, unhashed_keys),
+            "previous": renamed.get(previous, previous)}
 
 
 # Keys marked hashed=False that no eaglet ever hashed. The others were hashed by eaglets before
@@ -174,39 +182,40 @@ NEVER_HASHED = {"extract": frozenset({"online_ahead"})}
 
 @dataclass(frozen=True)
 class Plan:
-    """The stages up to one, with their input hashes; `renamed` maps the hash of a manifest an
-    older eaglet wrote to today's, where the two differ only in keys eaglet no longer hashes;
-    `earlier`, by stage, the hash an older eaglet gave the same inputs, keys of how a stage runs
-    included (the hash a stage it left unfinished, an extract store cut short, was begun under)."""
+    """The stages up to one, with their input hashes, and each one's manifest as the plan found
+    it (None: none); `renamed` maps the hash of a manifest an older eaglet wrote to today's,
+    where the two differ only in keys eaglet no longer hashes; `earlier`, by stage, the hash an
+    older eaglet gave the same inputs, keys of how a stage runs included (the hash a stage it
+    left unfinished, an extract store cut short, was begun under)."""
     stages: list[tuple[Stage, str, dict[str, Any]]]
+    manifests: dict[str, dict[str, Any] | None]
     renamed: dict[str, str]
     earlier: dict[str, str]
 
-    def current(self, manifest: dict[str, Any] | None, h: str) -> bool:
-        """Whether `manifest` was written for the inputs whose hash is `h`."""
-        old = None if manifest is None else manifest.get("input_hash")
+    def current(self, name: str, h: str) -> bool:
+        """Whether stage `name`'s manifest was written for the inputs whose hash is `h`."""
+        old = (self.manifests.get(name) or {}).get("input_hash")
         return old is not None and (old == h or self.renamed.get(old) == h)
 
 
 def _stage_plan(cfg: Config, upto: str) -> Plan:
-    plan, hashes, renamed, earlier = [], {}, {}, {}
+    plan, manifests, hashes, renamed, earlier = [], {}, {}, {}, {}
     for stage in STAGES:
         needs = _needs(cfg, stage)
         inputs = stage_inputs(cfg, stage, hashes[needs[-1]] if needs else None)
         h = _hash_json(inputs)
         plan.append((stage, h, inputs))
         hashes[stage.name] = h
-        older = {s: {k: v for k, v in cfg.section(s).items() if k not in NEVER_HASHED.get(s, ())}
-                 for s in stage.sections}
+        older = _without({s: cfg.section(s) for s in stage.sections}, lambda s: NEVER_HASHED.get(s, frozenset()))
         earlier[stage.name] = _hash_json({**inputs, "config": older,
                                           "previous": earlier[needs[-1]] if needs else None})
-        old = read_manifest(cfg.run_dir / stage.name) or {}
-        if old.get("input_hash") not in (None, h) and isinstance(old.get("inputs"), dict) \
+        old = manifests[stage.name] = read_manifest(cfg.run_dir / stage.name)
+        if old and old.get("input_hash") not in (None, h) and isinstance(old.get("inputs"), dict) \
                 and _hash_json(hashed_today(old["inputs"], renamed)) == h:
             renamed[old["input_hash"]] = h
         if stage.name == upto:
             break
-    return Plan(plan, renamed, earlier)
+    return Plan(plan, manifests, renamed, earlier)
 
 
 def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
@@ -227,9 +236,9 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
     for stage, h, inputs in plan.stages[:-1]:
         if stage.name not in needed:
             continue
-        m = read_manifest(run_dir / stage.name)
-        if check_upstream and not plan.current(m, h):
-            why = "has not run" if m is None else "is out of date (its inputs changed since it ran)"
+        if check_upstream and not plan.current(stage.name, h):
+            why = "has not run" if plan.manifests[stage.name] is None else \
+                "is out of date (its inputs changed since it ran)"
             raise InputError(f"stage {name} needs stage {stage.name}, which {why} in {run_dir / stage.name}",
                              fix=f"run `eaglet {stage.name} CONFIG` first, or `eaglet run CONFIG` for every stage")
         upstream[stage.name] = run_dir / stage.name
@@ -241,8 +250,8 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
              force: bool, preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     env = dist_env()
     out_dir = cfg.run_dir / stage.name
-    old = read_manifest(out_dir)
-    up_to_date = not force and plan.current(old, h) and old.get("status") == "complete"
+    old = plan.manifests[stage.name]  # the stages before it, run since the plan was made, write only their own
+    up_to_date = not force and plan.current(stage.name, h) and old.get("status") == "complete"
     if broadcast_object(up_to_date):  # rank 0 decides, before it removes anything
         older = "; its manifest is an older eaglet's, which hashed settings that change nothing" \
             if old.get("input_hash") != h else ""
