@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglet.formats.store import FP8, StoreReader, StoreWriter, dequantize_states, quantize_states
+from eaglet.formats.store import FP8, FP8_MAX, StoreReader, StoreWriter, dequantize_states, quantize_states
 from eaglet.stages.train_data import load_batch
 
 H, N_AUX = 64, 3
@@ -78,18 +78,62 @@ def test_fp8_store_round_trip_halves_the_bytes(tmp_path):
     assert fp8.verify_all()["bad"] == []
 
 
+# magnitudes that differ by state, not by token: aux's three states and the final one
+BY_STATE = (1e-2, 1.0, 1e2, 10.0)
+
+
+def _samples_by_state(n: int, seed: int = 0) -> dict[int, dict]:
+    """Samples whose states differ in size by state (low 1e-2, mid 1, high 1e2, final 10): one
+    scale shared by a token's states, or one state's scale given to another, is off by 100x."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor(BY_STATE).repeat_interleave(H)
+    out = {}
+    for k in range(n):
+        T = int(torch.randint(3, 20, (1,), generator=g))
+        x = torch.randn(T, (N_AUX + 1) * H, generator=g) * size
+        out[2 * k + 1] = {"aux": x[:, :N_AUX * H].to(torch.bfloat16), "final": x[:, N_AUX * H:].to(torch.bfloat16),
+                          "input_ids": torch.randint(0, 500, (T,), generator=g, dtype=torch.int32),
+                          "loss_mask": torch.randint(0, 2, (T,), generator=g, dtype=torch.uint8)}
+    return out
+
+
+def _within_e4m3(y: torch.Tensor, x: torch.Tensor, n: int) -> None:
+    """y is x through e4m3 with its own scale per token and state: each value within half a
+    mantissa step (1/16 of it) plus one subnormal step of its own state's scale."""
+    x, y = x.float().reshape(-1, n, H), y.float().reshape(-1, n, H)
+    amax = x.abs().amax(-1, keepdim=True)
+    bad = (y - x).abs() > x.abs() / 16 * (1 + 2 ** -7) + amax * 2 ** -9 / FP8_MAX + 1e-30
+    assert not bad.any(), f"{int(bad.sum())} values beyond e4m3's rounding, by state {bad.sum((0, 2)).tolist()}"
+
+
+def test_quantize_scales_each_state_of_a_token_on_its_own():
+    x = torch.cat([s["aux"] for s in _samples_by_state(4).values()]).float()
+    q, scale = quantize_states(x, N_AUX)
+    # each state's scale is its own largest magnitude / 448: 1e-2, 1 and 1e2 apart
+    want = x.reshape(-1, N_AUX, H).abs().amax(-1) / FP8_MAX
+    torch.testing.assert_close(scale, want, rtol=0, atol=0)
+    _within_e4m3(dequantize_states(q, scale), x, N_AUX)
+
+
 def test_training_batches_dequantize_the_raw_states_on_the_device(tmp_path):
-    samples = _samples(5)
+    samples = _samples_by_state(5)
     _write(tmp_path / "fp8", samples, "float8_e4m3fn")
     store = StoreReader(tmp_path / "fp8")
     ids = sorted(samples)[:3]
     b = load_batch(store, ids, 64, torch.device("cpu"))
-    want_aux = torch.cat([store.get(i)["aux"].float() for i in ids])
-    want_aux_exact = torch.cat([dequantize_states(store.get(i, raw=True)["aux"], store.get(i, raw=True)["aux_scale"])
-                                for i in ids])
+    raws = [store.get(i, raw=True) for i in ids]
+    want_aux = torch.cat([dequantize_states(r["aux"], r["aux_scale"]) for r in raws])
+    want_final = torch.cat([dequantize_states(r["final"], r["final_scale"], torch.bfloat16) for r in raws])
     assert b.aux.dtype == torch.float32 and b.final.dtype == torch.bfloat16
-    assert torch.equal(b.aux[0], want_aux_exact)  # the float32 dequantization, not bf16's rounding of it
-    torch.testing.assert_close(b.aux[0], want_aux, rtol=2 ** -7, atol=0)
+    # every state, aux's three and the final one, as dequantize_states gives it: the float32
+    # dequantization for aux (not bf16's rounding of it), bfloat16 for final
+    assert torch.equal(b.aux[0], want_aux) and torch.equal(b.final[0], want_final)
+    # and as the store's own dequantized read gives them
+    torch.testing.assert_close(b.aux[0], torch.cat([store.get(i)["aux"].float() for i in ids]), rtol=2 ** -7, atol=0)
+    assert torch.equal(b.final[0], torch.cat([store.get(i)["final"] for i in ids]))
+    # and the values written, each state within e4m3's rounding at its own scale
+    _within_e4m3(b.aux[0], torch.cat([samples[i]["aux"] for i in ids]), N_AUX)
+    _within_e4m3(b.final[0], torch.cat([samples[i]["final"] for i in ids]), 1)
 
 
 def test_fp8_states_must_come_with_their_scales(tmp_path):
