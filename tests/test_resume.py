@@ -8,11 +8,15 @@ same final weights, bit for bit (fp32 on the CPU, one thread, one process).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
 import struct
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,10 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import killed_copy, tiny_pipeline_upto_vocab, train_on_copy
 from eaglet import pipeline
-from eaglet.config import load_config
+from eaglet.config import TrainSection, load_config
+from eaglet.draft.model import DraftConfig
 from eaglet.draft.step import extend_schedule, lr_lambda
-from eaglet.errors import CorruptDataError, ResumeError
+from eaglet.errors import ConfigError, CorruptDataError, ResumeError
 from eaglet.formats import checkpoints as ck
+from eaglet.stages import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -203,6 +209,100 @@ def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
     assert not (run / "train" / "final").exists()  # nothing trained
 
 
+# ---- which settings a resume may change: every train.* key, from the config ------------------------
+
+# The train.* settings a resume may change, as reviewed (eaglet/stages/train.py RESUME_SAFE_KEYS
+# says why each leaves the trajectory as it was). Held here rather than read from train.py, so that
+# a key moved into RESUME_SAFE_KEYS by mistake fails: every other key of TrainSection, including
+# one added later, must be refused.
+REVIEWED_SAFE_KEYS = {"log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
+                      "device", "parallel", "compile", "compile_cache", "attn_impl", "teacher_chunk", "prefetch",
+                      "ckpt_async"}
+TRAIN_KEYS = [f.name for f in dataclasses.fields(TrainSection)]
+# The key a changed setting shows up under in the fingerprint, where it is not train.<key>.
+FINGERPRINT_NAME = {"grad_accum": "data.micro_batches_per_step"}
+# Values the type alone does not give well.
+VALUES = {"device": "cpu"}
+
+
+def _changed_value(key: str) -> Any:
+    """A valid value of train.`key` other than its default, found from its type (the first candidate
+    that load_config accepts): a new key of a usual type needs nothing here."""
+    default = getattr(TrainSection(), key)
+    candidates: list[Any] = [VALUES[key]] if key in VALUES else []
+    hint = typing.get_type_hints(TrainSection)[key]
+    for arg in typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,):
+        if typing.get_origin(arg) is typing.Literal:
+            candidates += [c for c in typing.get_args(arg) if c != default]
+        elif arg is bool:
+            candidates.append(not default)
+        elif arg is int:
+            candidates += [1, 2] if default is None else [default + 1, default - 1]
+        elif arg is float:
+            candidates += [0.5, 0.25] if not isinstance(default, (int, float)) or default == 0 else [default / 2]
+        elif arg is str:
+            candidates.append("changed")
+        elif typing.get_origin(arg) is list and isinstance(default, list):
+            candidates.append([x * 0.9 for x in default])
+    for value in candidates:
+        try:
+            cfg = load_config(None, [f"train.{key}={json.dumps(value)}"])
+        except ConfigError:
+            continue
+        if getattr(cfg.train, key) != default:
+            return value
+    raise AssertionError(f"train.{key}: no changed valid value among {candidates}; add one to _changed_value")
+
+
+class _Store:
+    meta = {"input_hash": "0" * 64}
+
+    def __len__(self) -> int:
+        return 20
+
+
+def _fingerprint(*overrides: str) -> dict:
+    """train.py's fingerprint of a run with `overrides` over the defaults (a fixed model, store and
+    vocabulary, on the CPU), as a checkpoint records it; no training."""
+    model = types.SimpleNamespace(config=DraftConfig(
+        hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=256, draft_vocab_size=128))
+    cfg = load_config(None, list(overrides))
+    return train.fingerprint(model, _Store(), torch.arange(128), cfg, 1, torch.device("cpu"))
+
+
+def test_the_safe_keys_are_the_reviewed_ones():
+    assert set(train.RESUME_SAFE_KEYS) == REVIEWED_SAFE_KEYS
+    assert REVIEWED_SAFE_KEYS <= set(TRAIN_KEYS)  # no stale name
+
+
+@pytest.mark.parametrize("key", [k for k in TRAIN_KEYS if k not in REVIEWED_SAFE_KEYS])
+def test_every_trajectory_setting_is_refused_on_resume(key):
+    """Each train.* key but the reviewed safe ones, changed to another valid value, makes the
+    checkpoint's fingerprint differ on that key (so _pick refuses the resume, naming it)."""
+    value = _changed_value(key)
+    diff = train.fingerprint_diff(_fingerprint(), _fingerprint(f"train.{key}={json.dumps(value)}"))
+    name = FINGERPRINT_NAME.get(key, f"train.{key}")
+    assert name in diff, f"train.{key} -> {value!r} is not in the fingerprint: a resume with it would be taken"
+    assert set(diff) == {name}
+
+
+@pytest.mark.parametrize("key", sorted(REVIEWED_SAFE_KEYS))
+def test_every_safe_setting_is_accepted_on_resume_and_recorded(key):
+    value = _changed_value(key)
+    over = f"train.{key}={json.dumps(value)}"
+    assert train.fingerprint_diff(_fingerprint(), _fingerprint(over)) == {}
+    before, after = train.resume_settings(load_config(None, [])), train.resume_settings(load_config(None, [over]))
+    assert {k for k in before if before[k] != after[k]} == {f"train.{key}"}  # the resume names the change
+
+
+def test_precision_is_compared_as_resolved():
+    """On the CPU auto is fp32: auto -> fp32 is the same run, auto -> bf16 another."""
+    assert train.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=fp32")) == {}
+    assert train.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=bf16")) == {
+        "train.precision": ("fp32", "bf16")}
+
+
 def test_safe_settings_may_change_and_are_recorded(clean, tmp_path, capfd):
     tmp, base, ref = clean
     run = killed_copy(ref, tmp_path / "run", after=6)
@@ -321,11 +421,26 @@ def test_a_checkpoint_from_before_the_quality_levers_resumes_under_their_default
     assert fingerprint_diff(saved, {**now, "train.bogus": 1}) == {"train.bogus": (None, 1)}
 
 
+def test_each_quality_lever_alone_changes_the_draft(clean):
+    """Each lever alone, against a run with neither (train.accept_loss none, state_noise 0): the
+    acceptance term ('tv', and the default 'log_accept') moves the weights, so its gradient reaches
+    them (with the term detached, or the draft's distribution detached inside it, the run trains the
+    cross-entropy's weights bit for bit); the state noise alone moves them too."""
+    tmp, base, plain = clean  # plain: the default accept_loss (log_accept), no noise
+    neither, _ = train_on_copy(tmp, base, "neither", "train.accept_loss=none")
+    w0 = _final(neither)
+    for name, levers in (("tv", ["train.accept_loss=tv", "train.accept_weight=0.5"]),
+                         ("noise", ["train.accept_loss=none", "train.state_noise=0.05"])):
+        w = _final(train_on_copy(tmp, base, f"only_{name}", *levers)[0])
+        assert any(not torch.equal(w0[k], w[k]) for k in w0), name
+    w = _final(plain)
+    assert any(not torch.equal(w0[k], w[k]) for k in w0), "log_accept"
+
+
 def test_the_quality_levers_train_log_and_resume_bit_for_bit(clean, tmp_path):
     """train.accept_loss and train.state_noise in a real run: the logged loss is the soft CE plus
-    the weighted acceptance term per step, the weights differ from the plain run's, and a run
-    killed mid-way resumes to the uninterrupted run's weights bit for bit (the noise draws from
-    the generator the checkpoint restores)."""
+    the weighted acceptance term per step, and a run killed mid-way resumes to the uninterrupted
+    run's weights bit for bit (the noise draws from the generator the checkpoint restores)."""
     tmp, base, plain = clean
     levers = [*base, "train.accept_loss=tv", "train.accept_weight=0.5", "train.state_noise=0.05"]
     run, log = train_on_copy(tmp, levers, "levers")
@@ -335,8 +450,6 @@ def test_the_quality_levers_train_log_and_resume_bit_for_bit(clean, tmp_path):
         terms = [r[f"accept_term_{j}"] for j in range(2)]
         assert all(0 < t < 1 for t in terms)
         assert r["loss"] == pytest.approx(sum(0.8**j * (r[f"loss_{j}"] + 0.5 * terms[j]) for j in range(2)), rel=1e-5)
-    wa, wb = _final(plain), _final(run)
-    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
     killed = killed_copy(run, tmp_path / "killed", after=6)
     _train(killed, levers)
     _same_weights(run, killed)
