@@ -98,8 +98,32 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _flip_in_place(path: Path) -> None:
+    """One same-size change to a checkpoint file that its reader would take without a word (only
+    the checksum sees it): the lowest bit of a weight, of an optimizer moment or of the RNG state, a
+    digit of state.json's data position; the middle byte of any other file."""
+    raw = bytearray(path.read_bytes())
+    if path.name.endswith(".safetensors"):
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        name = sorted(k for k in header if k != "__metadata__")[0]
+        at = 8 + n + header[name]["data_offsets"][0]  # little endian: the lowest mantissa bit of a float
+    elif path.name == ck.OPTIMIZER_FILE:
+        moment = torch.load(path, weights_only=True)["state"][0]["exp_avg"]
+        at = bytes(raw).find(moment.numpy().tobytes())  # the tensor's bytes, stored as they are
+        assert at > 0
+    elif path.name == ck.STATE_FILE:
+        at = bytes(raw).index(b'"micro": ') + len(b'"micro": ')  # 3 -> 2: another micro-batch to go on from
+    else:
+        at = len(raw) // 2
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
 CORRUPTIONS = {
-    "flipped_bit": (lambda c: _flip_exponent_bit(c / ck.MODEL_FILE), "model.safetensors: sha256 mismatch"),
+    **{f"flipped_{name}": (lambda c, name=name: _flip_in_place(c / name), f"{name}: sha256 mismatch")
+       for name in ck.CHECKSUMMED},
+    "flipped_exponent_bit": (lambda c: _flip_exponent_bit(c / ck.MODEL_FILE), "model.safetensors: sha256 mismatch"),
     "truncated_optimizer": (lambda c: _truncate(c / ck.OPTIMIZER_FILE), "optimizer.pt: \\d+ bytes, \\d+ written"),
     "missing_rng": (lambda c: (c / ck.RNG_FILE).unlink(), "rng.safetensors: missing"),
     "unreadable_state": (lambda c: (c / ck.STATE_FILE).write_text("{\"step\": 6, "),
@@ -123,6 +147,21 @@ def test_corrupt_newest_checkpoint_is_named_and_training_resumes_from_the_one_be
 
     assert re.fullmatch(reason, stats["resumed"]["corrupt"]["step-0000006"])
     _same_weights(run, ref)
+
+
+@pytest.mark.parametrize("name", ck.CHECKSUMMED)
+def test_each_flip_is_one_only_the_checksums_see(clean, name, tmp_path):
+    """The same-size flips above change what a resume would load, and read back without an error
+    once the checksums are made again: without its checksum, the resume would take them."""
+    six = tmp_path / "step-0000006"
+    shutil.copytree(_ckpts(clean[2]) / "step-0000006", six)
+    before = (six / name).read_bytes()
+    _flip_in_place(six / name)
+    assert (six / name).read_bytes() != before and (six / name).stat().st_size == len(before)
+    with pytest.raises(ck.CorruptCheckpointError, match=f"{name}: sha256 mismatch"):
+        ck.read_checkpoint(six, "cpu")
+    _rewrite_checksums(six)
+    ck.read_checkpoint(six, "cpu")
 
 
 def test_non_finite_weights_or_optimizer_state_are_refused_like_corrupt_files(clean, tmp_path, capfd):
