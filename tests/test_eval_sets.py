@@ -67,6 +67,33 @@ def test_agreement_passes_within_the_tolerance_and_names_where_the_engines_part(
     assert not none["ok"] and "no drafts" in none["cause"]
 
 
+@pytest.mark.parametrize("rel, ok", [(0.049, True), (-0.049, True), (0.051, False), (-0.051, False)])
+def test_agreement_holds_to_the_configured_tolerance_on_both_sides(rel, ok, tmp_path):
+    """eval.vllm_tolerance (5% by default) is the bound, either way: just inside passes, just
+    outside fails (a doubled tolerance, or a check of one side only, does not); another
+    tolerance moves the bound with it."""
+    from eaglet.config import EvalSection
+    from eaglet.stages.eval_vllm import EngineAgreementError, agreement, check_agreement
+
+    tol = EvalSection().vllm_tolerance
+    assert tol == 0.05
+    eaglet = {"tau": 2.0, "acceptance_rate": [0.6, 0.5, 0.3]}
+    for t in (tol, 2 * tol):
+        a = agreement(eaglet, {"mean_acceptance_length": 2.0 * (1 + rel * t / tol), "acceptance_rate": [0.6, 0.5, 0.3]},
+                      t, eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+        assert a["relative_difference"] == pytest.approx(rel * t / tol) and a["ok"] is ok, t
+    a = agreement(eaglet, {"mean_acceptance_length": 2.0 * (1 + rel), "acceptance_rate": [0.6, 0.5, 0.3]}, tol,
+                  eaglet_dtype="bfloat16", vllm_dtype="bfloat16")
+    if ok:
+        check_agreement({"agreement": a}, tmp_path / "r.json")
+        return
+    with pytest.raises(EngineAgreementError) as e:
+        check_agreement({"agreement": a}, tmp_path / "r.json")
+    assert e.value.line().startswith(
+        f"vLLM's mean acceptance length {2.0 * (1 + rel):.3f} and eaglet's tau 2.000 differ by {rel:+.1%} "
+        "(tolerance 5%); every draft position agrees within the tolerance")
+
+
 def test_identity_report_counts_equal_outputs_and_first_divergences():
     from eaglet.stages.eval_vllm import identity_report
 
