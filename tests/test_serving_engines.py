@@ -5,6 +5,7 @@ key or an fc of the wrong width each fail naming it. Also the doctor's line on t
 vLLM export gives the target."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -74,6 +75,49 @@ def test_what_an_engine_would_skip_or_miss_is_named(tmp_path, fmt, case):
     assert problems and len(problems) <= 2, text
     for name in names:
         assert name.format(renamed=RENAMED[fmt]) in text, (name, text)
+
+
+# The tensors of an export that neither loader needs: t2d (both drop it) and embed_tokens (the
+# target's own is used when the export has none). Every other tensor eaglet writes is required.
+OPTIONAL = ("t2d", "embed_tokens.weight")
+VARIANTS = {"vllm": {"plain": {}, "eagle3.1": dict(num_layers=2, num_aux=4, target_hidden_size=24, fc_norm=True,
+                                                   norm_output=True, norm_before_residual=True, attention_bias=True,
+                                                   ids=[1, 3, 5, 8])},
+            "sglang": {"plain": {}}}
+STACK = {"q_proj": ("qkv_proj", "'q'"), "k_proj": ("qkv_proj", "'k'"), "v_proj": ("qkv_proj", "'v'"),
+         "gate_proj": ("gate_up_proj", "0"), "up_proj": ("gate_up_proj", "1")}
+
+
+def _loader_name(name: str) -> str:
+    """What a problem about missing tensor `name` names: the loader's parameter it fills (midlayer
+    read as layers.0, under model. but lm_head, q/k/v and gate/up stacked, with the shard)."""
+    if name == "d2t":
+        return "no 'd2t'"
+    name = name.replace("midlayer.", "layers.0.")
+    param = name if name.startswith("lm_head") else f"model.{name}"
+    for part, (stacked, shard) in STACK.items():
+        if f".{part}." in param:
+            return f"'{param.replace(part, stacked)}' (shards [{shard}])"
+    return f"'{param}'"
+
+
+@pytest.mark.parametrize("fmt, variant", [(f, v) for f in VARIANTS for v in VARIANTS[f]])
+def test_removing_any_required_tensor_fails_the_loader_check(tmp_path, fmt, variant):
+    """Each tensor of the export but OPTIONAL, taken out alone, is named by the engine's check:
+    a required parameter the checker treats as optional (layer 0's hidden_norm, say) fails."""
+    kw = VARIANTS[fmt][variant]
+    whole = export(tmp_path / "whole", fmt, **kw)
+    names = sorted(load_file(str(whole / "model.safetensors")))
+    required = [n for n in names if not n.endswith(OPTIONAL)]
+    assert len(required) > 10 and "d2t" in required
+    missed = {}
+    for i, name in enumerate(required):
+        folder = shutil.copytree(whole, tmp_path / str(i))
+        edit(folder, weights=lambda w: w.pop(name))
+        problems = CHECK[fmt](folder)
+        if len(problems) != 1 or _loader_name(name) not in problems[0]:
+            missed[name] = problems
+    assert missed == {}
 
 
 def test_each_engine_reads_its_own_keys(tmp_path):
