@@ -31,7 +31,7 @@ from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import ConfigError, EagletError, PreflightError
 from ..formats.buffer import buffer_folder, micro_batch_bytes
 from ..formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
-from ..formats.datasets import check_data_file, iter_records
+from ..formats.datasets import check_data_file, iter_records, row_label
 from ..formats.prepared import PreparedData
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
 from ..targets.chat import (
@@ -341,21 +341,26 @@ def check_records(p: Probe) -> None:
             continue
         reasons: Counter = Counter()
         read = ok = tokens = loss = nbytes = max_id = 0
+        current, example = None, ""  # the row being processed; the first skipped one, named in the finding
         try:
             for row, item in iter_records(path, DOCTOR_RECORDS):
                 read += 1
+                current = row
                 if isinstance(item, dict):
                     nbytes += len(json.dumps(item, ensure_ascii=False).encode()) + 1
                 out = process_record(row, item, p.tokenizer, settings)
+                current = None
                 if out.reason:
                     reasons[out.reason] += 1
+                    example = example or f"; e.g. {row_label(path.name, row)}: {out.reason}: {out.detail[:200]}"
                     continue
                 ok += 1
                 max_id = max(max_id, int(out.input_ids.max()))
                 tokens += len(out.input_ids)
                 loss += int(out.loss_mask.sum())
         except Exception as e:  # noqa: BLE001 - a file or a tokenizer that fails outright
-            p.add("FAIL", f"data {path.name}", "records that read and render", f"{type(e).__name__}: {e}",
+            at = f" at {row_label(path.name, current)}" if current is not None else ""
+            p.add("FAIL", f"data {path.name}", "records that read and render", f"{type(e).__name__}{at}: {e}",
                   "check the file; if it is fine, the tokenizer or template API (see the API lines)")
             continue
         p.sampled.append({"path": str(path), "read": read, "ok": ok, "tokens": tokens, "bytes": nbytes})
@@ -377,10 +382,10 @@ def check_records(p: Probe) -> None:
             # report over the whole file (it refuses a file without one usable record).
             status = "FAIL" if by_template or p.stage != "prepare" else "warn"
             p.add(status, f"loss mask {path.name}", f"assistant tokens in the first {read} records",
-                  f"none: every record skipped ({skipped or 'no records'})", fix)
+                  f"none: every record skipped ({skipped or 'no records'}){example}", fix)
         elif reasons:
             p.add("warn", f"loss mask {path.name}", f"assistant tokens in all of the first {read} records",
-                  f"{ok} with {loss} of {tokens} tokens masked; skipped {skipped}",
+                  f"{ok} with {loss} of {tokens} tokens masked; skipped {skipped}{example}",
                   "prepare counts and lists skipped records in skipped.jsonl; check the reasons if many")
         else:
             p.add("ok", f"loss mask {path.name}", f"assistant tokens in the first {read} records",

@@ -9,7 +9,11 @@ Three file kinds, chosen by extension:
 
 Every reader yields `(row, record_or_error)`: a record that cannot be read (a malformed
 line, a broken array) comes out as a `RecordError` in its place instead of stopping the
-run, so `prepare` can count it, report it by file and row, and go on. Records are then
+run, so `prepare` can count it, report it by file and row, and go on. So does a record that
+reads but that no later step could handle (`check_record`): text with a lone surrogate
+(`"\ud800"`, which JSON's escapes allow but no UTF-8 encoder or tokenizer takes), or nesting
+deeper than MAX_DEPTH (past Python's recursion limit, decoding, printing or sending it to a
+worker would raise; a .json array skips such an element by its brackets and reads on). Records are then
 normalised by `normalize_record` from the ShareGPT (`conversations` of {from, value}) or
 OpenAI (`messages` of {role, content}) shape into plain `[{"role", "content"}]` lists; a
 content given as a list of parts ({type: text, text}, {type: image_url, ...}) becomes its text
@@ -22,6 +26,7 @@ InputError naming it, raised before any record of any file is read (`check_data_
 from __future__ import annotations
 
 import json
+import re
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +45,13 @@ EMPTY_CONTENT = "empty_content"
 CONTENT_NOT_TEXT = "content_not_text"
 MULTIMODAL_CONTENT = "multimodal_content"
 NO_ASSISTANT_TURN = "no_assistant_turn"
+INVALID_UNICODE = "invalid_unicode"
+TOO_DEEPLY_NESTED = "too_deeply_nested"
+
+# Containers within containers a record may have (a conversation needs 5: record, turns, turn,
+# content parts, part); far below the depth where Python's recursion limit stops repr or pickle.
+MAX_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json combines valid pairs, so any left is a lone one
 
 SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -62,6 +74,44 @@ class RecordError(Exception):
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+
+_TOO_DEEP_TO_DECODE = f"nested deeper than Python's JSON decoder reads (records may nest {MAX_DEPTH} levels)"
+
+
+def check_record(record: Any) -> Any:
+    """`record`, or the RecordError that stands for it: a lone surrogate in any string (a key
+    too), or containers nested deeper than MAX_DEPTH. Walked without recursion."""
+    if not isinstance(record, (dict, list)):
+        return _bad_text(record, ()) or record
+    stack: list[tuple[Any, int, tuple]] = [(record, 0, ())]  # (container, its depth, its path)
+    while stack:
+        value, depth, path = stack.pop()
+        if depth == MAX_DEPTH:
+            return RecordError(TOO_DEEPLY_NESTED, f"more than {MAX_DEPTH} levels of lists and objects at {_path(path)}")
+        for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, path + (k,)))
+            elif bad := _bad_text(v, path, k):
+                return bad
+            if bad := _bad_text(k, path, k):
+                return bad
+    return record
+
+
+def _bad_text(value: Any, path: tuple, key: Any = None) -> RecordError | None:
+    """The invalid_unicode error of a string with a lone surrogate (at path + key), else None."""
+    if isinstance(value, str) and not value.isascii() and (m := _SURROGATE.search(value)):
+        where = _path(path if key is None else path + (key,))
+        return RecordError(INVALID_UNICODE, f"a lone surrogate {ascii(m.group())[1:-1]} (half of a UTF-16 pair, "
+                                            f"not a character) at {where}")
+    return None
+
+
+def _path(path: tuple) -> str:
+    """'conversations[0].value' for ('conversations', 0, 'value'), cut short when deep."""
+    text = "".join(f"[{k}]" if isinstance(k, int) else f".{ascii(k)[1:-1]}" for k in path[:8]).lstrip(".")
+    return (text + ("..." if len(path) > 8 else "")) or "the record itself"
 
 
 # ---- readers ----------------------------------------------------------------------------------
@@ -98,6 +148,12 @@ def check_data_files(paths: list[str]) -> list[Path]:
     return checked
 
 
+def row_label(path: str | Path, row: int) -> str:
+    """'data.jsonl:line 3', 'data.json:element 2', 'data.parquet:row 0': a row as its reader counts it."""
+    kind = {".jsonl": "line", ".json": "element"}.get(Path(path).suffix.lower(), "row")
+    return f"{path}:{kind} {row}"
+
+
 def iter_records(path: str | Path, max_records: int | None = None) -> Iterator[Row]:
     """(row, record or RecordError) for every record of `path`, at most `max_records`."""
     p = check_data_file(path)
@@ -113,9 +169,13 @@ def read_jsonl(path: str | Path) -> Iterator[Row]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                record = json.loads(line)
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                 yield lineno, RecordError(MALFORMED_JSON, str(e))
+            except RecursionError:
+                yield lineno, RecordError(TOO_DEEPLY_NESTED, _TOO_DEEP_TO_DECODE)
+            else:
+                yield lineno, check_record(record)
 
 
 def read_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[Row]:
@@ -126,13 +186,14 @@ def read_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[Row]:
     row = 0
     try:
         pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:  # empty, cut short, or not Parquet
-        raise InputError(f"prepare.data: {path}: not a readable Parquet file ({e})",
-                         fix="check the file, or give it the extension of its format (.jsonl, .json)") from None
+    except (pa.ArrowException, OSError) as e:  # empty, cut short, not Parquet, or a schema nested too deep
+        fix = ("its columns are nested deeper than pyarrow reads: drop or flatten the deep columns" if "deeply nested"
+               in str(e) else "check the file, or give it the extension of its format (.jsonl, .json)")
+        raise InputError(f"prepare.data: {path}: not a readable Parquet file ({e})", fix=fix) from None
     with pf:
         for batch in pf.iter_batches(batch_size=batch_size):
             for record in batch.to_pylist():
-                yield row, record
+                yield row, check_record(record)
                 row += 1
 
 
@@ -146,6 +207,10 @@ def read_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[Ro
     rest, and reading stops.
     """
     return _JsonArrayStream(Path(path), chunk_chars).rows()
+
+
+_BRACKET = re.compile(r'[\[\]{}"]')  # what _skip_element looks for outside a string
+_STRING_STOP = re.compile(r'["\\]')  # and inside one
 
 
 class _JsonArrayStream:
@@ -203,6 +268,36 @@ class _JsonArrayStream:
             self.pos = end
             return value
 
+    def _skip_element(self) -> bool:
+        """Move `pos` past the list or object that starts there by counting its brackets (outside
+        strings), for an element too deeply nested to decode; False if the file ends first."""
+        depth, in_string = 0, False
+        while True:
+            if self.pos >= len(self.buf) and not self._read_more(self.chunk_chars):
+                return False
+            m = (_STRING_STOP if in_string else _BRACKET).search(self.buf, self.pos)
+            if m is None:
+                self.pos = len(self.buf)
+                continue
+            c = m.group()
+            if c == "\\":
+                if m.end() == len(self.buf):  # the escaped character is in the next chunk
+                    self.pos = m.start()
+                    if not self._read_more(self.chunk_chars):
+                        return False
+                    continue
+                self.pos = m.end() + 1
+                continue
+            self.pos = m.end()
+            if c == '"':
+                in_string = not in_string
+            elif c in "[{":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    return True
+
     def _broken(self, index: int, what: str, at: int | None = None) -> Row:
         """The one bad record that stands for element `index` and everything after it."""
         offset = self.consumed + (self.pos if at is None else at)
@@ -227,10 +322,15 @@ class _JsonArrayStream:
                 else:
                     while True:
                         try:
-                            value = self._decode()
+                            value = check_record(self._decode())
                         except json.JSONDecodeError as e:  # its line/column count from the buffer, not the file
                             yield self._broken(index, e.msg, at=e.pos)
                             return
+                        except RecursionError:
+                            if not self._skip_element():
+                                yield self._broken(index, "the file ends inside a too deeply nested element")
+                                return
+                            value = RecordError(TOO_DEEPLY_NESTED, _TOO_DEEP_TO_DECODE)
                         yield index, value
                         index += 1
                         sep = self._skip_ws()

@@ -32,7 +32,7 @@ from ..targets.chat import (Outcome, Settings, TemplateError, check_fast_tokeniz
                             process_record, resolve_chat_template)
 from ..config import Config, ConfigError, TargetSection
 from ..errors import InputError
-from ..formats.datasets import Row, check_data_files, iter_records
+from ..formats.datasets import Row, check_data_files, iter_records, row_label
 from .context import StageContext
 from ..formats.prepared import PreparedWriter
 from ..utils import log
@@ -83,11 +83,6 @@ def _mapper(tokenizer: Any, target: TargetSection, settings: Settings, num_worke
 
 
 # ---- the stage ------------------------------------------------------------------------------------
-
-def _row_label(path: Path, row: int) -> str:
-    kind = {".jsonl": "line", ".json": "element"}.get(path.suffix.lower(), "row")
-    return f"{path}:{kind} {row}"
-
 
 def _counts(c: Counter) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(c.items())) or "none"
@@ -140,9 +135,9 @@ def run_prepare(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                     skipped[out.reason] += 1
                     skipped_out.write(json.dumps({"file": str(path), "row": out.row, "reason": out.reason, "detail": out.detail}) + "\n")
                     if reported < p.report_examples:
-                        log(f"[prepare] skipped {_row_label(path, out.row)}: {out.reason}: {out.detail}")
+                        log(f"[prepare] skipped {row_label(path, out.row)}: {out.reason}: {out.detail}")
                         reported += 1
-                    _check_not_data(out.reason, skipped, read, f"{_row_label(path, out.row)}: {out.detail}")
+                    _check_not_data(out.reason, skipped, read, f"{row_label(path, out.row)}: {out.detail}")
                     continue
                 writer.add(out.input_ids, out.loss_mask, k, out.row)
                 samples += 1

@@ -15,6 +15,12 @@ per-template pattern:
   template adds between turns). Tokens of the full text overlapping those spans are masked.
   This needs both renders to be prefixes of the full text; a template that rewrites earlier
   turns (e.g. drops old reasoning) fails that check and is reported, not guessed at.
+  Those renders cost a conversation's length each, so a sample cut to `max_length` tokens
+  (`render_sample`) locates only the turns that start within the kept tokens: the whole
+  conversation is rendered and tokenized once, and the ids and mask are the whole render's, cut.
+
+A record whose content holds the text of a control token (`<|im_end|>` in a user turn) is
+skipped as `control_text` (`find_control_text`, which says why).
 
 `render_with_mask` is pure (tokenizer and messages in, ids and mask out); `process_record`
 turns one dataset record into a sample or the reason it is skipped, so that `prepare` and
@@ -24,6 +30,7 @@ the doctor share exactly one path.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,7 @@ Message = dict[str, str]
 # Skip reasons of process_record besides the records' and the templates' own.
 TOO_LONG = "too_long"
 NO_ASSISTANT_TOKENS = "no_assistant_tokens"
+CONTROL_TEXT = "control_text"
 
 
 class ChatError(Exception):
@@ -107,10 +115,23 @@ def render_with_mask(tokenizer: Any, messages: list[Message], chat_template: str
     assistant turn including its end-of-turn token. `chat_template` replaces the
     tokenizer's own. Raises TemplateError or MaskMismatch.
     """
+    ids, mask, _ = render_sample(tokenizer, messages, chat_template)
+    return ids, mask
+
+
+def render_sample(tokenizer: Any, messages: list[Message], chat_template: str | None = None,
+                  max_tokens: int | None = None) -> tuple[list[int], list[int], int]:
+    """`render_with_mask` cut to its first `max_tokens` tokens, and the whole render's length.
+
+    The same ids and mask as the whole render's, cut; but assistant turns that start after
+    the cut are not located (each costs renders of the conversation up to it, so locating
+    them all is quadratic in a record's turns, for tokens that are cut off anyway).
+    """
     template = chat_template or _template_of(tokenizer)
     if mask_method(template) == "generation_markers":
-        return mask_by_generation_markers(tokenizer, template, messages)
-    return mask_by_prefixes(tokenizer, template, messages)
+        ids, mask = mask_by_generation_markers(tokenizer, template, messages)
+        return ids[:max_tokens], mask[:max_tokens], len(ids)
+    return _prefix_sample(tokenizer, template, messages, max_tokens)
 
 
 def mask_by_generation_markers(tokenizer: Any, template: str, messages: list[Message]) -> tuple[list[int], list[int]]:
@@ -121,14 +142,32 @@ def mask_by_generation_markers(tokenizer: Any, template: str, messages: list[Mes
 
 def mask_by_prefixes(tokenizer: Any, template: str, messages: list[Message]) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) from growing-prefix renders; works for any template."""
+    ids, mask, _ = _prefix_sample(tokenizer, template, messages, None)
+    return ids, mask
+
+
+def _prefix_sample(tokenizer: Any, template: str, messages: list[Message],
+                   max_tokens: int | None) -> tuple[list[int], list[int], int]:
+    """`mask_by_prefixes` cut to `max_tokens`, locating only the turns that reach into the kept tokens."""
     full = _apply(tokenizer, template, messages, tokenize=False)
-    spans = assistant_spans(tokenizer, template, messages, full)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), spans_to_mask(enc["offset_mapping"], spans)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    total = len(ids)
+    if max_tokens is not None and max_tokens < total:
+        ids, offsets = ids[:max_tokens], offsets[:max_tokens]
+        # A turn starting at or after the last kept token's end overlaps no kept token.
+        until = max((end for _, end in offsets), default=0)
+    else:
+        until = None
+    spans = assistant_spans(tokenizer, template, messages, full, until)
+    return ids, spans_to_mask(offsets, spans), total
 
 
-def assistant_spans(tokenizer: Any, template: str, messages: list[Message], full: str) -> list[tuple[int, int]]:
-    """Character spans [start, end) of the assistant turns in `full`, by growing prefixes."""
+def assistant_spans(tokenizer: Any, template: str, messages: list[Message], full: str,
+                    until: int | None = None) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant turns in `full`, by growing prefixes; with
+    `until`, those that start before that character (turns start in order: the first one at or
+    after it ends the search)."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -137,6 +176,8 @@ def assistant_spans(tokenizer: Any, template: str, messages: list[Message], full
         start = _turn_start(tokenizer, template, messages, i, through)
         if not full.startswith(through):
             raise MaskMismatch(f"assistant turn {i}: the conversation up to this turn does not render as a prefix of the whole")
+        if until is not None and start >= until:
+            break
         end = len(through.rstrip())
         if end > start:
             spans.append((start, end))
@@ -186,6 +227,48 @@ def spans_to_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) 
     return mask
 
 
+# ---- control text in content ------------------------------------------------------------------
+
+_CONTROL_PATTERNS: "weakref.WeakKeyDictionary[Any, re.Pattern | None]" = weakref.WeakKeyDictionary()
+
+
+def control_tokens(tokenizer: Any) -> list[str]:
+    """The texts the tokenizer turns into special (control) tokens wherever they appear in its
+    input: its special added tokens (`<|im_end|>`, `<|eot_id|>`, `[INST]`, ...) and named ones.
+    Added tokens that are not special (`<think>`, `<tool_call>`) are text a model writes itself."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts |= set(getattr(tokenizer, "all_special_tokens", None) or [])
+    return sorted((t for t in texts if t), key=lambda t: (-len(t), t))
+
+
+def find_control_text(tokenizer: Any, messages: list[Message]) -> str | None:
+    """Where the first control token's text is in a message's content, or None.
+
+    Rendered into the conversation, such text is tokenized as the control token itself (by
+    transformers and by serving engines alike): `<|im_end|>\n<|im_start|>assistant` in a user
+    turn opens a fake assistant turn, and in an assistant turn it ends the turn where the
+    target would stop, the text after it masked as the assistant's though the target never
+    writes it. prepare skips such records (reason control_text) rather than train on them.
+    """
+    try:
+        pattern = _CONTROL_PATTERNS[tokenizer]
+    except KeyError:
+        texts = control_tokens(tokenizer)
+        pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        try:
+            _CONTROL_PATTERNS[tokenizer] = pattern
+        except TypeError:  # a tokenizer object that takes no weak reference: built again next time
+            pass
+    if pattern is None:
+        return None
+    for i, m in enumerate(messages):
+        if hit := pattern.search(m["content"]):
+            return (f"turn {i} ({m['role']}) holds {hit.group()!r} at character {hit.start()}, the text of a control "
+                    "token: it would be tokenized as that token (a fake turn boundary), so the record is not trained on")
+    return None
+
+
 # ---- one record -> one sample -----------------------------------------------------------------
 
 
@@ -219,21 +302,21 @@ class Outcome:
 
 
 def process_record(row: int, item: dict[str, Any] | RecordError, tokenizer: Any, s: Settings) -> Outcome:
-    """Normalise, render, mask and size-check one record."""
+    """Normalise, check for control text, render, mask and size-check one record."""
     if isinstance(item, RecordError):
         return Outcome(row, reason=item.reason, detail=item.detail)
     try:
         messages = normalize_record(item, s.fmt, s.multimodal)
-        ids, mask = render_with_mask(tokenizer, messages, s.chat_template)
+        if control := find_control_text(tokenizer, messages):
+            return Outcome(row, reason=CONTROL_TEXT, detail=control)
+        ids, mask, total = render_sample(tokenizer, messages, s.chat_template, s.max_length)
     except RecordError as e:
         return Outcome(row, reason=e.reason, detail=e.detail)
     except ChatError as e:
         return Outcome(row, reason=e.reason, detail=str(e))
-    truncated = len(ids) > s.max_length
-    if truncated:
-        if s.overflow == "drop":
-            return Outcome(row, reason=TOO_LONG, detail=f"{len(ids)} tokens > prepare.max_length={s.max_length}")
-        ids, mask = ids[: s.max_length], mask[: s.max_length]
+    truncated = total > s.max_length
+    if truncated and s.overflow == "drop":
+        return Outcome(row, reason=TOO_LONG, detail=f"{total} tokens > prepare.max_length={s.max_length}")
     if sum(mask) < s.min_loss_tokens:
         where = " after truncation" if truncated else ""
         return Outcome(row, reason=NO_ASSISTANT_TOKENS,
