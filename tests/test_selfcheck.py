@@ -6,6 +6,8 @@ reference is the model's own unbatched forward, which the plant does not touch.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,24 @@ def test_reordered_batch_rows_are_caught(tmp_path, target, prepared, monkeypatch
     _plant(monkeypatch, reorder)
     with pytest.raises(SelfCheckError, match=r"layer 2: cosine .*(\n.*)*final: .*(\n.*)*teacher top-1"):
         _extract(tmp_path, target, prepared)
+
+
+def test_wrong_scale_is_caught_although_the_cosine_is_one(tmp_path, target, prepared, monkeypatch):
+    """Captured states 1.2 times too large point the right way (cosine 1) and keep the teacher's
+    top-1 (the final state is untouched): only the relative error, 0.2 against the sqrt(2 x
+    (1 - 0.999)) = 0.0447 that the cosine threshold allows, sees them."""
+    def scaled(real, *args):
+        aux, final = real(*args)
+        return aux * 1.2, final
+
+    _plant(monkeypatch, scaled)
+    with pytest.raises(SelfCheckError) as e:
+        _extract(tmp_path, target, prepared)
+    problems = str(e.value).split("\n")[1:5]
+    for name, line in zip(("layer 2", "layer 4", "layer 5"), problems):
+        assert re.fullmatch(rf"  {name}: relative error 0\.2 > 0\.04472 \(sample \d+; max abs error [\d.e+-]+; "
+                            rf"cosine 1\.000000: a wrong scale\) for the state entering decoder {name}", line), line
+    assert not problems[3].startswith(("  final", "  teacher")), problems[3]
 
 
 def test_selfcheck_off(tmp_path, target, prepared, monkeypatch):
