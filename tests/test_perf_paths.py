@@ -6,6 +6,8 @@
   former formula (kept here as the reference) gives, bit for bit;
 - merge_diagonal_stacked (the compiled path's merge) matches _merge_diagonal and the dense
   reference attention;
+- the fast unroll (eaglet/draft/unroll.py) gives the model's reference_ttt_steps' logits, loss
+  and gradients, over every row and over the rows the loss counts (fp64);
 - the fast unroll compiled (use_fast_unroll(compile=True)) + the compiled soft CE: the same
   losses and gradients as eager, one graph
   per piece whatever the TTT step (torch.compile's "eager" backend: dynamo's capture and
@@ -38,7 +40,7 @@ from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, 
 from eaglet.draft.casts import cast_linears, linear
 from eaglet.draft.model import DecoderLayer, DraftConfig, Eagle3Draft
 from eaglet.draft.step import Batch, TeacherHead, device_head_rows, micro_batch, optimizer_step
-from eaglet.draft.unroll import use_fast_unroll
+from eaglet.draft.unroll import FastUnroll, use_fast_unroll
 from eaglet.draft.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
 from eaglet.draft.parallelize import parallelize
 
@@ -606,6 +608,80 @@ def test_unroll_projects_the_embeddings_once(T, steps):
             ((grads[k].double() - want_g[k]).norm() / want_g[k].norm()).item() for k in want_g]
     # as close to fp64 as the per-step products are, quantity by quantity (bf16: ~2^-8 per rounding)
     assert all(a <= 1.5 * b + 2 ** -9 for a, b in zip(errors[True], errors[False], strict=True)), errors
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_fast_unroll_is_the_reference_unroll(variant):
+    """The fast unroll (FastUnroll, installed by use_fast_unroll) against the model's plain
+    `reference_ttt_steps`, which test_model.py holds to a KV-cached chain: every step's logits
+    over every row, then the TTT loss (per-step losses, accuracies, counts) and every gradient,
+    with the rows each step's loss counts (loss.head_rows) and the steps from 1 on over the
+    active rows only (loss.active_rows); the embedding products made once or per step; chunked
+    and naive attention. fp64, two layers with q/k/v biases, two samples of differently packed
+    documents (positions restarting per document, offset), a loss mask with holes. A token,
+    position or row off by one anywhere in the fast unroll moves some step's logits."""
+    from eaglet.draft.loss import active_rows, head_rows
+
+    extra = dict(fc_norm=True, norm_output=True, norm_before_residual=True) if variant == "eagle3.1" else {}
+    cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True, **extra})
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg).double()
+    for p in model.parameters():  # biases and norm weights away from their zero / one inits
+        torch.nn.init.normal_(p, 0.0 if p.ndim > 1 else 1.0, 0.1 if p.ndim > 1 else 0.3)
+    B, T, steps = 2, 40, 4
+    g = torch.Generator().manual_seed(5)
+    aux = torch.randn(B, T, 3 * cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    doc = torch.zeros(B, T, dtype=torch.int64)
+    doc[0, 13:], doc[0, 29:], doc[1, 22:] = 1, 2, 1  # documents of 13, 16, 11 and 22, 18 tokens
+    pos = torch.empty_like(doc)
+    for b in range(B):
+        for d in doc[b].unique():
+            at = doc[b] == d
+            pos[b, at] = torch.arange(int(at.sum())) + 3 * b  # sample 1's documents start at position 3
+    mask = torch.rand(B, T, generator=g) > 0.3  # holes: rows not trained on
+    mask[0, 2:9] = False  # and a prompt span
+    final = torch.randn(B, T, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    W = torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, dtype=torch.float64)
+    teacher, in_vocab = teacher_targets(final, W, model.t2d, model.d2t)
+    rows = head_rows(mask, doc, steps)
+    active = active_rows(rows)
+    assert 0 < len(active) < B * T and all(0 < len(r) < B * T for r in rows)
+
+    def run(fast, impl="chunked", **kw):
+        model.unroll = fast
+        model.zero_grad(set_to_none=True)
+        logits = []
+
+        def each():
+            for x in model(aux, ids, pos, doc, num_steps=steps, attn_impl=impl, **kw):
+                logits.append(x.detach().clone())
+                yield x
+
+        out = ttt_loss(each(), teacher, in_vocab, mask, doc, head_rows=kw.get("head_rows"))
+        out.total.backward()
+        return logits, out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def same(got, want):
+        (got_l, got, got_g), (want_l, want, want_g) = got, want
+        for j, (a, b) in enumerate(zip(got_l, want_l, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"step {j}: {m}")
+        for a, b in zip([got.total] + got.losses + got.correct + got.counts,
+                        [want.total] + want.losses + want.correct + want.counts, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert got_g.keys() == want_g.keys() and "layers.0.input_layernorm.weight" in got_g
+        for k in want_g:
+            torch.testing.assert_close(got_g[k], want_g[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+    fast = FastUnroll(model)
+    want_all, want_rows = run(None), run(None, head_rows=rows)
+    assert want_all[0][0].shape == (B, T, cfg.draft_vocab_size)
+    for once in (True, False):
+        fast.embeds_once = once
+        same(run(fast), want_all)
+        same(run(fast, head_rows=rows), want_rows)
+        same(run(fast, head_rows=rows, active_rows=active), want_rows)
+    same(run(fast, "naive", head_rows=rows, active_rows=active), run(None, "naive", head_rows=rows))
 
 
 class _RowsCase:
