@@ -7,7 +7,9 @@ greedy EAGLE-2 trees (replay_tree). The batched,
 left-padded greedy continuations must be the batch-1 greedy decode's. Tree replay runs its
 prompts in lockstep batches; it must give the per-prompt replay's results (the decoder's own
 `draft_tree`, `reference_replay_tree`) at every batch size, greedy and sampled, also where
-candidates tie exactly.
+candidates tie exactly. A draft vocabulary smaller than the target's (d2t non-zero) replays
+as the decoder decodes it, chains and trees, and a sampled chain's chances place the draft's
+distribution on the target vocabulary as the decoder does.
 """
 
 from __future__ import annotations
@@ -119,9 +121,88 @@ def test_tree_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     assert replay_tree(draft, side, top_k=2, depth=5, total_tokens=5, max_new_tokens=39)  # 39 + 5 fit in 44
 
 
+def reduced_vocab(draft: Eagle3Draft, keep: list[int]) -> Eagle3Draft:
+    """`draft` with a draft vocabulary of the target ids `keep` (sorted): its lm_head rows of them,
+    d2t mapping draft id i to keep[i], as the vocab stage's draft has."""
+    import dataclasses
+
+    cfg = dataclasses.replace(draft.config, draft_vocab_size=len(keep))
+    d = Eagle3Draft(cfg)
+    state = {k: v for k, v in draft.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    d.load_state_dict(state, strict=False)
+    ids = torch.tensor(keep)
+    with torch.no_grad():
+        d.lm_head.weight.copy_(draft.lm_head.weight[ids])
+        d.d2t.copy_(ids - torch.arange(len(keep)))
+        d.t2d.zero_()
+        d.t2d[ids] = True
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def reduced(target, setup):
+    """The partly trained draft with a draft vocabulary of 48 of the 512 target ids: two thirds of
+    the tokens its continuations hold (the others never proposed) and ids the continuations do not
+    hold, so draft id i maps to target id i + d2t[i], d2t non-zero throughout."""
+    side, draft = setup
+    held = sorted({t for p, s in zip(PROMPTS, side.sequences) for t in s[len(p):]})
+    keep = [t for i, t in enumerate(held) if i % 3 != 2]
+    keep = sorted(keep + [t for t in range(470, 512) if t not in held][: 48 - len(keep)])
+    d = reduced_vocab(draft, keep)
+    assert d.config.draft_vocab_size == 48 and (d.d2t != 0).all() and set(held) - set(keep)
+    return d
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["no-eos", "eos"])
+def test_replay_of_a_reduced_draft_vocabulary_maps_through_d2t(target, setup, reduced, eos):
+    """A draft vocabulary smaller than the target's (d2t non-zero, as every trained draft's): the
+    replay's accepted counts and tokens are the decoder's, for chains and trees, prompt by prompt;
+    a continuation's token outside the draft vocabulary is never accepted."""
+    side, _ = setup
+    tr, dr = TargetRunner(target, AUX), DraftRunner(reduced)
+    stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)}) if eos else []
+    chain = replay_chain(reduced, side, eos=stop, attn_impl="naive")
+    tree = replay_tree(reduced, side, top_k=2, depth=K, total_tokens=5, eos=stop)
+    counts = []
+    for p, c, t in zip(PROMPTS, chain, tree, strict=True):
+        g = speculative_generate(tr, dr, p, SpecSettings("chain", chain_tokens=K, max_new_tokens=NEW), stop)
+        assert c == (g.accepted, g.tokens)
+        g = speculative_generate(tr, dr, p, SpecSettings("tree", max_new_tokens=NEW, tree_top_k=2, tree_depth=K,
+                                                         tree_total_tokens=5), stop)
+        assert t == (g.accepted, g.tokens)
+        counts += c[0]
+    # the comparison means something: several accepted lengths, some none, some the whole chain
+    assert len(set(counts)) >= 3 and 0 in counts and max(counts) >= 2
+
+
 @pytest.fixture(scope="module")
 def sampled_side(target):
     return target_side(target, AUX, PROMPTS, NEW, K, batch=3, temperature=1.0, seed=5)
+
+
+def test_a_sampled_chains_chances_of_a_reduced_draft_vocabulary(reduced, sampled_side):
+    """At temperature 1 with a reduced draft vocabulary: each step's chance is min(1, q(y) / p(y)),
+    q the draft's distribution placed on the target vocabulary through d2t as the decoder places it
+    (`draft_q_on_target`), so a continuation's token outside the draft vocabulary has chance 0."""
+    from eaglet.engines.specdec import draft_q_on_target
+
+    side, d = sampled_side, reduced
+    d2t = d.draft_to_target(torch.arange(d.config.draft_vocab_size))
+    got = agreement_runs(d, side, K, attn_impl="naive")
+    positive = 0
+    for seq, aux, p_y, chance in zip(side.sequences, side.aux, side.p_token, got, strict=True):
+        ids, n = torch.tensor(seq)[None], len(seq)
+        want = torch.zeros(n, K, dtype=torch.float64)
+        with torch.no_grad():
+            steps = list(d.reference_ttt_steps(aux[None], ids, num_steps=K, attn_impl="naive"))
+        for j, logits in enumerate(steps):
+            for t in range(n - 2 - j):
+                q = draft_q_on_target(torch.softmax(logits[0, t].double(), -1), d2t, d.config.vocab_size)
+                want[t, j] = min(1.0, float(q[seq[t + 2 + j]] / p_y[t + 2 + j]))
+        torch.testing.assert_close(chance, want, rtol=1e-4, atol=1e-9)  # packed or not: fp32 logits round apart
+        positive += int((want > 0).sum())
+        assert not want[[t for t in range(n - 2) if not d.t2d[seq[t + 2]]], 0].any()
+    assert positive > 50
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
