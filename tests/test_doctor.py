@@ -93,6 +93,23 @@ def test_template_without_assistant_tokens(tmp_path, assets):
     assert f.check.startswith("loss mask") and "no_assistant_tokens=8" in f.found and "chat template" in f.fix
 
 
+def test_bad_records_in_the_sampled_rows_are_named_not_a_fail(tmp_path, assets):
+    """Before, a lone surrogate among the 8 sampled records failed the data check (and so prepare's
+    preflight, exit 3) naming no row, and deep nesting raised RecursionError. They are bad records:
+    prepare skips them, so the doctor warns and names the first one's file and row."""
+    lines = [json.dumps(r) for r in tiny.make_conversations(6, seed=5)]
+    lines[1] = '{"conversations": [{"from": "human", "value": "a\\ud800"}, {"from": "gpt", "value": "b"}]}'
+    lines[2] = '{"conversations": ' + "[" * 5000 + "]" * 5000 + "}"
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = _cfg(tmp_path, assets, f"prepare.data=[{data}]")
+    (f,) = _bad(preflight(cfg, "prepare"))
+    assert (f.status, f.check) == ("warn", "loss mask bad.jsonl")
+    assert f.found.startswith("4 with ") and f.found.endswith(
+        "skipped invalid_unicode=1, too_deeply_nested=1; e.g. bad.jsonl:line 2: invalid_unicode: a lone surrogate "
+        "\\ud800 (half of a UTF-16 pair, not a character) at conversations[0].value")
+
+
 def test_tokenizer_larger_than_model_vocabulary(tmp_path, assets):
     folder = tmp_path / "small_vocab"
     shutil.copytree(assets["llama"], folder)

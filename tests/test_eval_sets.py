@@ -3,6 +3,7 @@ result per setting; and what the vLLM eval computes from vLLM's counters (the en
 runs on a GPU only)."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -155,6 +156,23 @@ def test_a_conversations_file_asks_its_last_user_turn_after_its_context(tmp_path
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "a"}]}, {"messages": 3}])
     with pytest.raises(InputError, match=r"bad.jsonl row 2"):
         file_items(bad)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_prompt_with_a_lone_surrogate_or_deep_nesting_is_named_by_row(tmp_path, kind):
+    """Before, such a prompt passed file_items and crashed eval in the tokenizer or the JSON decoder
+    (exit 70); like any bad record of eval.prompts it is now an InputError naming file and row."""
+    from eaglet.stages.eval_sets import file_items
+
+    ok = '{"messages": [{"role": "user", "content": "fine"}]}'
+    cases = {"invalid_unicode: a lone surrogate \\ud800": '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+             "too_deeply_nested": '{"messages": [{"role": "user", "content": "q"}], "meta": ' + "[" * 5000 + "]" * 5000 + "}"}
+    for words, bad in cases.items():
+        path = tmp_path / f"p.{kind}"
+        path.write_text("\n".join([ok, bad, ok]) + "\n" if kind == "jsonl" else f"[{ok}, {bad}, {ok}]")
+        row = 2 if kind == "jsonl" else 1
+        with pytest.raises(InputError, match=re.escape(f"eval.prompts: {path} row {row}: {words}")):
+            file_items(path)
 
 
 def test_a_second_turn_is_asked_after_the_first_answer():
