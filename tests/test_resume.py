@@ -256,7 +256,8 @@ def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
 # one added later, must be refused.
 REVIEWED_SAFE_KEYS = {"log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
                       "device", "parallel", "compile", "compile_cache", "attn_impl", "teacher_chunk", "prefetch",
-                      "ckpt_async"}
+                      "ckpt_async",
+                      "max_skipped_steps"}  # when a diverging run stops; the steps it runs are the same
 TRAIN_KEYS = [f.name for f in dataclasses.fields(TrainSection)]
 # The key a changed setting shows up under in the fingerprint, where it is not train.<key>.
 FINGERPRINT_NAME = {"grad_accum": "data.micro_batches_per_step"}
