@@ -43,11 +43,14 @@ class Range:
         return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
 
     def __str__(self) -> str:
+        def num(v: float) -> str:  # a bound given as an int in full (2**20, not 1.04858e+06)
+            return str(v) if isinstance(v, int) else f"{v:g}"
+
         if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"in {'(' if self.lo_open else '['}{num(self.lo)}, {num(self.hi)}{')' if self.hi_open else ']'}"
         if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+            return f"{'>' if self.lo_open else '>='} {num(self.lo)}"
+        return f"{'<' if self.hi_open else '<='} {num(self.hi)}"
 
 
 def _ge(lo: float) -> Range:
@@ -365,17 +368,19 @@ class RegenerateSection:
         "load here; auto: generate (the faster of the two transformers engines, measured on an H200).")
     batch_size: int | None = _f(
         None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous; "
-        "16 x concurrency with openai).", _ge(1))
+        "16 x concurrency with openai).", Range(1, 2**20))
     generate_batch: int | None = _f(
         None, "engine generate: prompts per padded batch, grouped by length (default: sized to half the free GPU memory "
-        "for the KV cache; 16 on a CPU).", _ge(1))
+        "for the KV cache; 16 on a CPU).", Range(1, 2**16))
     kv_cache: Literal["auto", "static", "dynamic"] = _f(
         "auto", "engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes that holds its "
         "prompts + max_new_tokens (at most prepare.max_length + max_new_tokens positions per prompt), so that "
         "transformers compiles the decoding step once per size on a GPU; auto: dynamic (the faster on an H200 in "
         "bench/regen_throughput.py).")
-    max_new_tokens: int = _f(512, "Longest generated turn.", _ge(1))
-    temperature: float = _f(0.0, "0: greedy; > 0: sampling.", _ge(0))
+    max_new_tokens: int = _f(
+        512, "Longest generated turn; a reply cut there is kept (the target's own text) and counted "
+        "(cut_at_max_new_tokens).", Range(1, 2**20))
+    temperature: float = _f(0.0, "0: greedy; > 0: sampling.", Range(0, 100))
     max_turns: int | None = _f(
         None, "Replies regenerated per conversation; it ends after the last of them (None: all).", _ge(1))
     shard: str | None = _f(
@@ -389,13 +394,18 @@ class RegenerateSection:
     api: Literal["completions", "chat"] = _f(
         "completions", "engine openai: 'completions' sends the prompt as token ids rendered here with the target's chat "
         "template (what prepare renders); 'chat' sends the messages and the server renders its own template.")
-    concurrency: int = _f(64, "engine openai: requests in flight at most.", _ge(1))
+    concurrency: int = _f(64, "engine openai: requests in flight at most.", Range(1, 4096))
     api_key_env: str | None = _f(
         None, "engine openai: the name of an environment variable holding the server's API key, sent as "
         "'Authorization: Bearer'; the key itself is never written (None: no key).")
     request_timeout: float = _f(
-        600.0, "engine openai: seconds one request may take; a request that times out fails (it is not retried).",
-        _gt(0))
+        600.0, "engine openai: seconds one request may take, its whole answer included (a deadline, not a limit per "
+        "read); a request that times out fails (it is not retried).", Range(0, 10**6, lo_open=True))
+    check_served_model: bool = _f(
+        True, "engine openai: before any request, check that the server runs the target: its tokenizer's ids for a "
+        "probe text (/tokenize) must be target.path's; a server without /tokenize must serve a model named like "
+        "target.path. false: no check (a server that runs the target under another name and has no /tokenize).",
+        hashed=False)
     drop_thinking: bool = _f(
         False, "Store each reply without its leading <think>...</think> block (api chat: without the server's "
         "reasoning_content); false: as the target wrote it.")

@@ -328,3 +328,36 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     for bad in ("2/2", "1", "a/b", "0/0"):
         with pytest.raises(ValueError, match="--shard"):
             resolve_shard(bad)
+
+
+def test_replies_cut_at_max_new_tokens_are_counted_and_a_changed_resume_refused(tmp_path, monkeypatch):
+    """The transformers engines count the replies that ended at max_new_tokens without an EOS (kept,
+    as the server engine's finish_reason 'length'), from the generated rows themselves: an EOS at
+    the last place is a finished reply. A rerun into the same output with another temperature or
+    max_new_tokens is refused (exit 6) before the weights load."""
+    from eaglet.errors import ResumeError
+    from eaglet.stages import regenerate as regen
+
+    target = tiny.save_target(tmp_path / "target", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(8, seed=5, max_turns=1))
+    cfg = load_config(None, [f"target.path={target}", "target.dtype=float32", "target.device=cpu",
+                             f"prepare.data=[{data}]"])
+    rows = {0: [7, 7, 7, 7, 7], 1: [7, 7, 7, 7, "eos"], 2: [7, "eos", "eos", "eos", "eos"]}  # by prompt length % 3
+    lengths = []
+
+    def fake(model, tokenizer, prompts, max_new_tokens, temperature, static_len=None):
+        lengths.extend(len(p) for p in prompts)
+        eos = tokenizer.eos_token_id
+        return [regen._reply(tokenizer, [eos if t == "eos" else t for t in rows[len(p) % 3]], {eos}) for p in prompts]
+
+    monkeypatch.setattr(regen, "padded_generate", fake)
+    out = tmp_path / "out.jsonl"
+    stats = regen.run_regenerate(cfg, out, max_new_tokens=5, engine="generate", generate_batch=4)
+    assert stats["replies"] == len(lengths) == 8 and {n % 3 for n in lengths} == {0, 1, 2}
+    assert stats["cut_at_max_new_tokens"] == sum(n % 3 == 0 for n in lengths)
+    assert json.loads(regen.manifest_path(out).read_text())["cut_at_max_new_tokens"] == stats["cut_at_max_new_tokens"]
+
+    monkeypatch.setattr(regen, "load_target", lambda t: pytest.fail("the weights loaded before the refusal"))
+    for changed in ({"temperature": 0.7}, {"max_new_tokens": 6}):
+        with pytest.raises(ResumeError, match=f"regenerate.{next(iter(changed))}="):
+            regen.run_regenerate(cfg, out, engine="generate", **{"max_new_tokens": 5, **changed})

@@ -23,7 +23,6 @@ import json
 import os
 import time
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from safetensors.torch import load_file
 
 from ..config import Config
 from ..errors import VerificationError
-from .openai import api_key_from_env, auth_headers, redact
+from .httpjson import api_key_from_env, call_json, quote, warn_plain_http
 
 METHOD = "extract_hidden_states"
 CONNECTOR = "ExampleHiddenStatesConnector"
@@ -227,38 +226,37 @@ class ServerEngine:
     """A vLLM OpenAI-compatible server started with eaglet's serve command (doctor prints it).
     One completion request per sample (the response carries one hidden_states_path).
     `api_key_env`: the environment variable holding the key of a server started with --api-key
-    (extract.vllm_server_api_key_env), read here, in the process that sends the requests."""
+    (extract.vllm_server_api_key_env), read here, in the process that sends the requests.
+    The requests are eaglet/engines/httpjson.py's: `timeout` bounds each whole request, and the
+    key never follows a redirect to another origin."""
 
     def __init__(self, url: str, in_flight: int, timeout: float = 3600.0, api_key_env: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
         self._key = api_key_from_env(api_key_env, "extract.vllm_server_api_key_env")
-        self.version = server_version(self.url)
+        warn_plain_http(self.url, self._key, "extract.vllm_server")
+        self.version = server_version(self.url, self._key)
         self.model = self._get("/v1/models")["data"][0]["id"]
         self.threads = max(1, min(in_flight, MAX_HTTP_THREADS))
         self.read, self.discard = _connector_helpers()
 
     def _get(self, route: str) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + route, headers=auth_headers(self._key))
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())
+            return call_json(self.url + route, api_key=self._key, timeout=60)
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"vLLM server {self.url}{route}: HTTP {e.code} "
-                               f"{redact(e.read().decode(errors='replace'), self._key)[:500]}") from None
+            raise RuntimeError(f"vLLM server {self.url}{route}: HTTP {e.code} {_answer(e, self._key)}") from None
 
     def _post(self, sid: int, ids: np.ndarray, prompt_logprobs: int | None) -> Result:
         body: dict[str, Any] = {"model": self.model, "prompt": [int(i) for i in ids], "max_tokens": 1,
                                 "temperature": 0.0, "return_token_ids": True}
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **auth_headers(self._key)})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                out = json.loads(r.read())
+        try:  # all of it, the answer's last byte included, within self.timeout
+            out = call_json(self.url + "/v1/completions", body, self._key, self.timeout)
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"vLLM server {self.url} refused sample {sid}: HTTP {e.code} "
-                               f"{redact(e.read().decode(errors='replace'), self._key)[:500]}") from None
+                               f"{_answer(e, self._key)}") from None
+        except TimeoutError:
+            raise TimeoutError(f"vLLM server {self.url}: no answer for sample {sid} within {self.timeout:g} s") from None
         path = _states_path(out.get("kv_transfer_params"), sid)
         await_states(path, sid)
         return Result(sid, path, out["choices"][0].get("prompt_logprobs"))
@@ -345,9 +343,16 @@ def _states_path(params: dict[str, Any] | None, sid: int) -> str:
     return str(path)
 
 
-def server_version(url: str) -> str:
-    with urllib.request.urlopen(url.rstrip("/") + "/version", timeout=10) as r:
-        return str(json.loads(r.read())["version"])
+def _answer(e: urllib.error.HTTPError, api_key: str | None) -> str:
+    """The server's answer in an HTTP error, redacted, at most 500 characters."""
+    try:
+        return quote(e.read().decode(errors="replace"), api_key, 500)
+    except OSError:
+        return ""
+
+
+def server_version(url: str, api_key: str | None = None) -> str:
+    return str(call_json(url.rstrip("/") + "/version", api_key=api_key, timeout=10)["version"])
 
 
 def installed_vllm_version() -> str | None:
