@@ -1,15 +1,21 @@
 """bench/ab.py on a tiny target on the CPU: drafts of two variants trained on the shared prepared
 data, each measured by replay on prompts after the training records, the target's side kept and
-reused, the summary pairing each variant with base prompt by prompt. The replay's per-prompt tau
-is held to real decoding of the same prompts with the same draft."""
+reused, the summary pairing each variant with base prompt by prompt (held to known numbers). The
+replay's per-prompt tau is held to real decoding of the same prompts with the same draft, also
+with a draft that accepts some tokens through its reduced vocabulary."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import runpy
 import statistics
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from conftest import run_script
 
@@ -19,10 +25,31 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "ab.py"
 
 
+def fit_to_side(draft, side, k: int, steps: int, lr: float = 0.02):
+    """`draft` fitted for `steps` Adam steps to the target's continuations in `side` (hard labels
+    in the draft's vocabulary, every TTT step; tokens outside it not counted)."""
+    vd = draft.config.draft_vocab_size
+    to_draft = torch.full((draft.config.vocab_size,), -100)
+    to_draft[draft.draft_to_target(torch.arange(vd))] = torch.arange(vd)
+    torch.manual_seed(0)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for p, seq, aux in zip(side.prompts, side.sequences, side.aux, strict=True):
+            ids = torch.tensor(seq)[None]
+            for j, logits in enumerate(draft.reference_ttt_steps(aux[None], ids, num_steps=k, attn_impl="naive")):
+                loss = loss + F.cross_entropy(logits[0, len(p) - 2 : len(seq) - 2 - j], to_draft[ids[0, len(p) + j :]],
+                                              ignore_index=-100, reduction="sum")
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
 def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     from eaglet.config import EvalSection, TargetSection
     from eaglet.formats.draft import FINAL_DIR, load_final
-    from eaglet.stages.evaluate import evaluate_draft
+    from eaglet.stages.evaluate import eos_ids, evaluate_draft
     from eaglet.targets.chat import load_tokenizer
     from eaglet.targets.load import load_target
     from eaglet.testing import tiny
@@ -60,14 +87,25 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     assert noise["diff"] == pytest.approx(want) and noise["se"] >= 0 and noise["paired_seeds"] == [0, 1]
     assert summary["base"]["seed_sd"] is not None and "diff" not in summary["base"]
 
-    # the replay's per-prompt tau is what decoding the same prompts gives
-    side = json.loads((work / "side" / "side.json").read_text())
+    # the replay's per-prompt tau is what decoding the same prompts gives. Three training steps
+    # accept nothing on the tiny target (tau 1 on every prompt), so the script's measure (its
+    # stored side, its replay) is also held to decoding with base's draft fitted to the side's
+    # continuations until it accepts some of them, through its vocabulary's d2t
+    ab = runpy.run_path(str(SCRIPT))
     draft, aux = load_final(work / "runs" / "base-s1" / "train" / FINAL_DIR)
     model, _ = load_target(TargetSection(path=str(target), dtype="float32"))
     tok = load_tokenizer(TargetSection(path=str(target)))
-    dec = evaluate_draft(model, tok, draft, aux, side["prompts"], EvalSection(method="chain", chain_tokens=2,
+    side = ab["load_or_make_side"](argparse.Namespace(work=work, target=target, data=data, records=30, prompts=4,
+                                                      max_new_tokens=10, k=2, max_prompt_tokens=512), aux, None, tok)
+    cpu, eos = torch.device("cpu"), eos_ids(model, tok)
+    assert ab["measure"](draft, side, eos, 2, cpu, torch.float32)["per_prompt"] == res["base"]["1"]["per_prompt"]
+    fitted = fit_to_side(draft, side, 2, steps=5)
+    assert (fitted.d2t != 0).any()
+    replayed = ab["measure"](fitted, side, eos, 2, cpu, torch.float32)["per_prompt"]
+    dec = evaluate_draft(model, tok, fitted, aux, side.prompts, EvalSection(method="chain", chain_tokens=2,
                          max_new_tokens=10, baseline=False, lossless_check=False), verbose=False)
-    assert [p["tau"] for p in dec["prompts"]] == pytest.approx(res["base"]["1"]["per_prompt"])
+    assert [p["tau"] for p in dec["prompts"]] == pytest.approx(replayed)
+    assert max(replayed) > 1 and len(set(replayed)) > 1  # some accepted, not on every prompt alike
 
     # a second call measures nothing again and reuses the target's side
     before = (work / "side" / "aux.safetensors").stat().st_mtime_ns
@@ -117,6 +155,38 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     assert "| heldout | tree-replay | 0 | v64 | 2 |" in (work / "ab.md").read_text()
     with pytest.raises(AssertionError, match="tree-replay:T"):
         run_script(SCRIPT, [*args, "--decode", "tree-replay"])
+
+
+def test_a_variant_pairs_with_base_prompt_by_prompt_and_its_standard_error_is_over_prompts():
+    """against_base on known numbers: each prompt's difference with base's same prompt, averaged
+    over the seeds both have; the standard error that of the mean of those differences (their
+    standard deviation over sqrt(prompts)); the decodes' summary pairs within a set, method and
+    temperature only."""
+    ab = runpy.run_path(str(SCRIPT))
+    base = {0: {"tau": 1.6, "per_prompt": [1.0, 2.0, 3.0, 1.0]}, 1: {"tau": 1.5, "per_prompt": [1.5, 1.5, 2.5, 1.0]}}
+    # 0.5 better than base on every prompt of every seed: no spread over prompts (paired with
+    # another prompt of base's, the differences would spread)
+    shifted = {s: {"tau": r["tau"] + 0.5, "per_prompt": [x + 0.5 for x in r["per_prompt"]]} for s, r in base.items()}
+    out = ab["against_base"](shifted, base)
+    assert out["diff"] == pytest.approx(0.5) and out["prompt_mean_diff"] == pytest.approx(0.5)
+    assert out["se"] == pytest.approx(0.0, abs=1e-12) and out["paired_seeds"] == [0, 1]
+    # per seed, prompt by prompt: seed 0 [1, 0, 0.5, 0], seed 1 [0, 1, 1, 1]; their mean
+    # [0.5, 0.5, 0.75, 0.5]: mean 0.5625, standard deviation 0.125, over sqrt(4) prompts 0.0625
+    variant = {0: {"tau": 1.9, "per_prompt": [2.0, 2.0, 3.5, 1.0]}, 1: {"tau": 1.8, "per_prompt": [1.5, 2.5, 3.5, 2.0]},
+               2: {"tau": 9.0, "per_prompt": [9.0, 9.0, 9.0, 9.0]}}  # a seed base lacks: not paired
+    out = ab["against_base"](variant, base)
+    assert out["paired_seeds"] == [0, 1] and out["per_seed_diff"] == pytest.approx([0.3, 0.3])
+    assert out["diff"] == pytest.approx(1.85 - 1.55) and out["rel_diff"] == pytest.approx(0.3 / 1.55)
+    assert out["prompt_mean_diff"] == pytest.approx(0.5625)
+    assert out["se"] == pytest.approx(0.125 / math.sqrt(4)) and out["rel_se"] == pytest.approx(0.0625 / 1.55)
+    assert ab["against_base"](variant, {3: base[0]}) == {}
+    # decodes: paired with base's of the same set, method and temperature
+    decoded = [{"set": "heldout", "method": "tree", "temperature": t, "variant": v, "seed": s, **r}
+               for t in (0.0, 1.0) for v, by_seed in (("base", base), ("x", variant)) for s, r in by_seed.items()
+               if t == 0.0 or v == "x"]
+    rows = {(r["temperature"], r["variant"]): r for r in ab["summarize_decodes"](decoded)}
+    assert rows[0.0, "x"]["se"] == pytest.approx(0.0625) and rows[0.0, "x"]["paired_seeds"] == [0, 1]
+    assert "se" not in rows[1.0, "x"] and "diff" not in rows[0.0, "base"]
 
 
 SPECULATORS_PYTHON = Path(__file__).resolve().parents[1] / ".venv-speculators" / "bin" / "python"
