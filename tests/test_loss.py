@@ -190,12 +190,33 @@ def test_simulated_acceptance_length():
     assert simulated_acceptance_length([0.8, 0.5, 0.0, 0.9]) == pytest.approx(1 + 0.8 + 0.4)
 
 
+def reference_accept_terms(logits, teacher, in_vocab, loss_mask, kind, gamma, w):
+    """(per step the mean acceptance term, the total with the soft CE), differentiable, written
+    row by row: 1 - alpha = TV(p, q) = 0.5 * sum |p - q|; 'log_accept': -log(1 - TV)."""
+    B, T, _ = teacher.shape
+    terms, total = [], 0.0
+    for j, lg in enumerate(logits):
+        ce, acc, n = 0.0, 0.0, 0
+        for b in range(B):
+            for t in range(T):
+                if t + 2 + j < T and loss_mask[b, t + 2 + j] and in_vocab[b, t + 1 + j]:
+                    p = teacher[b, t + 1 + j]
+                    ce = ce - (p * lg[b, t].log_softmax(-1)).sum()
+                    tv = 0.5 * (p - lg[b, t].softmax(-1)).abs().sum()
+                    acc = acc + (tv if kind == "tv" else -torch.log(1 - tv))
+                    n += 1
+        terms.append(acc / n)
+        total = total + gamma**j * (ce / n + w * acc / n)
+    return terms, total
+
+
 @pytest.mark.parametrize("kind", ["tv", "log_accept"])
 def test_acceptance_terms_against_the_total_variation_written_out(kind):
     """train.accept_loss: each step adds w * mean(1 - alpha) or w * mean(-log alpha), where
     1 - alpha is the total variation 0.5 * sum |p - q| (written out here, row by row); the soft
-    CE per step is unchanged; the rows path (head_rows) gives the same total; gradients reach
-    the counted rows only."""
+    CE per step is unchanged; the rows path (head_rows) gives the same total; the gradients of
+    each step's term and of the total are autograd's through those formulas written out, and
+    reach the counted rows only."""
     from eaglet.draft.loss import head_rows
 
     g = torch.Generator().manual_seed(5)
@@ -218,6 +239,20 @@ def test_acceptance_terms_against_the_total_variation_written_out(kind):
         assert float(out.accept[j].detach()) == pytest.approx(sum(terms) / len(terms), rel=1e-10)
     assert float(out.total.detach()) == pytest.approx(want, rel=1e-10)
     assert [float(x.detach()) for x in out.losses] == pytest.approx(base_losses, rel=1e-12)
+    # the gradients: of each step's term alone and of the total, against autograd through the
+    # plain formulas (the total variation 0.5 * sum |p - q|, a log-softmax cross-entropy)
+    ref_logits = [lg.detach().clone().requires_grad_() for lg in logits]
+    ref_terms, ref_total = reference_accept_terms(ref_logits, teacher, in_vocab, loss_mask, kind, 0.8, w)
+    for j in range(steps):
+        assert out.accept[j].requires_grad, f"step {j}: the acceptance term has no gradient"
+        got_g, = torch.autograd.grad(out.accept[j], logits[j], retain_graph=True)
+        want_g, = torch.autograd.grad(ref_terms[j], ref_logits[j], retain_graph=True)
+        assert want_g.abs().max() > 1e-3  # a gradient worth comparing
+        torch.testing.assert_close(got_g, want_g, rtol=1e-9, atol=1e-12)
+    got_g = torch.autograd.grad(out.total, logits, retain_graph=True)
+    want_g = torch.autograd.grad(ref_total, ref_logits)
+    for a, b in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     out.total.backward()
     for j, lg in enumerate(logits):
         live = torch.zeros(B, T, dtype=torch.bool)
