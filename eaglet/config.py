@@ -53,6 +53,10 @@ class Range:
         return f"{'<' if self.hi_open else '<='} {num(self.hi)}"
 
 
+SEEDS = Range(0, 2**32 - 1)  # a seed: numpy's legacy generator takes 32 bits, and eval derives torch seeds from it
+INT64_MAX = 2**63 - 1  # every integer setting ends up in a numpy or torch int64 (a size, a count, a seed)
+
+
 def _ge(lo: float) -> Range:
     return Range(lo)
 
@@ -79,7 +83,7 @@ def _f(default: Any, doc: str, check: Range | None = None, path: str | None = No
 @dataclass
 class RunSection:
     dir: str = _f("runs/default", "Run directory: every stage writes into a subfolder of it.", path=PATH)
-    seed: int = _f(0, "Seed for every random choice (data order, init, sampling).", _ge(0))
+    seed: int = _f(0, "Seed for every random choice (data order, init, sampling).", SEEDS)
     dist_timeout_minutes: float = _f(
         60.0, "Under torchrun: longest wait in a collective, e.g. of ranks 1.. while rank 0 alone runs prepare, "
         "vocab, export or eval; then the run fails instead of hanging.", _gt(0)
@@ -221,7 +225,7 @@ class TrainSection:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).", _ge(1))
     seed: int | None = _f(
         None, "Seed of the draft's initialisation, micro-batch order and state noise (None: run.seed). The held-out "
-        "split stays run.seed's, so drafts of several seeds are evaluated on the same prompts.", _ge(0))
+        "split stays run.seed's, so drafts of several seeds are evaluated on the same prompts.", SEEDS)
     epochs: int = _f(1, "Passes over the training split.", _ge(1))
     max_tokens: int = _f(
         8192, "Tokens in one packed micro-batch (whole samples packed as documents; a longer sample is cut).", _ge(2))
@@ -242,6 +246,13 @@ class TrainSection:
     warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.", _ge(0))
     min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of lr.", FRACTION)
     grad_clip: float = _f(0.5, "Clip the gradient norm to this (0: off).", _ge(0))
+    max_skipped_steps: int = _f(
+        10, "A step whose gradient norm is not finite is skipped (the weights and AdamW's moments and step count stay "
+        "as they were; the learning-rate schedule and the data go on); this many skipped in a row are tolerated, one "
+        "more stops training with an error naming the step and the likely cause (0: stop at the first). In a row, "
+        "not in total: a diverged run fails every step from then on, a healthy one meets a rare overflow. Checked on "
+        "logging steps and before each checkpoint, which is never written with non-finite weights.", _ge(0),
+        hashed=False)
     unroll_optimizer: bool = _f(
         True, "With one process, grad_accum 1 and bf16: the linear weights keep a bf16 copy and gradient accumulator "
         "between steps, and AdamW reads the accumulated bf16 gradient and writes the copy in one compiled kernel per "
@@ -571,6 +582,8 @@ def _check(key: str, value: Any, rng: Range | None) -> None:
             _check(f"{key}[{i}]", v, rng)
     elif value not in rng:
         raise ConfigError(f"{key}: {value!r} is not {rng}", fix=f"set a value {rng}")
+    elif isinstance(value, int) and abs(value) > INT64_MAX:  # torch and numpy would overflow on it later
+        raise ConfigError(f"{key}: {value!r} does not fit a 64-bit integer", fix=f"set a value {rng} below 2**63")
 
 
 def resolve_path(value: str, base: Path, model: bool = False) -> str:

@@ -14,7 +14,9 @@ change eaglet did not foresee: one line too (exit 70), the traceback only with `
     5    CorruptDataError    a file eaglet wrote is damaged (a store shard, a checkpoint)
     6    ResumeError         resuming would mix two runs
     7    VerificationError   eaglet's own check of a result failed: the extraction self-check
-                             (stored states against the model's forward), eval's lossless check
+                             (stored states against the model's forward), eval's lossless check;
+                             DivergedError: training's gradient norm not finite for more than
+                             train.max_skipped_steps steps in a row, or its weights not finite
     70   any other exception (a bug: report it)
     130  interrupted (Ctrl-C): rerun the same command to resume
 """
@@ -74,6 +76,12 @@ class VerificationError(EagletError, RuntimeError):
     output with the target's greedy output): nothing downstream may use it."""
 
     exit_code = 7
+
+
+class DivergedError(VerificationError):
+    """Training diverged: the gradient norm was not finite for more steps in a row than
+    train.max_skipped_steps allows, or a weight is not finite; no checkpoint or final draft of
+    it is written."""
 
 
 def one_line(text: str) -> str:

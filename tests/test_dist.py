@@ -13,6 +13,7 @@ this process with one rank:
   and are refused, naming the grad_accum to use, with another;
 - tensor-parallel extraction (transformers' tp_plan) matches one rank;
 - bench/scaling.py runs;
+- a step whose gradient is not finite on one rank is skipped by every rank (ddp, fsdp);
 - a rank destroys its process group at exit, unless it failed.
 """
 
@@ -253,6 +254,14 @@ def test_scaling_bench_runs_on_two_cpu_ranks(runs):
     report = json.loads((root / "scaling.json").read_text())
     assert report["world_size"] == 2 and report["all"]["strategy"] == "ddp"
     assert report["one"]["finite"] and report["all"]["finite"] and report["efficiency"] > 0
+
+
+def test_every_rank_skips_a_step_whose_gradient_is_not_finite():
+    """ddp and fsdp, with torch's fused AdamW (the GPU's path, found_inf) and its plain one: a
+    non-finite gradient on rank 1 alone (ddp: in its micro-batch, fsdp: in its gradient shard
+    after the reduce-scatter) is skipped by both ranks, which take the steps around it
+    (tests/torchrun_steps.py check_skip)."""
+    _torchrun(["skip", "ddp", "fused"], ["skip", "ddp", "plain"], ["skip", "fsdp", "fused"], ["skip", "fsdp", "plain"])
 
 
 def test_strategy_choice():

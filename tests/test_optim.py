@@ -196,3 +196,109 @@ def test_auto_learning_rate_is_the_measured_rate_scaled_by_width(hidden):
     assert given.param_groups[0]["lr"] == 3e-4
     assert load_config(None, ["train.lr=auto"]).train.lr == "auto"
     assert load_config(None, ["train.lr=0.0012"]).train.lr == 0.0012
+
+
+# ---- a step whose gradient is not finite -----------------------------------------------------------
+
+
+def _stepped(kind: str, clip: float, grads: list[dict[str, torch.Tensor]], skipped):
+    """A fresh `_pair` model stepped once per entry of `grads` (parameter name -> gradient) by
+    optimizer_step with `kind` ('fused', 'plain': torch's AdamW; 'unroll': UnrollAdamW, the linears'
+    gradients in their accumulators); returns (model, optimizer, scheduler)."""
+    import types
+
+    from eaglet.config import TrainSection
+    from eaglet.draft.step import optimizer_step
+
+    _, m = _pair()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    copies = attach_unroll_copies(m.modules()) if kind == "unroll" else {}
+    opt = (UnrollAdamW(m.parameters(), copies, **kw) if kind == "unroll"
+           else torch.optim.AdamW(m.parameters(), fused=kind == "fused", **kw))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    par = types.SimpleNamespace(draft=m, strategy="none")
+    for g in grads:
+        for name, p in m.named_parameters():
+            if p in copies:
+                copies[p].grad.copy_(g[name])
+            else:
+                p.grad = g[name].clone()
+        optimizer_step(par, opt, sched, TrainSection(grad_clip=clip), skipped=skipped)
+    return m, opt, sched
+
+
+@pytest.mark.parametrize("kind", ["fused", "plain", "unroll"])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_a_step_whose_gradient_is_not_finite_is_skipped_by_every_optimizer(kind, clip):
+    """Three steps, the second's gradient holding one NaN (in a linear's accumulator for the
+    unroll optimizer): the weights, AdamW's moments and step counts come out exactly as two steps
+    of the first and third gradients; the skip is counted; the schedule took all three steps."""
+    from eaglet.draft.step import SkippedSteps
+
+    _, ref = _pair()
+    g = torch.Generator().manual_seed(3)
+    grads = [{n: torch.randn(p.shape, generator=g) * 0.1 for n, p in ref.named_parameters()} for _ in range(3)]
+    grads[1]["0.weight"][2, 3] = float("nan")
+    skipped = SkippedSteps(torch.device("cpu"))
+    m, opt, sched = _stepped(kind, clip, grads, skipped)
+    want, want_opt, _ = _stepped(kind, clip, [grads[0], grads[2]], None)
+    for (name, p), q in zip(m.named_parameters(), want.parameters(), strict=True):
+        assert torch.isfinite(p).all() and torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], want_opt.state[q][key]), f"{name} {key}"
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    assert sched.last_epoch == 3
+    seen = skipped.look()
+    assert (seen["total"], seen["new"], seen["longest"], seen["from"], seen["to"]) == (1, 1, 1, 2, 2)
+
+
+class _Syncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that make the host wait for the device (a value read back, a size that
+    depends on the data)."""
+
+    SYNC = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) in self.SYNC:
+            self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["fused", "unroll", "plain"])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_skipping_adds_no_host_sync_to_a_fused_step(kind, clip):
+    """The fused optimizers (the GPU's) skip on the device: a step, a skipped one included, reads
+    nothing back (the counts are read only when the trainer looks). torch's plain AdamW, which
+    takes no found_inf and is built only off the GPU, reads the flag: the mode sees that."""
+    from eaglet.draft.step import SkippedSteps
+
+    _, ref = _pair()
+    grads = [{n: torch.full(p.shape, v) for n, p in ref.named_parameters()} for v in (0.1, float("inf"))]
+    skipped = SkippedSteps(torch.device("cpu"))
+    with _Syncs() as mode:
+        _stepped(kind, clip, grads, skipped)
+    assert (mode.seen == []) == (kind != "plain"), mode.seen
+    assert skipped.look()["total"] == 1
+
+
+def test_skipped_steps_count_runs_in_a_row_across_looks():
+    """A run of skips that a good step ends between two looks is still seen at the next; a run
+    that goes on past a look is counted whole, from its first step."""
+    from eaglet.draft.step import SkippedSteps
+
+    s = SkippedSteps(torch.device("cpu"), first_step=11)
+    flags = [0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    looks = {}
+    for i, bad in enumerate(flags):
+        found = s.flag(torch.tensor(float("nan") if bad else 2.0))
+        assert found.item() == bad and found.dtype == torch.float32
+        if (i + 1) % 10 == 0:
+            looks[11 + i] = s.look()
+    looks["end"] = s.look()
+    assert looks[20] == {"total": 4, "new": 4, "run": 0, "longest": 3, "from": 12, "to": 14, "first": 12}
+    assert looks[30] == {"total": 10, "new": 6, "run": 4, "longest": 4, "from": 27, "to": 30, "first": 22}
+    assert looks["end"] == {"total": 12, "new": 2, "run": 6, "longest": 6, "from": 27, "to": 32, "first": 31}

@@ -27,7 +27,7 @@ from eaglet import pipeline
 from eaglet.config import TrainSection, load_config
 from eaglet.draft.model import DraftConfig
 from eaglet.draft.step import extend_schedule, lr_lambda
-from eaglet.errors import ConfigError, CorruptDataError, ResumeError
+from eaglet.errors import ConfigError, CorruptDataError, DivergedError, ResumeError
 from eaglet.formats import checkpoints as ck
 from eaglet.stages import train
 
@@ -509,3 +509,67 @@ def test_train_seed_alone_changes_the_draft_not_the_split(clean):
         return [r["counted"] for r in recs if r["split"] == "eval"][-1]
 
     assert held_out_rows(other) == held_out_rows(plain) > 0
+
+
+# ---- a diverging run ---------------------------------------------------------------------------------
+
+
+def _no_non_finite_checkpoint(run: Path) -> list[str]:
+    """The checkpoints in `run`, each checked to hold only finite weights and optimizer state."""
+    names = sorted(p.name for p in _ckpts(run).glob("step-*")) if _ckpts(run).is_dir() else []
+    for name in names:
+        for k, t in load_file(str(_ckpts(run) / name / ck.MODEL_FILE)).items():
+            assert not t.is_floating_point() or torch.isfinite(t).all(), f"{name} {k}"
+    return names
+
+
+@pytest.mark.parametrize("setting, steps, cause", [
+    ("train.lr=100000", "3 to 5", r"likely cause: the loss overflowed with finite weights and input states: the "
+                                  r"learning rate \(train\.lr 100000\) is too high.*; lower train\.lr \(now 100000"),
+    ("train.state_noise=1e308", "1 to 3", r"likely cause: train\.state_noise 1e\+308 .*; lower train\.state_noise"),
+])
+def test_a_diverging_run_stops_naming_the_steps_and_the_cause(clean, tmp_path, capfd, setting, steps, cause):
+    """A learning rate of 1e5 (finite until the weights grow too large for the loss) or noise of
+    1e308 times the states: the gradient norm is not finite from some step on; those steps are
+    skipped (logged; the weights left as they were, so the checkpoints between are kept, all
+    finite), and the third in a row, past train.max_skipped_steps 2, stops training
+    (DivergedError, exit 7) naming them and the cause, with no final/."""
+    tmp, base, _ = clean
+    with pytest.raises(DivergedError, match=rf"train: the gradient norm was not finite at 3 optimizer steps in a row, "
+                                            rf"more than train\.max_skipped_steps 2 \(steps {steps}; stopped at step "
+                                            rf"{steps.split()[-1]}\); {cause}") as e:
+        train_on_copy(tmp, base, tmp_path / "diverged", setting, "train.warmup_steps=0", "train.max_skipped_steps=2")
+    assert e.value.exit_code == 7
+    run = tmp_path / "diverged"
+    first, stop = (int(x) for x in steps.split()[::2])
+    assert _no_non_finite_checkpoint(run) == [f"step-{s:07d}" for s in range(2, stop, 2)]
+    assert not (run / "train" / "final").exists() and not (run / "train" / "manifest.json").exists()
+    if first > 1:
+        log = [json.loads(x) for x in (run / "train" / "log.jsonl").read_text().splitlines()]
+        assert [r.get("skipped_steps", 0) for r in log if r["split"] == "train"] == [0] * (first - 1) + [1, 1]
+        assert f"step {first}: 1 step(s) skipped" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("log_every", [2, 5])  # the checkpoint's step logged, or not
+def test_a_non_finite_weight_is_never_checkpointed(clean, tmp_path, monkeypatch, log_every):
+    """A weight made infinite by step 3's update (the steps after it then skipped, within a
+    generous train.max_skipped_steps): the checkpoint of step 4 is refused (DivergedError), so the
+    newest checkpoint is step 2's, finite, and there is no final/."""
+    tmp, base, _ = clean
+    real = train.optimizer_step
+    taken = []
+
+    def overflowing(par, *args, **kw):
+        lr = real(par, *args, **kw)
+        taken.append(lr)
+        if len(taken) == 3:
+            with torch.no_grad():
+                next(p for p in par.draft.parameters() if p.requires_grad).view(-1)[0] = float("inf")
+        return lr
+
+    monkeypatch.setattr(train, "optimizer_step", overflowing)
+    with pytest.raises(DivergedError, match=r"a trained weight is not finite at step 4, so no checkpoint of it is "
+                                            r"written; likely cause: the updates overflowed the weights"):
+        train_on_copy(tmp, base, tmp_path / "inf", "train.max_skipped_steps=100", f"train.log_every={log_every}")
+    assert _no_non_finite_checkpoint(tmp_path / "inf") == ["step-0000002"]
+    assert not (tmp_path / "inf" / "train" / "final").exists()

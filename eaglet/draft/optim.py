@@ -54,14 +54,20 @@ def attach_unroll_copies(modules: Iterable[nn.Module], dtype: torch.dtype = torc
 def adamw_from_low_precision_grads(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
     copies: list[Tensor], steps: list[Tensor], lr: Tensor, divisor: Tensor | None,
-    beta1: float, beta2: float, eps: float, weight_decay: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, found_inf: Tensor | None = None,
 ) -> None:
     """AdamW (decoupled weight decay), in place, with the gradient read from a low-precision
     buffer and divided by `divisor` (the clipping's; None: 1); then the low-precision copy of
     the new weight is written and the buffer zeroed. The arithmetic of torch's fused AdamW:
     step + 1; p *= 1 - lr wd; m = lerp(m, g, 1 - b1); v = b2 v + (1 - b2) g^2;
     p -= lr / (1 - b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps).
-    Compiled, each weight's update is one kernel."""
+    found_inf (a device scalar, 1.0 or 0.0, as torch's fused AdamW takes it): at 1.0 the weight,
+    moments and step stay as they were (the buffer is still zeroed), decided on the device; at
+    0.0 the same bits as without it. Compiled, each weight's update is one kernel."""
+    if found_inf is not None:
+        _skippable_update(params, grads, exp_avgs, exp_avg_sqs, copies, steps, lr, divisor, beta1, beta2, eps,
+                          weight_decay, found_inf)
+        return
     for p, g16, m, v, w, step in zip(params, grads, exp_avgs, exp_avg_sqs, copies, steps, strict=True):
         step.add_(1)
         g = g16.float()
@@ -76,11 +82,39 @@ def adamw_from_low_precision_grads(
         g16.zero_()
 
 
+def _skippable_update(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    copies: list[Tensor], steps: list[Tensor], lr: Tensor, divisor: Tensor | None,
+    beta1: float, beta2: float, eps: float, weight_decay: float, found_inf: Tensor,
+) -> None:
+    """adamw_from_low_precision_grads' update, multiplied out to nothing where `found_inf` is 1:
+    each factor is the unskipped one times exactly 1.0 (the same bits), or leaves its tensor as
+    it is; the gradient (non-finite, then) is replaced by zeros before it is read."""
+    skip = found_inf > 0
+    keep = 1 - found_inf  # exactly 1.0 or 0.0
+    decay = 1 - lr * weight_decay * keep
+    b2 = torch.where(skip, 1.0, beta2)
+    for p, g16, m, v, w, step in zip(params, grads, exp_avgs, exp_avg_sqs, copies, steps, strict=True):
+        step.add_(keep)
+        g = g16.float()
+        if divisor is not None:
+            g = g / divisor
+        g = torch.where(skip, 0.0, g)
+        p.mul_(decay)
+        m.lerp_(g, (1 - beta1) * keep)
+        v.mul_(b2).addcmul_(g, g, value=1 - beta2)
+        denom = v.sqrt() / (1 - beta2**step).sqrt() + eps
+        p.sub_(torch.where(skip, 0.0, m / denom * (lr / (1 - beta1**step))))
+        w.copy_(p)
+        g16.zero_()
+
+
 class UnrollAdamW(torch.optim.AdamW):
     """torch's AdamW (fused) for the parameters with a gradient, and for those with an
     `UnrollCopy` the update from its accumulated low-precision gradient
     (`adamw_from_low_precision_grads`, compiled when `compile`). `grad_scale` (set by
-    step.optimizer_step for the clipping) divides both kinds of gradient."""
+    step.optimizer_step for the clipping) divides both kinds of gradient; `found_inf` (set there
+    for a step whose gradient norm is not finite) skips both kinds of update on the device."""
 
     def __init__(self, params: Iterable[nn.Parameter], copies: dict[nn.Parameter, UnrollCopy], compile: bool = False,
                  **kwargs: Any):
@@ -123,6 +157,6 @@ class UnrollAdamW(torch.optim.AdamW):
             self._update(ps, [k.grad for k in kept], [self.state[p]["exp_avg"] for p in ps],
                          [self.state[p]["exp_avg_sq"] for p in ps], [k.weight for k in kept],
                          [self.state[p]["step"] for p in ps], lr_t, divisor, float(beta1), float(beta2),
-                         float(group["eps"]), float(group["weight_decay"]))
+                         float(group["eps"]), float(group["weight_decay"]), getattr(self, "found_inf", None))
             for p, k in zip(ps, kept, strict=True):
                 k.version = p._version  # the copy was written from this version

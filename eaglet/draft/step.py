@@ -2,7 +2,7 @@
 optimizer step.
 
     micro_batch(par, batch, tc, autocast, sync)     # forward + backward of one micro-batch
-    optimizer_step(par, opt, sched, tc)              # clip, step, schedule, zero
+    optimizer_step(par, opt, sched, tc, skipped)     # clip, step (skipped: a non-finite gradient), schedule, zero
 
 The trainer (eaglet/stages/train.py) runs these over the epoch plan; the benchmarks
 (bench/train_throughput.py, bench/scaling.py) run them over synthetic batches. A `Batch` is one
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -156,15 +157,73 @@ def freeze_survivors() -> None:
     gc.freeze()
 
 
-def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: float,
-                 more: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """What dividing every gradient by clips them to total norm `max_norm`: clip_grad_norm_'s
-    coefficient max_norm / (norm + 1e-6), capped at 1, inverted. A device tensor (no sync).
-    more: gradients held outside .grad (UnrollAdamW's bf16 accumulators), their norms taken in fp32."""
+def grad_norm(params: Iterator[nn.Parameter] | list[nn.Parameter], more: list[torch.Tensor] | None = None
+              ) -> torch.Tensor:
+    """The total norm of the parameters' gradients, a device tensor (no sync). more: gradients
+    held outside .grad (UnrollAdamW's bf16 accumulators), their norms taken in fp32."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).float()
     if more:
         norm = torch.linalg.vector_norm(torch.stack([norm, *torch._foreach_norm(more, 2, dtype=torch.float32)]))
+    return norm
+
+
+def clip_divisor(params: Iterator[nn.Parameter] | list[nn.Parameter], max_norm: float,
+                 more: list[torch.Tensor] | None = None, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """What dividing every gradient by clips them to total norm `max_norm`: clip_grad_norm_'s
+    coefficient max_norm / (norm + 1e-6), capped at 1, inverted. A device tensor (no sync).
+    more: as grad_norm's; norm: grad_norm's result, when taken already."""
+    norm = grad_norm(params, more) if norm is None else norm
     return ((norm + 1e-6) / max_norm).clamp(min=1.0)
+
+
+class SkippedSteps:
+    """The optimizer steps skipped because their gradient norm was not finite, counted on the
+    device: `flag` (in optimizer_step) adds a step without a host sync; `look` reads the counts
+    (one sync: the trainer looks on logging steps and before checkpoints, where it syncs anyway).
+
+    The flag is the total gradient norm's, after the gradients are reduced: the same on every
+    rank (DDP's all-reduced gradients are the same bytes on each; FSDP2's norm is reduced over
+    the shards), so every rank skips the same steps and the replicas never part. A non-finite
+    loss gives a non-finite gradient; the loss itself is per rank, so it is not the flag.
+    `run` counts the skipped steps in a row and `longest` the longest such run since the last
+    look (`longest_end` its last step), so a run of skips between two looks is seen even if a
+    good step ended it."""
+
+    def __init__(self, device: torch.device, first_step: int = 1):
+        z = lambda v=0: torch.full((), v, dtype=torch.int64, device=device)
+        self.total, self.run, self.longest, self.longest_end, self.first = z(), z(), z(), z(-1), z(-1)
+        self.step = first_step  # the number of the next step flagged (host)
+        self.since = 0  # skipped steps counted by looks so far (host)
+
+    def flag(self, norm: torch.Tensor) -> torch.Tensor:
+        """The step's found_inf (float32 1.0 when `norm` is not finite, else 0.0; what torch's
+        fused AdamW skips a step on), counted."""
+        if hasattr(norm, "full_tensor"):  # a DTensor (fsdp): the norm over every rank's shards
+            norm = norm.full_tensor()
+        bad = ~torch.isfinite(norm.detach().float())
+        n = bad.to(torch.int64)
+        self.total += n
+        self.run = (self.run + n) * n
+        longer = bad & (self.run >= self.longest)
+        self.longest = torch.where(longer, self.run, self.longest)
+        self.longest_end = torch.where(longer, self.step, self.longest_end)
+        self.first = torch.where(bad & (self.first < 0), self.step, self.first)
+        self.step += 1
+        return bad.float()
+
+    def look(self) -> dict[str, int]:
+        """{"total": skipped steps, "new": skipped since the last look, "run": skipped in a row
+        now, "longest": the longest run in a row that reached past the last look, "from", "to":
+        its first and last step, "first": the first step skipped since the last look (-1: none)}
+        (one sync); the next look starts from here, the run in a row going on."""
+        total, run, longest, end, first = torch.stack(
+            [self.total, self.run, self.longest, self.longest_end, self.first]).tolist()
+        new, self.since = total - self.since, total
+        self.longest.copy_(self.run)
+        self.longest_end.fill_(self.step - 1 if run else -1)
+        self.first.fill_(-1)
+        return {"total": total, "new": new, "run": run, "longest": longest, "from": end - longest + 1 if longest else -1,
+                "to": end, "first": first}
 
 
 AUTO_LR_WIDTH = 1.2e-3 * 576  # train.lr auto: the peak rate times the width, fixed where it was measured
@@ -191,31 +250,61 @@ def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device:
 
 
 def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                   tc: TrainSection, clip_in_step: bool = True) -> float:
+                   tc: TrainSection, clip_in_step: bool = True, skipped: SkippedSteps | None = None) -> float:
     """Clip, step, advance the schedule, zero the gradients; returns the learning rate used.
 
     With a fused optimizer (the GPU's AdamW) the clipping rides in the step: the fused kernel
     divides each gradient by its `grad_scale` (the hook GradScaler unscales through) as it
     reads it, so clipping costs the norm's one read of the gradients instead of another read
     and write of all of them. Not under FSDP2 (DTensor gradients, whose norm clip_grad_norm_
-    reduces across ranks). clip_in_step False: clip_grad_norm_ first, always."""
+    reduces across ranks). clip_in_step False: clip_grad_norm_ first, always.
+
+    skipped: a step whose gradient norm is not finite leaves the weights and the optimizer's
+    state (moments, step count) as they were, and is counted there (`SkippedSteps`); the
+    schedule advances all the same (a skipped step is a step of the plan, its data used). A
+    fused optimizer (torch's, UnrollAdamW) skips on the device through `found_inf`, no host
+    sync; torch's unfused AdamW takes no found_inf and is built only off the GPU
+    (build_optimizer), where reading the flag waits for nothing."""
     lr = sched.get_last_lr()[0]
     more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None  # gradients outside .grad
     if more is not None and tc.grad_clip > 0 and not clip_in_step:
         raise ValueError("UnrollAdamW clips in its step (its gradients are not .grad, which clip_grad_norm_ reads)")
-    if tc.grad_clip > 0 and clip_in_step and opt.defaults.get("fused") and par.strategy != "fsdp":
-        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, more)
-        try:
+    fused = bool(opt.defaults.get("fused"))
+    norm = None
+    if tc.grad_clip > 0 and clip_in_step and fused and par.strategy != "fsdp":
+        norm = grad_norm(par.draft.parameters(), more)
+        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, norm=norm)
+    elif tc.grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
+    elif skipped is not None:
+        norm = grad_norm(par.draft.parameters(), more)
+    found = skipped.flag(norm) if skipped is not None else None
+    stepped = True
+    try:
+        if found is not None and fused:
+            opt.found_inf = found
             opt.step()
-        finally:
-            del opt.grad_scale
-    else:
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
-        opt.step()
-    sched.step()
+        elif found is None or not bool(found):  # unfused: off the GPU, the flag read without a wait
+            opt.step()
+        else:
+            stepped = False
+    finally:
+        opt.__dict__.pop("grad_scale", None)
+        opt.__dict__.pop("found_inf", None)
+    with warnings.catch_warnings():
+        if not stepped:  # a first step skipped: the schedule's warning that opt.step() was never called
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        sched.step()
     opt.zero_grad(set_to_none=True)
     return lr
+
+
+def all_finite(par: Parallel) -> bool:
+    """Whether every trained weight is finite, on every rank (its shards under fsdp; one
+    all-reduce and one sync: the trainer asks before a checkpoint)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in par.draft.parameters() if p.requires_grad]
+    bad = torch.stack([~torch.isfinite(p.detach()).all() for p in local]).sum().reshape(1)
+    return int(all_reduce_sum(bad)) == 0
 
 
 def lr_lambda(tc: TrainSection, total_steps: int, segments: list[dict[str, Any]] | None = None):

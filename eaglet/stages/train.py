@@ -21,6 +21,13 @@ with the keys that differ (ResumeError). `--force` starts afresh, the old run mo
 `previous-N/`; `--extend` continues to a raised train.epochs or train.max_steps, the learning
 rate decaying on from where it was (draft/step.py `lr_lambda`).
 
+A step whose gradient norm is not finite is skipped (draft/step.py `optimizer_step`: the
+weights and AdamW's state stay as they were; the schedule and the data go on), counted on the
+device and read on logging steps and before each checkpoint; more than
+`train.max_skipped_steps` in a row, or a weight that is not finite before a checkpoint, stop
+training with a DivergedError (exit 7) naming the step and the likely cause, so neither a
+checkpoint nor `final/` ever holds a non-finite weight.
+
 Outputs in the stage folder: `log.jsonl` (one line per logged step, eval lines with
 "split": "eval"), TensorBoard events in `tb/`, `checkpoints/step-NNNNNNN/`, and
 `final/` (draft config + weights) that export reads.
@@ -55,9 +62,10 @@ from ..distributed import barrier, init_distributed, resolve_device, run_on_main
 from ..draft.compiling import CompileWatch, use_compile_cache
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
-from ..draft.step import (Batch, Sums, TeacherHead, build_optimizer, extend_schedule, forward_loss,
-                          freeze_survivors, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile)
-from ..errors import CorruptDataError, ResumeError
+from ..draft.step import (AUTO_LR_WIDTH, Batch, SkippedSteps, Sums, TeacherHead, all_finite, build_optimizer,
+                          extend_schedule, forward_loss, freeze_survivors, lr_lambda, micro_batch, noisy_states,
+                          optimizer_step, peak_lr, resolve_compile)
+from ..errors import CorruptDataError, DivergedError, ResumeError
 from ..formats.checkpoints import newest_intact, read_checkpoint, restore_rng, rng_state, save_checkpoint
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.pypi import default_cache
@@ -127,7 +135,7 @@ def _digest(t: torch.Tensor) -> str:
 # train.grad_accum as micro-batches per step (grad_accum x world size), which is what it sets.
 RESUME_SAFE_KEYS = ("log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
                     "device", "parallel", "compile", "compile_cache", "attn_impl", "teacher_chunk", "prefetch",
-                    "ckpt_async")
+                    "ckpt_async", "max_skipped_steps")
 # The trajectory settings `eaglet train --extend` may raise: a longer schedule (Trainer._pick).
 EXTEND_KEYS = ("train.epochs", "train.max_steps")
 # Fingerprint keys of checkpoints written before every trajectory setting was in the fingerprint.
@@ -348,6 +356,7 @@ class Trainer:
                             ttt_steps=self.tc.ttt_steps)
         self.prefetch: Prefetch | None = None
         self.writer = CheckpointWriter(self.tc.ckpt_async and self.env.is_main)
+        self.skipped: SkippedSteps | None = None  # the loop's count of steps skipped for a non-finite gradient
 
     def _load(self, ids: list[int]) -> Batch:
         """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
@@ -555,6 +564,7 @@ class Trainer:
         """The optimizer steps from `step` to total_steps; returns (step, the last evaluation)."""
         tc, env, ckpt_dir = self.tc, self.env, self.out_dir / CKPT_DIR
         sums, t_log, last_eval = Sums(), time.perf_counter(), None
+        self.skipped = SkippedSteps(self.device, step + 1)
         steps = self.rank_steps(step, epoch, micro + 1)
         for step, mine in steps:
             for a, (epoch, micro, ids) in enumerate(mine):  # the last one's epoch and micro: the checkpoint's
@@ -562,18 +572,22 @@ class Trainer:
                 out = micro_batch(self.par, b, tc, self.autocast, sync=a == len(mine) - 1)
                 self.vocab_mask.record(b, out.in_vocab)
                 sums.add(out, b.tokens)
-            lr = optimizer_step(self.par, self.opt, self.sched, tc)
+            lr = optimizer_step(self.par, self.opt, self.sched, tc, skipped=self.skipped)
             bar.update(1)
             ran = step - first_step  # steps this process has run (a resumed run compiles again)
             if ran & (ran - 1) == 0:  # a power of two: the steps that compile, then ever more rarely
                 freeze_survivors()
+            saves = step % tc.ckpt_every == 0 or step == self.total_steps
             if step % tc.log_every == 0 or step == self.total_steps:
+                skipped = self._check_health(step, b, weights=saves)
                 sums.all_reduce(tc.ttt_steps, self.device, tc.accept_loss != "none")
                 self.vocab_mask.share()
                 rec = sums.metrics()
                 dt = time.perf_counter() - t_log
                 rec.update(step=step, epoch=epoch, lr=lr, tokens=int(sums.tokens), tokens_per_s=sums.tokens / dt,
                            memory_gib=_memory_gib(self.device))
+                if skipped["new"]:
+                    rec["skipped_steps"] = skipped["new"]
                 if self.stream is not None:
                     rec.update(self.stream.progress())
                     _say_if_behind(rec, dt, env.is_main)
@@ -593,12 +607,66 @@ class Trainer:
                 if last_eval is not None:
                     metrics.write({"split": "eval", "step": step, **last_eval,
                                    **({"compile_graphs": graphs} if graphs is not None else {})})
-            if step % tc.ckpt_every == 0 or step == self.total_steps:
+            if saves:
+                if step % tc.log_every and step != self.total_steps:  # not looked at above
+                    self._check_health(step, b, weights=True)
                 # The next micro-batch is plan[micro + 1] of `epoch` (or the next epoch's first).
                 self.save(ckpt_dir, step, {"epoch": epoch, "micro": micro + 1, "fingerprint": fp,
                                            "settings": settings, "schedule": self.schedule,
                                            "total_steps": self.total_steps})
         return step, last_eval
+
+    def _check_health(self, step: int, b: Batch, weights: bool) -> dict[str, int]:
+        """The steps skipped for a non-finite gradient norm since the last look (SkippedSteps.look:
+        one sync, on a logging or checkpoint step); raises DivergedError when more than
+        train.max_skipped_steps were skipped in a row, or, before a checkpoint (`weights`), when a
+        trained weight is not finite, so that neither a checkpoint nor final/ ever holds one.
+        Every rank decides alike: the counts are the same on each, the weight check all-reduced."""
+        tc = self.tc
+        seen = self.skipped.look()
+        stop = seen["longest"] > tc.max_skipped_steps
+        if seen["new"] and not stop and self.env.is_main:
+            log(f"[train] step {step}: {seen['new']} step(s) skipped, the gradient norm not finite (the first at step "
+                f"{seen['first']}; {seen['total']} skipped in this run; train.max_skipped_steps allows "
+                f"{tc.max_skipped_steps} in a row); the logged loss counts them")
+        if stop:
+            cause, fix = self._likely_cause(b)
+            raise DivergedError(
+                f"train: the gradient norm was not finite at {seen['longest']} optimizer steps in a row, more than "
+                f"train.max_skipped_steps {tc.max_skipped_steps} (steps {seen['from']} to {seen['to']}; stopped at "
+                f"step {step}); likely cause: {cause}", fix=fix)
+        if weights and not all_finite(self.par):
+            cause, fix = self._likely_cause(b, weights_bad=True)
+            raise DivergedError(f"train: a trained weight is not finite at step {step}, so no checkpoint of it is "
+                                f"written; likely cause: {cause}", fix=fix)
+        return seen
+
+    def _likely_cause(self, b: Batch, weights_bad: bool | None = None) -> tuple[str, str]:
+        """(what most likely made the gradient or a weight non-finite, how to fix it), from the
+        weights and the last micro-batch `b`. Every rank calls it (the weight check is a collective)."""
+        tc = self.tc
+        lr = self.opt.defaults["lr"]
+        auto = AUTO_LR_WIDTH / self.model.config.hidden_size
+        kept = any((self.out_dir / CKPT_DIR).glob("step-*"))
+        again = "then rerun train" + (" with --force (a changed setting refuses a resume of the checkpoints there)"
+                                      if kept else "")
+        lower_lr = (f"lower train.lr (now {lr:g}; auto gives {auto:.3g} at hidden size "
+                    f"{self.model.config.hidden_size}) or raise train.warmup_steps (now {tc.warmup_steps}), {again}")
+        if weights_bad if weights_bad is not None else not all_finite(self.par):
+            return (f"the updates overflowed the weights (train.lr {lr:g}, train.weight_decay {tc.weight_decay:g})",
+                    lower_lr)
+        states = [name for name, t in (("captured", b.aux), ("final", b.final)) if not bool(torch.isfinite(t).all())]
+        if states:
+            return (f"the target's {' and '.join(states)} states of samples {list(b.sample_ids)[:8]} are not finite "
+                    f"(the target overflows in target.dtype {self.cfg.target.dtype}?)",
+                    "extract again with target.dtype bfloat16 or float32 (eaglet extract CONFIG --force), or leave "
+                    "those records out of prepare.data")
+        if tc.state_noise > 0 and (tc.state_noise > 1 or not bool(torch.isfinite(
+                noisy_states(b.aux, self.model.config.num_aux, tc.state_noise)).all())):
+            return (f"train.state_noise {tc.state_noise:g} (noise of {tc.state_noise:g} times each state's RMS)",
+                    f"lower train.state_noise (a fraction of the RMS; docs/quality.md measured 0.05), {again}")
+        return (f"the loss overflowed with finite weights and input states: the learning rate (train.lr {lr:g}) is too "
+                "high for this draft", lower_lr)
 
     def run(self, fp: dict[str, Any], settings: dict[str, Any] | None = None, extend: bool = False) -> dict[str, Any]:
         """Train to `total_steps`, resuming from the newest intact checkpoint. `settings`: this
@@ -645,7 +713,8 @@ class Trainer:
                               if r.get("split") == "eval"), None)
         stats = {"steps": step, "total_steps": self.total_steps, "started_at_step": first_step, "steps_run": steps_run,
                  "eval": last_eval, "world_size": env.world_size, "parallel": self.par.strategy,
-                 "held_parameters_rank0": self.par.held_parameters()}
+                 "held_parameters_rank0": self.par.held_parameters(),
+                 "skipped_steps": self.skipped.since if self.skipped is not None else 0}
         if resumed is not None:
             stats["resumed"] = resumed
         if stream is not None:
