@@ -135,6 +135,13 @@ OUT_OF_RANGE = [
     ("eval.temperature", "-0.5", "eval.temperature: -0.5 is not >= 0"),
     ("regenerate.max_turns", "0", "regenerate.max_turns: 0 is not >= 1"),
     ("train.lr", ".inf", "train.lr: expected a finite number, got inf"),
+    # seeds reach numpy's and torch's generators (numpy's legacy seed takes 32 bits; eval derives torch's from it)
+    ("run.seed", "99999999999999999999", "run.seed: 99999999999999999999 is not in [0, 4294967295]"),
+    ("train.seed", "4294967296", "train.seed: 4294967296 is not in [0, 4294967295]"),
+    ("run.seed", "-1", "run.seed: -1 is not in [0, 4294967295]"),
+    # every integer becomes a numpy or torch int64 somewhere
+    ("train.max_tokens", "99999999999999999999", "train.max_tokens: 99999999999999999999 does not fit a 64-bit integer"),
+    ("eval.max_new_tokens", "9223372036854775808", "eval.max_new_tokens: 9223372036854775808 does not fit a 64-bit integer"),
 ]
 
 
@@ -155,7 +162,9 @@ def test_values_out_of_range_name_the_key_in_file_and_override(tmp_path, key, va
 @pytest.mark.parametrize("key, value", [("train.eval_fraction", "0"), ("train.eval_fraction", "0.99"),
                                         ("train.max_steps", "null"), ("train.betas", "[0, 0.999]"),
                                         ("train.gamma", "1"), ("train.grad_clip", "0"), ("extract.selfcheck_samples", "0"),
-                                        ("train.eval_every", "0"), ("prepare.max_length", "2")])
+                                        ("train.eval_every", "0"), ("prepare.max_length", "2"),
+                                        ("run.seed", "4294967295"), ("train.seed", "0"),
+                                        ("train.max_steps", "9223372036854775807")])
 def test_values_at_the_edge_of_their_range_are_accepted(key, value):
     load_config(None, [f"{key}={value}"])
 
