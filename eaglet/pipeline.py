@@ -7,7 +7,18 @@ reads of the target (prepare its tokenizer files, extract its config and weights
 eaglet/targets/identity.py), and the input hash of the stage before it, so a change anywhere
 reruns that stage and all after it.
 `eaglet run` skips a stage whose manifest is complete with the same input hash, or with the hash
-an older eaglet gave the same inputs when it still hashed keys it no longer does (`Plan.renamed`).
+an older eaglet gave the same inputs when it still hashed keys it no longer does (`Plan.renamed`),
+and whose outputs are still there.
+
+Outputs: each stage's format modules list what they write, with its sha256 taken as it was
+written, in a checksums.json beside it (eaglet/formats/checked.py); the manifest records those
+files (`outputs`: relative path -> sha256 and bytes; `Stage.outputs` says where they are). The
+plan checks that each is there with its size (no file is read: a terabyte store is not hashed to
+plan a run), so a stage whose output is missing or cut runs again, and a stage that needs it
+alone is refused (CorruptDataError, with the command that rebuilds it). The sha256 is checked
+where a file is read. A manifest an older eaglet wrote has no `outputs`: its stage stays up to
+date (a finished extract of a large target does not rerun for an upgrade), and its files are
+read unverified, with a note (eaglet/formats/checked.py).
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
 (they split the work, see eaglet/draft/parallelize.py); the other stages run on rank 0 while the
@@ -29,8 +40,11 @@ from typing import Any, Callable
 from .checks.doctor import preflight as run_preflight
 from .config import Config, TargetSection, unhashed_keys
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
-from .errors import InputError, ResumeError
+from .errors import CorruptDataError, InputError, ResumeError
+from .formats.checked import listed, outputs_problem
 from .formats.datasets import check_data_files
+from .formats.draft import FINAL_DIR
+from .formats.store import INDEX as STORE_INDEX
 from .stages.context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
@@ -48,6 +62,11 @@ class Stage:
     target: Callable[[TargetSection, Path], dict[str, Any]] | None = None  # what it reads of the target
     # The stages before it that it reads (None: all); its input hash chains to the last of them.
     needs: Callable[[Config], tuple[str, ...]] | None = None
+    # Its outputs, as its manifest lists them (eaglet/formats/checked.py `listed`): the folders
+    # (relative to its own) whose checksums.json lists what later stages read, and files that
+    # another check covers, listed by size alone (the store's index.json; its shards have sidecars).
+    outputs: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
+    sized: tuple[str, ...] = ()
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
@@ -100,14 +119,21 @@ def _eval_needs(cfg: Config) -> tuple[str, ...]:
     return ("prepare",) if cfg.eval.prompts == "heldout" else ()
 
 
+def _here(cfg: Config) -> tuple[str, ...]:
+    """The stage folder's own checksums.json."""
+    return (".",)
+
+
 STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
-          _prepare_files, target=tokenizer_identity),
+          _prepare_files, target=tokenizer_identity, outputs=_here),
     Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True,
-          target=model_identity),
-    Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab"),
-    Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True),
-    Stage("export", ("export", "target"), "eaglet.stages.export:run_export"),
+          target=model_identity, outputs=_here, sized=(STORE_INDEX,)),
+    Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab", outputs=_here),
+    Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True,
+          outputs=lambda cfg: (FINAL_DIR,)),
+    Stage("export", ("export", "target"), "eaglet.stages.export:run_export",
+          outputs=lambda cfg: tuple(cfg.export.formats)),
     Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval", _eval_files, needs=_eval_needs),
 ]
 STAGE_NAMES = [s.name for s in STAGES]
@@ -186,16 +212,29 @@ class Plan:
     it (None: none); `renamed` maps the hash of a manifest an older eaglet wrote to today's,
     where the two differ only in keys eaglet no longer hashes; `earlier`, by stage, the hash an
     older eaglet gave the same inputs, keys of how a stage runs included (the hash a stage it
-    left unfinished, an extract store cut short, was begun under)."""
+    left unfinished, an extract store cut short, was begun under); `damaged`, by stage, the first
+    output its manifest lists that is missing or not its size ("<path>: <why>")."""
     stages: list[tuple[Stage, str, dict[str, Any]]]
     manifests: dict[str, dict[str, Any] | None]
     renamed: dict[str, str]
     earlier: dict[str, str]
+    damaged: dict[str, str]
 
     def current(self, name: str, h: str) -> bool:
         """Whether stage `name`'s manifest was written for the inputs whose hash is `h`."""
         old = (self.manifests.get(name) or {}).get("input_hash")
         return old is not None and (old == h or self.renamed.get(old) == h)
+
+
+def _damaged(run_dir: Path, manifests: dict[str, dict[str, Any] | None]) -> dict[str, str]:
+    """Stage -> its first listed output that is missing or not its size (sizes only)."""
+    out = {}
+    for name, m in manifests.items():
+        outputs = (m or {}).get("outputs")
+        problem = outputs_problem(run_dir / name, outputs) if isinstance(outputs, dict) else None
+        if problem is not None:
+            out[name] = problem
+    return out
 
 
 def _stage_plan(cfg: Config, upto: str) -> Plan:
@@ -215,7 +254,9 @@ def _stage_plan(cfg: Config, upto: str) -> Plan:
             renamed[old["input_hash"]] = h
         if stage.name == upto:
             break
-    return Plan(plan, manifests, renamed, earlier)
+    # rank 0's view of the files, so that every rank decides alike
+    damaged = broadcast_object(_damaged(cfg.run_dir, manifests) if dist_env().is_main else None)
+    return Plan(plan, manifests, renamed, earlier, damaged)
 
 
 def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
@@ -241,6 +282,11 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
                 "is out of date (its inputs changed since it ran)"
             raise InputError(f"stage {name} needs stage {stage.name}, which {why} in {run_dir / stage.name}",
                              fix=f"run `eaglet {stage.name} CONFIG` first, or `eaglet run CONFIG` for every stage")
+        if check_upstream and stage.name in plan.damaged:
+            raise CorruptDataError(f"stage {name} needs stage {stage.name}'s output "
+                                   f"{run_dir / stage.name}/{plan.damaged[stage.name]}",
+                                   fix=f"run `eaglet {stage.name} CONFIG`, which makes them again, or `eaglet run "
+                                       "CONFIG`")
         upstream[stage.name] = run_dir / stage.name
     stage, h, inputs = plan.stages[-1]
     return _execute(cfg, plan, stage, h, inputs, upstream, force, preflight, extend)
@@ -252,6 +298,9 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
     out_dir = cfg.run_dir / stage.name
     old = plan.manifests[stage.name]  # the stages before it, run since the plan was made, write only their own
     up_to_date = not force and plan.current(stage.name, h) and old.get("status") == "complete"
+    if up_to_date and stage.name in plan.damaged:
+        log(f"[{stage.name}] output {out_dir}/{plan.damaged[stage.name]}; running the stage again")
+        up_to_date = False
     if broadcast_object(up_to_date):  # rank 0 decides, before it removes anything
         older = "; its manifest is an older eaglet's, which hashed settings that change nothing" \
             if old.get("input_hash") != h else ""
@@ -285,6 +334,7 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
             "started": t0,
             "seconds": round(time.time() - t0, 3),
             "stats": stats,
+            "outputs": listed(out_dir, stage.outputs(cfg), stage.sized),
         }
         atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
         log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")

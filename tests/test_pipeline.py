@@ -6,7 +6,8 @@ import pytest
 
 from eaglet import pipeline
 from eaglet.config import load_config
-from eaglet.errors import InputError, ResumeError
+from eaglet.errors import CorruptDataError, InputError, ResumeError
+from eaglet.formats.checked import write_files
 
 CALLS: list[str] = []
 
@@ -18,7 +19,7 @@ def _stage(name):
             raise RuntimeError("planted failure")
         if name == "b" and cfg.extract.batch_tokens == 14:
             raise ResumeError("planted refusal")
-        (ctx.out_dir / "out.txt").write_text(name)
+        write_files(ctx.out_dir, {"out.txt": name.encode() * 4})  # listed in its checksums.json
         return {"upstream": sorted(ctx.upstream)}
     return fn
 
@@ -28,9 +29,10 @@ def stages(monkeypatch, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("{}\n")
     fake = [
-        pipeline.Stage("a", ("prepare",), "unused:a", lambda cfg: [("prepare.data", p) for p in cfg.prepare.data]),
-        pipeline.Stage("b", ("extract",), "unused:b"),
-        pipeline.Stage("c", ("vocab",), "unused:c"),
+        pipeline.Stage("a", ("prepare",), "unused:a", lambda cfg: [("prepare.data", p) for p in cfg.prepare.data],
+                       outputs=pipeline._here),
+        pipeline.Stage("b", ("extract",), "unused:b", outputs=pipeline._here),
+        pipeline.Stage("c", ("vocab",), "unused:c", outputs=pipeline._here),
     ]
     monkeypatch.setattr(pipeline.Stage, "function", lambda self: _stage(self.name))
     monkeypatch.setattr(pipeline, "STAGES", fake)
@@ -137,6 +139,60 @@ def test_single_stage_needs_its_upstream(stages):
     pipeline.run_stage(_cfg(tmp_path, data), "a")
     pipeline.run_stage(_cfg(tmp_path, data), "b")
     assert CALLS == ["a", "b"]
+
+
+def test_a_stage_whose_output_is_gone_or_cut_runs_again(stages, capsys):
+    """The manifest lists the stage's outputs with their sizes and sha256; a listed file that is
+    missing or not its size makes the stage run again (the stages after it, whose inputs did not
+    change, stay up to date). The plan reads no file: a same-size change is found where the file
+    is read (its sha256, eaglet/formats/checked.py)."""
+    tmp_path, data = stages
+    pipeline.run_all(_cfg(tmp_path, data))
+    b = json.loads((tmp_path / "run" / "b" / "manifest.json").read_text())
+    assert set(b["outputs"]) == {"out.txt", "checksums.json"} and b["outputs"]["out.txt"]["bytes"] == 4
+    for name, damage in (("b", lambda p: p.unlink()), ("a", lambda p: p.write_text("a"))):
+        CALLS.clear()
+        capsys.readouterr()
+        damage(tmp_path / "run" / name / "out.txt")
+        pipeline.run_all(_cfg(tmp_path, data))
+        assert CALLS == [name]
+        assert f"[{name}] output {tmp_path / 'run' / name}/out.txt: " in capsys.readouterr().err
+    CALLS.clear()
+    (tmp_path / "run" / "c" / "out.txt").write_text("cccx")
+    pipeline.run_all(_cfg(tmp_path, data))
+    assert CALLS == []
+
+
+def test_a_single_stage_is_refused_when_an_output_it_needs_is_gone(stages):
+    """`eaglet b` alone, with a's checksums.json deleted: CorruptDataError (exit 5) naming the file
+    and the command that makes it again; `eaglet a` then runs a again (it is not up to date)."""
+    tmp_path, data = stages
+    pipeline.run_all(_cfg(tmp_path, data))
+    CALLS.clear()
+    (tmp_path / "run" / "a" / "checksums.json").unlink()
+    with pytest.raises(CorruptDataError, match=f"stage b needs stage a's output {tmp_path / 'run' / 'a'}/checksums.json: "
+                                               "missing; run `eaglet a CONFIG`"):
+        pipeline.run_stage(_cfg(tmp_path, data), "b")
+    pipeline.run_stage(_cfg(tmp_path, data), "a")
+    pipeline.run_stage(_cfg(tmp_path, data), "b")
+    assert CALLS == ["a"]  # b was up to date once a's outputs were back
+
+
+def test_a_manifest_written_before_outputs_were_listed_stays_up_to_date(stages):
+    """An older eaglet's manifest lists no outputs: its stage is not rerun for the upgrade (a
+    finished extract of a large target), and its files are read unverified with a note."""
+    tmp_path, data = stages
+    pipeline.run_all(_cfg(tmp_path, data))
+    for name in "abc":
+        path = tmp_path / "run" / name / "manifest.json"
+        m = json.loads(path.read_text())
+        del m["outputs"]
+        path.write_text(json.dumps(m))
+        (tmp_path / "run" / name / "checksums.json").unlink()
+    CALLS.clear()
+    pipeline.run_all(_cfg(tmp_path, data))
+    pipeline.run_stage(_cfg(tmp_path, data), "c")
+    assert CALLS == []
 
 
 # ---- the target's identity in the input hashes ---------------------------------------------------

@@ -10,7 +10,11 @@
     source_file  int32  [S]     index into index.json's "files"
     source_row   int64  [S]     line (JSONL, 1-based), element (JSON array, 0-based) or row (Parquet, 0-based)
 
-and `index.json` lists the shards with their sample counts and the source files.
+and `index.json` lists the shards with their sample counts and the source files;
+`checksums.json` (eaglet/formats/checked.py) the sha256 and size of every shard and of index.json,
+taken as they are written. `PreparedData` checks each file against it before reading it, and
+that a shard's offsets cut its tokens into its samples: a damaged file is CorruptDataError naming
+it, with REBUILD.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save
 
-from ..utils import atomic_write_bytes, atomic_write_json
+from .checked import CHECKSUMS, CheckedFolder, write_file, write_sums
 
 INDEX = "index.json"
+REBUILD = "rebuild it with `eaglet prepare CONFIG --force`"
 
 
 @dataclass
@@ -44,12 +49,13 @@ class PreparedWriter:
     def __init__(self, folder: str | Path, files: list[str], shard_samples: int = 50000):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        for old in self.folder.glob("data-*.safetensors"):
-            old.unlink()
+        for old in [*self.folder.glob("data-*.safetensors"), self.folder / CHECKSUMS]:
+            old.unlink(missing_ok=True)
         self.files = files
         self.shard_samples = shard_samples
         self.buf: list[Sample] = []
         self.shards: list[dict] = []
+        self.sums: dict[str, dict] = {}  # file -> {"sha256", "bytes"} of each file written
         self.num_samples = 0
 
     def add(self, input_ids: np.ndarray | list[int], loss_mask: np.ndarray | list[int], source_file: int, source_row: int) -> int:
@@ -73,15 +79,34 @@ class PreparedWriter:
             "source_row": np.array([s.source_row for s in self.buf], dtype=np.int64),
         }
         name = f"data-{len(self.shards):05d}.safetensors"
-        atomic_write_bytes(self.folder / name, save(tensors))
+        self.sums[name] = write_file(self.folder / name, save(tensors))
         self.shards.append({"file": name, "samples": len(self.buf), "tokens": int(lengths.sum())})
         self.buf = []
 
     def close(self) -> dict:
         self._flush()
         index = {"format": "eaglet-prepared-v1", "files": self.files, "shards": self.shards, "num_samples": self.num_samples}
-        atomic_write_json(self.folder / INDEX, index)
+        self.sums[INDEX] = write_file(self.folder / INDEX, json.dumps(index, indent=1).encode())
+        write_sums(self.folder, self.sums)
         return index
+
+
+_SHARD_TENSORS = ("input_ids", "loss_mask", "offsets", "sample_id", "source_file", "source_row")
+
+
+def _shard_problem(data: dict[str, np.ndarray], samples: int) -> str | None:
+    """Why a shard's tensors are not `samples` samples as the format lays them out, or None (a
+    shard of a folder without checksums is read unverified: this is its only check)."""
+    missing = [n for n in _SHARD_TENSORS if n not in data]
+    if missing:
+        return f"no tensor {missing[0]}"
+    off, tokens = data["offsets"], data["input_ids"].shape[0]
+    if (off.shape != (samples + 1,) or any(data[n].shape != (samples,) for n in _SHARD_TENSORS[3:])
+            or data["loss_mask"].shape != (tokens,)):
+        return f"its tensors do not hold the {samples} samples index.json lists"
+    if int(off[0]) != 0 or int(off[-1]) != tokens or bool((np.diff(off) < 0).any()):
+        return f"its offsets do not cut its {tokens} tokens into samples"
+    return None
 
 
 class PreparedData:
@@ -89,28 +114,37 @@ class PreparedData:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        index_path = self.folder / INDEX
-        if not index_path.is_file():
+        if not (self.folder / INDEX).is_file() and not (self.folder / CHECKSUMS).is_file():
             raise FileNotFoundError(f"no prepared data in {self.folder} (missing {INDEX}); run `eaglet prepare` first")
-        self.index = json.loads(index_path.read_text())
-        self.files: list[str] = self.index["files"]
+        self._checked = CheckedFolder(self.folder, REBUILD)
+        self.index = self._checked.json(INDEX)
+        try:
+            self.files: list[str] = list(self.index["files"])
+            shards = [(str(sh["file"]), int(sh["samples"])) for sh in self.index["shards"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise self._checked.error(INDEX, f"not a prepared-data index: {type(e).__name__}: {e}") from e
         self._shards: dict[int, dict[str, np.ndarray]] = {}
         starts, lengths, ids = [], [], []
         total = 0
-        for k, sh in enumerate(self.index["shards"]):
+        for k, (_, samples) in enumerate(shards):
             data = self._shard(k)
             off = data["offsets"]
             lengths.append(np.diff(off))
             ids.append(data["sample_id"])
             starts.append(total)
-            total += sh["samples"]
+            total += samples
         self._shard_start = np.array(starts, dtype=np.int64)
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
     def _shard(self, k: int) -> dict[str, np.ndarray]:
         if k not in self._shards:
-            self._shards[k] = load_file(str(self.folder / self.index["shards"][k]["file"]))
+            sh = self.index["shards"][k]
+            data = self._checked.read(sh["file"], lambda p: load_file(str(p)))
+            problem = _shard_problem(data, int(sh["samples"]))
+            if problem is not None:
+                raise self._checked.error(sh["file"], problem)
+            self._shards[k] = data
         return self._shards[k]
 
     def __len__(self) -> int:

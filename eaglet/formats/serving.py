@@ -4,7 +4,10 @@
     load_draft(path) -> (DraftConfig, state_dict, meta)     # either format, detected
 
 Each export is a folder with config.json and model.safetensors (safetensors only: nothing
-here ever unpickles). The weights are renamed by one generated name map per format
+here ever unpickles), and checksums.json, their sha256 and size (eaglet/formats/checked.py;
+the engines ignore it). `load_draft` checks an export's files against it where it has one (an
+export eaglet wrote; a draft from elsewhere has none and is read as it is): a damaged file is
+CorruptDataError naming it, as is a safetensors file that cannot be parsed. The weights are renamed by one generated name map per format
 (`name_map`: eaglet's state-dict names -> checkpoint names, built from Eagle3Draft's own
 state dict), and read back through the inverse of the same map.
 
@@ -75,7 +78,9 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from ..draft.model import DraftConfig, Eagle3Draft, rope_type, target_rope
-from ..utils import DTYPES, atomic_write_bytes, atomic_write_json
+from ..errors import CorruptDataError
+from ..utils import DTYPES
+from .checked import CHECKSUMS, CheckedFolder, first_nonfinite, write_files
 
 FORMATS = ("vllm", "sglang")
 CONFIG_FILE = "config.json"
@@ -84,6 +89,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this writer was checked against
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _PICKLES = ("pytorch_model.bin", "model.bin", "model.pt", "pytorch_model.bin.index.json")
+REBUILD = "export it again: `eaglet export CONFIG --force` in the run that made it"
 
 
 # ---- the name maps ------------------------------------------------------------------------
@@ -146,7 +152,7 @@ def export_draft(
     aux_layer_ids: the target states the draft was trained on, as HF output_hidden_states
     indices (eaglet's convention; the module header says what each format writes).
     Floating weights are cast to `dtype` (a torch dtype or its name); d2t (int64) and t2d (bool) keep theirs. The
-    weights are written first, config.json last, each atomically."""
+    weights are written first, then config.json, each atomically, then checksums.json."""
     _check_format(fmt)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -171,8 +177,8 @@ def export_draft(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / WEIGHTS_INDEX).unlink(missing_ok=True)  # a stale index would shadow the new file
-    atomic_write_bytes(out / WEIGHTS_FILE, safetensors_bytes(tensors, metadata={"format": "pt"}))
-    atomic_write_json(out / CONFIG_FILE, config)
+    write_files(out, {WEIGHTS_FILE: safetensors_bytes(tensors, metadata={"format": "pt"}),
+                      CONFIG_FILE: json.dumps(config, indent=1, default=str).encode()})
     return out
 
 
@@ -275,8 +281,13 @@ def _sglang_config(cfg: DraftConfig, ids: list[int], dtype_name: str) -> dict[st
 # ---- load ---------------------------------------------------------------------------------
 
 
-def load_draft(path: str | Path) -> tuple[DraftConfig, dict[str, Tensor], dict[str, Any]]:
-    """Read an EAGLE-3 draft in either format (detected from config.json).
+Loaded = tuple[DraftConfig, dict[str, Tensor], dict[str, Any]]
+
+
+def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False) -> Loaded:
+    """Read an EAGLE-3 draft in either format (detected from config.json), its files checked
+    against the folder's checksums.json when it has one (CorruptDataError, with `fix`, when not);
+    `finite`: refuse a weight with a NaN or an inf too (CorruptDataError naming file and tensor).
 
     Returns (DraftConfig, state dict under eaglet's names, meta). The state dict holds every
     weight of Eagle3Draft(cfg) except embed_tokens.weight when the checkpoint has none
@@ -284,29 +295,43 @@ def load_draft(path: str | Path) -> tuple[DraftConfig, dict[str, Tensor], dict[s
     when absent from a full-vocabulary draft. Tensors keep their stored dtype.
     meta: format, aux_layer_ids (HF output_hidden_states indices, or None: the engines'
     default [2, L//2, L-3]), verifier_name_or_path, verifier_architectures,
-    num_speculative_tokens, dtype, missing.
+    num_speculative_tokens, dtype, missing, folder (the export folder read).
     `path` may also be a folder holding a vllm/ or sglang/ export (vllm/ is preferred)."""
-    folder = _resolve_folder(Path(path))
-    config = json.loads((folder / CONFIG_FILE).read_text())
-    weights = _read_weights(folder)
+    folder = resolve_folder(Path(path))
+    checked = CheckedFolder(folder, fix, tell=False)  # a draft from elsewhere has no checksums.json
+    config = checked.json(CONFIG_FILE)
+    weights = _read_weights(checked)
     fmt = detect_format(config, weights)
     if fmt == "vllm":
         cfg, meta = _from_speculators(config, weights)
     else:
         cfg, meta = _from_sglang(config, weights)
     state, missing = _map_back(cfg, weights, fmt, folder)
-    meta.update(format=fmt, missing=missing, dtype=_stored_dtype(weights))
+    meta.update(format=fmt, missing=missing, dtype=_stored_dtype(weights), folder=str(folder))
+    bad = first_nonfinite(state) if finite else None
+    if bad is not None:
+        file = folder / (WEIGHTS_FILE if (folder / WEIGHTS_FILE).is_file() else WEIGHTS_INDEX)
+        raise CorruptDataError(f"non-finite values in tensor {CHECKPOINT_NAME[fmt](bad)} of {file}",
+                               fix="a diverged training wrote it: train the draft again with a lower train.lr")
     return cfg, state, meta
 
 
-def load_draft_model(path: str | Path, embed: Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
+def load_draft_model(path: str | Path, embed: Tensor | None = None, fix: str = REBUILD
+                     ) -> tuple[Eagle3Draft, dict[str, Any]]:
     """(the draft, `load_draft`'s meta) of an EAGLE-3 checkpoint in either format, its weights in
-    fp32; `embed` ([V, H], the target's embedding as the draft takes it: a store's
-    `target_head().embed`) fills in embed_tokens when the checkpoint has none."""
-    cfg, state, meta = load_draft(path)
+    fp32, refused when one is not finite (`load_draft` with `finite`); `embed` ([V, H], the
+    target's embedding as the draft takes it: a store's `target_head().embed`) fills in
+    embed_tokens when the checkpoint has none."""
+    return draft_model(load_draft(path, fix, finite=True), embed)
+
+
+def draft_model(loaded: Loaded, embed: Tensor | None = None) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """`load_draft_model` of what `load_draft` read."""
+    cfg, state, meta = loaded
+    state = dict(state)
     if "embed_tokens.weight" in meta["missing"]:
         if embed is None:
-            raise ValueError(f"{path}: the checkpoint has no embed_tokens.weight; pass the target's embedding")
+            raise ValueError(f"{meta['folder']}: the checkpoint has no embed_tokens.weight; pass the target's embedding")
         state["embed_tokens.weight"] = embed
     draft = Eagle3Draft(cfg)
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
@@ -326,8 +351,8 @@ def detect_format(config: dict[str, Any], weights: dict[str, Tensor] | None = No
     )
 
 
-def _resolve_folder(path: Path) -> Path:
-    if (path / CONFIG_FILE).is_file():
+def resolve_folder(path: Path) -> Path:
+    if (path / CONFIG_FILE).is_file() or (path / CHECKSUMS).is_file():
         return path
     for sub in FORMATS:
         if (path / sub / CONFIG_FILE).is_file():
@@ -335,10 +360,11 @@ def _resolve_folder(path: Path) -> Path:
     raise FileNotFoundError(f"no {CONFIG_FILE} in {path} (nor in {path}/vllm or {path}/sglang)")
 
 
-def _read_weights(folder: Path) -> dict[str, Tensor]:
-    if (folder / WEIGHTS_INDEX).is_file():
-        files = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-    elif (folder / WEIGHTS_FILE).is_file():
+def _read_weights(checked: CheckedFolder) -> dict[str, Tensor]:
+    folder = checked.folder
+    if (folder / WEIGHTS_INDEX).is_file() or checked.lists(WEIGHTS_INDEX):
+        files = sorted(set(checked.read(WEIGHTS_INDEX, lambda p: json.loads(p.read_text())["weight_map"].values())))
+    elif (folder / WEIGHTS_FILE).is_file() or checked.lists(WEIGHTS_FILE):
         files = [WEIGHTS_FILE]
     else:
         pickles = [p for p in _PICKLES if (folder / p).exists()]
@@ -346,9 +372,13 @@ def _read_weights(folder: Path) -> dict[str, Tensor]:
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX} in {folder}{hint}")
     out: dict[str, Tensor] = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+        out.update(checked.read(name, _tensors))
     return out
+
+
+def _tensors(path: Path) -> dict[str, Tensor]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
 
 
 def _from_speculators(config: dict[str, Any], weights: dict[str, Tensor]) -> tuple[DraftConfig, dict[str, Any]]:

@@ -24,6 +24,8 @@ A store folder holds
                                     and final norm [H] (as a plain RMSNorm scale): the draft's
                                     frozen embedding and the teacher (`write_target_head`)
     target_config.json              the target's text config (the draft's sizes)
+    checksums.json                  sha256 and size of head.safetensors and target_config.json
+                                    (eaglet/formats/checked.py), checked each time they are read
 
 Both extraction backends write through `StoreWriter` and `write_target_head`; training and
 online states read through `StoreReader` and `read_target_head`.
@@ -72,6 +74,7 @@ from tqdm import tqdm
 from ..distributed import all_gather_object, barrier, dist_env, run_on_main
 from ..errors import CorruptDataError
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
+from .checked import CheckedFolder, write_files
 
 FORMAT = "eaglet-store-v1"
 STORE_META = "store.json"
@@ -215,13 +218,14 @@ def write_target_head(folder: str | Path, embed_tokens: torch.Tensor, lm_head: t
     folder = Path(folder)
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
     tensors = {"embed_tokens": embed_tokens, "lm_head": lm_head, "norm": norm}
-    atomic_write_bytes(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}))
-    atomic_write_json(folder / TARGET_CONFIG, text_config)
+    write_files(folder, {HEAD_FILE: save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}),
+                         TARGET_CONFIG: json.dumps(text_config, indent=1, default=str).encode()})
 
 
 def read_target_config(folder: str | Path) -> dict[str, Any]:
-    """The target's text config as extract saved it (target_config.json)."""
-    return json.loads((Path(folder) / TARGET_CONFIG).read_text())
+    """The target's text config as extract saved it (target_config.json), checked against the
+    folder's checksums.json."""
+    return CheckedFolder(folder, REPAIR).json(TARGET_CONFIG)
 
 
 @dataclass
@@ -241,7 +245,10 @@ def read_target_head(folder: str | Path, meta: dict[str, Any], device: torch.dev
     """The target's head from a store `folder` described by `meta` (store.json); with the final
     norm when the stored final state is before it (PRE_NORM, the vLLM backend), so that the
     teacher's logits are the target's own either way. lm_head and norm go to `device`."""
-    t = load_file(str(Path(folder) / HEAD_FILE))
+    checked = CheckedFolder(folder, REPAIR)  # size and sha256 first: a flipped bit is named, not trained on
+    t = checked.read(HEAD_FILE, lambda p: load_file(str(p)))
+    if not {"embed_tokens", "lm_head", "norm"} <= set(t):
+        raise checked.error(HEAD_FILE, f"its tensors {sorted(t)} lack embed_tokens, lm_head or norm")
     final_state = meta.get("final_state", POST_NORM)
     if final_state not in (POST_NORM, PRE_NORM):
         raise ValueError(f"{folder}: store final_state {final_state!r} is neither {POST_NORM!r} nor {PRE_NORM!r}")

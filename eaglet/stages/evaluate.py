@@ -60,7 +60,8 @@ from ..engines.replay import replay_chain, replay_tree, target_side
 from ..errors import InputError, VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
-from ..formats.serving import load_draft_model
+from ..formats.serving import Loaded, draft_model, load_draft
+from ..formats.serving_engines import ENGINES, PROBLEMS
 from ..targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from ..targets.families import default_layers, family_of
 from ..targets.load import TargetParts, load_target
@@ -520,26 +521,47 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
     render = lambda messages: generation_prompt(tokenizer, template, messages)
-    if not load_models:
+    if not load_models:  # vLLM reads eval.draft: checked here first, as below
+        if ecfg.draft:
+            read_eval_draft(ecfg.draft)
         return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
                           ecfg.draft or str(upstream["export"] / "vllm"))
-    target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
+    # the draft is read and checked (checksums, finite weights, eval.draft's loader format) before the target loads
     if ecfg.draft:
-        draft, aux_layers, source = _exported_draft(ecfg.draft, target)
+        exported = read_eval_draft(ecfg.draft)
     else:
         source = str(upstream["train"] / FINAL_DIR)
         draft, aux_layers = load_final(upstream["train"] / FINAL_DIR)
+    target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
+    if ecfg.draft:
+        draft, aux_layers, source = _exported_draft(exported, target)
     return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source)
 
 
-def _exported_draft(path: str, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
-    """An export folder's draft, with the target's (scaled) embedding where the export has none."""
+def read_eval_draft(path: str) -> Loaded:
+    """eval.draft read (`load_draft`: checked against its checksums.json where eaglet wrote it,
+    every weight finite) and holding what its engine's loader reads
+    (eaglet/formats/serving_engines.py), so that eval measures the draft the engine would serve;
+    raises CorruptDataError or InputError naming the file and what is wrong."""
+    loaded = load_draft(path, finite=True)
+    meta = loaded[2]
+    problems = PROBLEMS[meta["format"]](meta["folder"])
+    if problems:
+        raise InputError(f"eval.draft {meta['folder']} would not load as {ENGINES[meta['format']]} loads it: "
+                         + "; ".join(problems), fix="export the draft again (`eaglet export CONFIG`), or name another "
+                                                    "in eval.draft")
+    return loaded
+
+
+def _exported_draft(loaded: Loaded, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
+    """An export folder's draft (`read_eval_draft`), with the target's (scaled) embedding where the
+    export has none."""
     parts = TargetParts.of(target)
     fam = family_of(target.config)
     scale = fam.scales(target.config)[0] if fam is not None else 1.0
-    draft, meta = load_draft_model(path, embed=parts.embed_tokens.weight.detach().float().cpu() * scale)
+    draft, meta = draft_model(loaded, embed=parts.embed_tokens.weight.detach().float().cpu() * scale)
     aux = meta.get("aux_layer_ids") or default_layers(parts.num_layers)
-    return draft, list(aux), str(path)
+    return draft, list(aux), meta["folder"]
 
 
 def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:

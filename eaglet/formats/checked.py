@@ -1,0 +1,191 @@
+"""Files eaglet writes and reads back, checked before use: `checksums.json`, and the reads that
+verify against it.
+
+    <folder>/checksums.json    {"format": "eaglet-checksums-v1",
+                                "files": {name: {"sha256": hex digest, "bytes": size}}}
+
+A format module writes its files through `write_files` (or `write_file` and then `write_sums`
+for files written one by one): each file atomically, its sha256 taken from the bytes in memory
+as they are written (never read back to be hashed), then the folder's checksums.json. Its reader
+opens the folder as a `CheckedFolder`, which checks a file's size and sha256 against
+checksums.json before the file is parsed, and turns a file it cannot parse into
+CorruptDataError too: a missing, cut, flipped or unparsable file is named in one line with the
+command that rebuilds it (exit 5), never a library's exception.
+
+A folder written by an eaglet before checksums has no checksums.json: its files are read
+unverified, and the reader says so once per folder and process. (The pipeline knows which
+folders must have one: each manifest lists its stage's outputs, `listed` below, and a missing
+or resized file makes the stage out of date; see eaglet/pipeline.py.)
+
+The store's shards (sidecars) and the training checkpoints (their own checksums.json) are
+checked by their own modules, formats/store.py and formats/checkpoints.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import CorruptDataError
+from ..utils import atomic_write_bytes, log, sha256_file
+
+CHECKSUMS = "checksums.json"
+FORMAT = "eaglet-checksums-v1"
+T = TypeVar("T")
+
+_told: set[str] = set()  # folders read unverified that this process has said so about
+
+
+def digest(data: bytes | memoryview) -> dict[str, Any]:
+    """{"sha256", "bytes"} of data about to be written."""
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(memoryview(data).cast("B"))}
+
+
+def write_file(path: str | Path, data: bytes | memoryview, fsync: bool = True) -> dict[str, Any]:
+    """Write `data` to `path` atomically; returns its {"sha256", "bytes"}, hashed from `data`."""
+    atomic_write_bytes(path, data, fsync=fsync)
+    return digest(data)
+
+
+def write_sums(folder: str | Path, sums: Mapping[str, dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
+    """Write `folder`/checksums.json listing `sums` (file name -> {"sha256", "bytes"}); returns
+    checksums.json's own {"sha256", "bytes"}."""
+    data = json.dumps({"format": FORMAT, "files": {n: dict(sums[n]) for n in sorted(sums)}}, indent=1).encode()
+    return write_file(Path(folder) / CHECKSUMS, data, fsync=fsync)
+
+
+def write_files(folder: str | Path, files: Mapping[str, bytes | memoryview], fsync: bool = True
+                ) -> dict[str, dict[str, Any]]:
+    """Write each of `files` (name -> bytes) into `folder`, in order, then its checksums.json
+    listing them; returns the sums."""
+    folder = Path(folder)
+    sums = {name: write_file(folder / name, data, fsync) for name, data in files.items()}
+    write_sums(folder, sums, fsync)
+    return sums
+
+
+def size_problem(path: Path, want: Mapping[str, Any]) -> str | None:
+    """Why `path` is not the file `want` ({"bytes"}) describes, by its size, or None."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    return None if size == int(want["bytes"]) else f"{size} bytes, {want['bytes']} written (cut or overwritten)"
+
+
+def listed(folder: str | Path, subfolders: Iterable[str], sized: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """What a stage's manifest records of its outputs: each file the checksums.json of each of
+    `subfolders` (relative to `folder`; "." is the folder itself) lists, with its sha256 and
+    size, checksums.json itself, and the files `sized` names (relative paths) by their size
+    alone (the files of another format's own check: the store's index.json). Reads only the
+    small checksums.json files. Raises RuntimeError (a writer's bug) when one is missing."""
+    folder = Path(folder)
+    out: dict[str, dict[str, Any]] = {}
+    for sub in subfolders:
+        path = folder / sub / CHECKSUMS
+        try:
+            data = path.read_bytes()
+            files = json.loads(data)["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"{path}: the stage finished without a readable {CHECKSUMS} ({e})") from e
+        prefix = "" if sub in ("", ".") else f"{sub}/"
+        out.update({prefix + name: dict(want) for name, want in files.items()})
+        out[prefix + CHECKSUMS] = digest(data)
+    for rel in sized:
+        out[rel] = {"bytes": (folder / rel).stat().st_size}
+    return out
+
+
+def outputs_problem(folder: str | Path, outputs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first of a manifest's `outputs` (`listed`) that is missing or not its size in
+    `folder`, as "<relative path>: <why>", or None. Sizes only: no file is read."""
+    for rel, want in outputs.items():
+        problem = size_problem(Path(folder) / rel, want)
+        if problem is not None:
+            return f"{rel}: {problem}"
+    return None
+
+
+class CheckedFolder:
+    """A folder of files one format wrote, read through its checksums.json.
+
+    `fix` is how to rebuild the folder's files (appended to every error: "rebuild it with
+    `eaglet vocab CONFIG --force`"). Without checksums.json the folder is read unverified (a
+    folder an eaglet before checksums wrote) and `verified` is False; `tell`: say so, once per
+    folder (off for folders eaglet may not have written: a draft from elsewhere)."""
+
+    def __init__(self, folder: str | Path, fix: str, tell: bool = True):
+        self.folder, self.fix, self.tell = Path(folder), fix, tell
+        path = self.folder / CHECKSUMS
+        self.sums: dict[str, dict[str, Any]] | None = None
+        if path.is_file():
+            try:
+                sums = json.loads(path.read_bytes())["files"]
+                self.sums = {str(n): {"sha256": str(w["sha256"]), "bytes": int(w["bytes"])} for n, w in sums.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CorruptDataError(f"damaged file {path} (not readable: {type(e).__name__})", fix=fix) from e
+
+    @property
+    def verified(self) -> bool:
+        return self.sums is not None
+
+    def lists(self, name: str) -> bool:
+        """Whether checksums.json lists file `name` (written here, whether or not it is there now)."""
+        return self.sums is not None and name in self.sums
+
+    def error(self, name: str, why: str) -> CorruptDataError:
+        """The one-line error for file `name` of this folder."""
+        path = self.folder / name
+        return CorruptDataError(f"missing file {path}" if why == "missing" else f"damaged file {path} ({why})",
+                                fix=self.fix)
+
+    def check(self, name: str) -> Path:
+        """The path of file `name` after its size and sha256 matched checksums.json (streamed:
+        a large file is not held in memory); raises CorruptDataError naming it otherwise."""
+        path = self.folder / name
+        if self.sums is None:
+            if not path.is_file():
+                raise self.error(name, "missing")
+            key = str(self.folder.resolve())
+            if self.tell and key not in _told:
+                _told.add(key)
+                log(f"note: {self.folder} has no {CHECKSUMS} (written by an eaglet before files were checksummed): "
+                    f"its files are read unverified; to add checksums, {self.fix}")
+            return path
+        want = self.sums.get(name)
+        if want is None:
+            raise self.error(name, f"not listed in its {CHECKSUMS}: written by another run")
+        problem = size_problem(path, want)
+        if problem is not None:
+            raise self.error(name, problem)
+        if sha256_file(path) != want["sha256"]:
+            raise self.error(name, f"sha256 differs from its {CHECKSUMS}: changed since it was written")
+        return path
+
+    def read(self, name: str, parse: Callable[[Path], T]) -> T:
+        """`parse(path)` of file `name` once it is checked; a file `parse` cannot read (a damaged
+        safetensors header or JSON in a folder without checksums) is CorruptDataError too."""
+        path = self.check(name)
+        try:
+            return parse(path)
+        except Exception as e:  # noqa: BLE001 - every library error of a damaged file ends here
+            raise self.error(name, f"not readable: {type(e).__name__}: {_short(e)}") from e
+
+    def json(self, name: str) -> Any:
+        return self.read(name, lambda p: json.loads(p.read_text()))
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:160]
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor of `tensors` holding a NaN or an inf, or None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
