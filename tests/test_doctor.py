@@ -150,6 +150,73 @@ def test_gpu_memory_too_small(tmp_path, assets, monkeypatch):
     assert "1.0 MiB free on cuda:0" in fails[0].found and "batch_tokens" in fails[0].fix
 
 
+def _host_free(monkeypatch, free):
+    """No GPU, and `free` bytes of host memory available (the figure the machine would give)."""
+    from eaglet.checks import doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(doctor, "host_free_bytes", lambda: free)
+
+
+def test_host_memory_too_small_fails_on_the_cpu(tmp_path, assets, monkeypatch):
+    """Without a GPU the stages run on the CPU: their plans are held to the host's available
+    memory, a FAIL naming the setting to lower (they were an "info" line, whatever the size)."""
+    _host_free(monkeypatch, 2**20)
+    extract, train = _fails(_cfg(tmp_path, assets))
+    assert (extract.check, train.check) == ("memory (extract)", "memory (train)")
+    assert "host memory" in extract.expected and extract.found == "1.0 MiB available"
+    assert "lower extract.batch_tokens (now 16384)" in extract.fix
+    assert train.fix == "lower train.max_tokens (now 8192) or train.ttt_steps (now 7)"
+
+
+@pytest.mark.parametrize("share, status", [(1.01, "FAIL"), (0.95, "warn"), (0.85, "ok")])
+def test_host_memory_within_a_tenth_of_the_plan_warns(tmp_path, assets, monkeypatch, share, status):
+    """need > free: FAIL; need above 90% of free: warn; below: ok (the train plan, on the CPU)."""
+    from eaglet.checks import doctor
+
+    _host_free(monkeypatch, 10**15)
+    cfg = _cfg(tmp_path, assets)
+    need = doctor._draft_need(diagnose(cfg))[0]
+    _host_free(monkeypatch, int(need / share))
+    (f,) = [f for f in diagnose(cfg).findings if f.check == "memory (train)"]
+    assert f.status == status, f.line()
+
+
+def test_train_preflight_stops_a_plan_the_host_cannot_hold(tmp_path, assets, monkeypatch):
+    """train.ttt_steps 100000 on a 23 GiB machine: ~880 GiB of activations; the preflight of train
+    stops it (exit 3) before any weight loads, naming the setting."""
+    cfg = _cfg(tmp_path, assets, "train.ttt_steps=100000", "train.max_tokens=1024", "extract.selfcheck_samples=0")
+    pipeline.run_all(cfg, upto="extract", preflight=False)  # train's preflight reads the target's config from the store
+    _host_free(monkeypatch, 23 * 2**30)
+    with pytest.raises(PreflightError, match=r"FAIL  memory \(train\): expected ~\d+\.\d GiB of host memory .*found "
+                                             r"23\.0 GiB available; fix: lower train\.max_tokens \(now 1024\) or "
+                                             r"train\.ttt_steps \(now 100000\)") as e:
+        preflight(cfg, "train")
+    assert e.value.exit_code == 3
+
+
+def test_host_free_memory_reads_meminfo_and_a_cgroup_limit(monkeypatch):
+    """MemAvailable, capped by a container's cgroup limit less its use."""
+    from eaglet.checks import doctor
+
+    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   2048 kB\n"}
+    real = doctor.Path.read_text
+
+    def read_text(self, *a, **k):
+        if str(self) in files:
+            return files[str(self)]
+        if str(self).startswith("/sys/fs/cgroup"):
+            raise FileNotFoundError(str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(doctor.Path, "read_text", read_text)
+    assert doctor.host_free_bytes() == 2048 * 1024
+    files.update({"/sys/fs/cgroup/memory.max": "1500000\n", "/sys/fs/cgroup/memory.current": "500000\n"})
+    assert doctor.host_free_bytes() == 1000000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"  # no limit
+    assert doctor.host_free_bytes() == 2048 * 1024
+
+
 def test_unsupported_architecture(tmp_path, assets):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -575,7 +575,7 @@ def check_train_disk(p: Probe) -> None:
     p.add(status, "disk (train)", "the checkpoints and the final draft fit on run.dir/train's disk", found, fix)
 
 
-# ---- GPU memory -------------------------------------------------------------------------------------
+# ---- memory (GPU, or the host's when a stage runs on the CPU) --------------------------------------
 
 def _devices(device: str, device_map: str | None) -> list[Any]:
     import torch
@@ -594,15 +594,61 @@ def _free_on(devices: list[Any]) -> int:
     return sum(torch.cuda.mem_get_info(d)[0] for d in devices)
 
 
-def _memory_finding(p: Probe, what: str, need: int, breakdown: str, devices: list[Any], fix: str) -> None:
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def host_free_bytes() -> int | None:
+    """Host memory a new process can still take: /proc/meminfo's MemAvailable (free memory plus
+    the page cache the kernel can drop), capped by the cgroup's limit less its use where the
+    process runs in a container; else the free pages; None where none of these can be read."""
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, v1
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, use = _read_int(limit), _read_int(used)
+        if cap is not None and use is not None and cap < 2**60:  # v1 writes "no limit" as a huge number
+            free = max(cap - use, 0) if free is None else min(free, max(cap - use, 0))
+            break
+    return free
+
+
+def _memory_status(need: int, free: int) -> str:
+    """FAIL when the plan does not fit, warn within 10% of the free memory (the estimates are rough)."""
+    return "FAIL" if need > free else "warn" if need > 0.9 * free else "ok"
+
+
+def _memory_finding(p: Probe, what: str, need: int, breakdown: str, devices: list[Any], fix: str,
+                    host_fix: str | None = None) -> None:
+    """A GPU's free memory against `need` on `devices`; without a GPU, the host's (`host_free_bytes`),
+    where the stage then runs. host_fix: the fix on the CPU, where it differs from `fix`."""
     if not devices:
-        p.add("info", f"memory ({what})", "a CUDA device", f"none: {what} runs on the CPU; it needs ~{_gib(need)} "
-              f"({breakdown})")
+        free = host_free_bytes()
+        expected = f"~{_gib(need)} of host memory ({breakdown}): no GPU, {what} runs on the CPU"
+        if free is None:
+            p.add("info", f"memory ({what})", expected, "this system's available memory could not be read")
+            return
+        p.add(_memory_status(need, free), f"memory ({what})", expected, f"{_gib(free)} available",
+              host_fix or fix)
         return
     free = _free_on(devices)
     names = ", ".join(str(d) for d in devices)
-    status = "FAIL" if need > free else "warn" if need > 0.9 * free else "ok"
-    p.add(status, f"GPU memory ({what})", f"~{_gib(need)} ({breakdown})", f"{_gib(free)} free on {names}", fix)
+    p.add(_memory_status(need, free), f"GPU memory ({what})", f"~{_gib(need)} ({breakdown})",
+          f"{_gib(free)} free on {names}", fix)
 
 
 def _target_dtype_bytes(p: Probe) -> int:
@@ -660,11 +706,15 @@ def check_extract_memory(p: Probe) -> None:
     V = int(p.parts.lm_head.weight.shape[0])
     check = REF_MAX_TOKENS * (V * 4 + (p.parts.num_layers + 1) * H * b) if e.selfcheck_samples > 0 else 0
     need = weights + acts + check
+    lower = f"lower extract.batch_tokens (now {e.batch_tokens})"
     _memory_finding(p, "extract", need,
                     f"weights {_gib(weights)} + activations {_gib(acts)} for extract.batch_tokens={e.batch_tokens} "
                     f"+ self-check {_gib(check)}; rough",
                     _devices(p.cfg.target.device, p.cfg.target.device_map),
-                    "spread the target with target.device_map: auto, or lower extract.batch_tokens")
+                    f"spread the target with target.device_map: auto, or {lower}",
+                    f"{lower}" + (f"; the weights alone take {_gib(weights)}: a machine with more memory, or a GPU"
+                                  if weights > 0.5 * need else "")
+                    + (", or extract.selfcheck_samples 0" if check > 0.25 * need else ""))
 
 
 def _text_config_for_train(p: Probe) -> Any:
@@ -750,7 +800,8 @@ def check_train_memory(p: Probe) -> None:
         [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
     if streaming(p.cfg) and devices:  # vLLM's share of the GPU is its own: check_stream compares the rest
         return
-    _memory_finding(p, "train", need, breakdown, devices, "lower train.max_tokens or train.ttt_steps")
+    _memory_finding(p, "train", need, breakdown, devices,
+                    f"lower train.max_tokens (now {t.max_tokens}) or train.ttt_steps (now {t.ttt_steps})")
 
 
 # ---- engine-fed runs (extract.mode online, backend vllm) -------------------------------------------
