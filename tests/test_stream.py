@@ -1,6 +1,8 @@
 """Engine-fed training (extract.mode online, backend vllm): the states come from a server in
 vLLM's connector format through a bounded buffer, and training sees the same samples in the
-same order, with the same losses, as an offline vLLM store of the same config.
+same order, with the same losses, as an offline vLLM store of the same config. A sample the
+engine fails on reaches training with its loss mask cleared; a bound that holds the producer
+back keeps the bytes on disk within it while every micro-batch still arrives in order.
 
 The engine is `eaglet.testing.fake_vllm.FakeServer` (vLLM's routes and connector files,
 computed with the tiny HF target), so these run on the CPU; the real vLLM path on the GPU
@@ -8,9 +10,11 @@ is bench/stream_vllm.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -194,6 +198,136 @@ def test_engine_failures_are_counted_and_masked(assets, tmp_path):
     stats = _manifest(cfg)["stats"]["stream"]
     assert stats["set_aside"].get("token_mismatch", 0) >= 1
     assert stats["consumed"] == stats["micro_batches"]
+
+
+def _streamed(runs, folder: Path, engine, **extract) -> stream_mod.StreamedStates:
+    """The stream run's StreamedStates over its prepared data, with `engine` in this process
+    and extract settings changed."""
+    cfg = runs["online"]
+    cfg = dataclasses.replace(cfg, extract=dataclasses.replace(cfg.extract, **extract))
+    return stream_mod.StreamedStates(StoreReader(cfg.run_dir / "extract"), cfg.run_dir / "prepare", cfg, folder,
+                                     engine=engine)
+
+
+def _prepared(s: stream_mod.StreamedStates, sid: int, max_tokens: int):
+    """(input_ids, loss_mask) of a prepared sample, cut at max_tokens."""
+    row = int(np.flatnonzero(s.data.sample_ids == sid)[0])
+    rec = s.data[row]
+    return np.asarray(rec.input_ids)[:max_tokens], np.asarray(rec.loss_mask)[:max_tokens].astype(bool)
+
+
+def test_a_sample_the_engine_failed_on_reaches_training_with_its_loss_mask_cleared(assets, runs, tmp_path):
+    """One sample comes back from the engine with other token ids: in the micro-batch training
+    loads (load_batch) it keeps its place with zero states and no token of it counted; the
+    others hold their prepared tokens and loss masks."""
+    from eaglet.stages.train_data import load_batch
+
+    _, _, model, _ = assets
+    fake = _engine(model, tmp_path / "engine")
+    s = _streamed(runs, tmp_path / "buffer", fake)
+    ids = [int(i) for i in s.sample_ids[:8]]
+    loads = [ids[i : i + 2] for i in range(0, 8, 2)]
+    # past the self-check's first three samples, one with tokens to train on
+    bad = next(i for i in ids[3:] if _prepared(s, i, 256)[1].any())
+    fake.corrupt = {bad}
+    s.start(loads, 256)
+    try:
+        for load in loads:
+            b = load_batch(s, load, 256, torch.device("cpu"))
+            at = 0
+            for sid, n in zip(load, b.lens, strict=True):
+                want_ids, want_mask = _prepared(s, sid, 256)
+                assert n == len(want_ids) and b.input_ids[0, at : at + n].tolist() == want_ids.tolist()
+                mask, aux = b.loss_mask[0, at : at + n], b.aux[0, at : at + n]
+                if sid == bad:
+                    assert not mask.any() and not aux.any() and not b.final[0, at : at + n].any(), sid
+                else:
+                    assert mask.tolist() == want_mask.tolist() and aux.abs().amax(-1).min() > 0, sid
+                at += n
+        assert s.stats()["set_aside"] == {"token_mismatch": 1}
+    finally:
+        s.close()
+
+
+def disk_bytes(*folders: Path) -> int:
+    """Bytes of the regular files under `folders` now, each file once (a file renamed while the
+    folders are listed keeps its inode; one deleted is skipped)."""
+    sizes = {}
+    for folder in folders:
+        for f in folder.rglob("*"):
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                sizes[st.st_dev, st.st_ino] = st.st_size
+    return sum(sizes.values())
+
+
+class _HeldProbe(threading.Condition):
+    """The stream's condition, marking when its producer waits for room with nothing in flight
+    (every reserved micro-batch written): then only the consumer can free room."""
+
+    def __init__(self, s: stream_mod.StreamedStates):
+        super().__init__()
+        self.s, self.held = s, threading.Event()
+
+    def wait(self, timeout=None):
+        s = self.s
+        if threading.current_thread().name == f"eaglet-stream-r{s.rank}" and \
+                s._used == sum(size for _, size in s._ready.values()):
+            self.held.set()
+        return super().wait(timeout)
+
+
+def test_the_bound_holds_the_producer_back_until_training_reads(assets, runs, tmp_path):
+    """A bound of about three micro-batches and a consumer that reads nothing until the producer
+    is held by it: the entries and connector files on disk stay within the bound, fewer than all
+    micro-batches are computed ahead, and the consumer then gets every micro-batch in order, the
+    bytes on disk within the bound throughout."""
+    from eaglet.formats.buffer import entry_bytes, micro_batch_bytes
+
+    _, _, model, _ = assets
+    fake = _engine(model, tmp_path / "engine")
+    probe = _streamed(runs, tmp_path / "b0", fake)
+    ids = [int(i) for i in probe.sample_ids[:24]]
+    loads = [ids[i : i + 2] for i in range(0, 24, 2)]
+    toks = [sum(len(_prepared(probe, i, 256)[0]) for i in load) for load in loads]
+    dims = (probe.n_aux, probe.hidden, probe.dtype)
+    bound = int(3.2 * max(micro_batch_bytes(t, 2, *dims) for t in toks))
+    assert sum(entry_bytes(t, 2, *dims) for t in toks) > 1.5 * bound  # all of them would not fit
+    s = _streamed(runs, tmp_path / "buffer", fake, stream_buffer_gb=bound / 1e9)
+    assert abs(s.bound - bound) <= 1
+    s._cond = held = _HeldProbe(s)
+    folders = (tmp_path / "buffer", tmp_path / "engine")
+    entries = lambda: list((tmp_path / "buffer").glob("mb-r0-*.safetensors"))  # noqa: E731
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], disk_bytes(*folders))
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch, daemon=True)
+    s.start(loads, 256)
+    t.start()
+    try:
+        deadline = time.monotonic() + 120  # a guard: either comes within a second or two
+        while not held.held.is_set() and len(entries()) < len(loads) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        at_rest = disk_bytes(*folders)
+        assert at_rest <= s.bound, f"{len(entries())} entries, {at_rest} bytes on disk, bound {s.bound}"
+        assert held.held.is_set() and 2 <= len(entries()) < len(loads)  # the bound did the holding
+        for load in loads:
+            lens, got = s.get_packed(load, 256)  # raises unless the entry holds `load`
+            want = np.concatenate([_prepared(s, i, 256)[0] for i in load])
+            assert got["input_ids"].tolist() == want.tolist()
+        assert s.stats()["consumed"] == len(loads) and s.stats()["buffer_peak_bytes"] <= s.bound
+    finally:
+        stop.set()
+        t.join()
+        s.close()
+    assert 0 < peak[0] <= s.bound, (peak[0], s.bound)
 
 
 def test_a_server_of_another_model_is_refused_at_the_start(assets, tmp_path):
