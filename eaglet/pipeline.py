@@ -376,6 +376,8 @@ def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
         drafting = f"chain of {e.chain_tokens}" if e.method == "chain" else "tree"
         if ev.get("tau") is not None:
             ref = f" (untrained draft {ev['reference_tau']:.3f})" if ev.get("reference_tau") is not None else ""
+            if ev.get("trained_no_better_than_untrained"):
+                ref += ": WARNING, no better than the untrained draft on the same prompts"
             lines.append(f"  tau, {drafting}, {ev.get('num_prompts')} prompts ({e.prompts}): {ev['tau']:.3f}{ref}")
             lines.append("  acceptance per draft position: "
                          + ", ".join("-" if a is None else f"{a:.2f}" for a in ev.get("acceptance_rate") or []))

@@ -304,3 +304,73 @@ def test_opening_prompts_take_distinct_first_questions_after_the_skipped_records
     assert got == [render([{"role": "user", "content": "what is x"}]),
                    render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"}])]
     assert len(opening_prompts(data, render, skip=1, n=10, max_tokens=20)) == 3
+
+
+def test_eval_without_a_held_out_prompt_says_so_before_the_target_loads(tmp_path, monkeypatch):
+    """`eaglet run` on a 1-record file: training holds no sample out (one needs two); eval then
+    stops with one line naming what to change (InputError, exit 4), before the target loads
+    (it ended in exit 70). train.eval_fraction 0 is named as the cause where it is."""
+    from eaglet import pipeline
+    from eaglet.config import load_config
+    from eaglet.stages import evaluate
+    from eaglet.testing import tiny
+
+    target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
+    data = write_jsonl(tmp_path / "one.jsonl", tiny.make_conversations(1, seed=3))
+    base = [f"run.dir={tmp_path / 'run'}", f"target.path={target}", "target.dtype=float32", f"prepare.data=[{data}]",
+            "vocab.size=128", "train.max_tokens=256", "train.ttt_steps=2", "train.tensorboard=false",
+            "extract.selfcheck_samples=0", "export.formats=[vllm]"]
+    pipeline.run_all(load_config(None, base), upto="export", preflight=False)
+
+    def never(*a, **k):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr(evaluate, "load_target", never)
+    with pytest.raises(InputError) as e:
+        pipeline.run_all(load_config(None, base), preflight=False)
+    assert e.value.exit_code == 4 and e.value.line() == (
+        "eval.prompts heldout: no held-out sample: the run has 1 sample(s), and train.eval_fraction holds one out "
+        "only from 2 on; add records to prepare.data, or set eval.prompts to mt_bench or a file of conversations")
+    with pytest.raises(InputError, match=r"no held-out sample, as train\.eval_fraction is 0; set "
+                                         r"train\.eval_fraction above 0"):
+        pipeline.run_all(load_config(None, [*base, f"run.dir={tmp_path / 'run0'}", "train.eval_fraction=0"]),
+                         preflight=False)
+
+
+def test_the_trained_draft_is_held_to_the_untrained_one_on_the_same_prompts():
+    """against_untrained: the trained draft's tau on the prompts the reference decoded (their
+    first turn only), not over every prompt; no better means trained tau <= untrained tau."""
+    from eaglet.stages.evaluate import against_untrained
+
+    def rec(item, accepted, turn=1):
+        return {"item": item, "turn": turn, "accepted_per_forward": accepted}
+
+    ref = {"prompts": [rec("sample 1", [0, 1]), rec("sample 2", [1, 1])], "aggregate": {"tau": 1.75}}
+    trained = {"aggregate": {"tau_ceiling": 4},  # 3 draft positions
+               "prompts": [rec("sample 1", [0, 1]), rec("sample 2", [1, 1]), rec("sample 3", [3, 3, 3, 3]),
+                           rec("sample 1", [3, 3], turn=2)]}
+    assert against_untrained(trained, ref) == {"trained_tau": 1.75, "trained_no_better": True}
+    trained["prompts"][1] = rec("sample 2", [2, 1])
+    assert against_untrained(trained, ref) == {"trained_tau": 2.0, "trained_no_better": False}
+
+
+def test_eval_warns_when_the_trained_draft_is_no_better_than_an_untrained_one(tmp_path, monkeypatch, capfd):
+    """A reference "untrained" draft that is the trained one itself accepts exactly as much: the
+    eval says so in a WARNING line, in eval.json's reference, in the stage's stats and in the
+    run's summary."""
+    import copy
+
+    from eaglet.pipeline import run_summary
+    from eaglet.stages import evaluate
+
+    cfg, ctx = _eval_setup(tmp_path)
+    cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 8, 2
+    monkeypatch.setattr(evaluate, "untrained_like", lambda trained, seed: copy.deepcopy(trained))
+    stats = evaluate.run_eval(cfg, ctx)
+    ref = json.loads((ctx.out_dir / "eval.json").read_text())["reference"]
+    assert ref["trained_no_better"] is True and ref["trained_tau"] == ref["tau"]
+    assert stats["trained_no_better_than_untrained"] is True
+    assert re.search(r"\[eval\] WARNING: the trained draft is no better than an untrained one of its shape on the "
+                     r"same 2 prompt\(s\) \(tau \d\.\d{3} against \d\.\d{3}\): it learnt nothing", capfd.readouterr().err)
+    summary = run_summary(cfg, [{"stage": "eval", "stats": stats}])
+    assert "WARNING, no better than the untrained draft on the same prompts" in summary

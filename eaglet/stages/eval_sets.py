@@ -94,6 +94,23 @@ def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto", mu
     return out
 
 
+def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputError:
+    """Why eval.prompts heldout has no prompt: of `samples` in the training split, `held` held
+    out by train.eval_fraction (the split of eaglet/stages/train_data.py `split_ids`, which holds
+    one out from two samples on), none with a prompt before its first assistant turn."""
+    other = "or set eval.prompts to mt_bench or a file of conversations"
+    if eval_fraction <= 0:
+        return InputError("eval.prompts heldout: no held-out sample, as train.eval_fraction is 0",
+                          fix=f"set train.eval_fraction above 0, e.g. 0.05 (training then runs again), {other}")
+    if held == 0:
+        return InputError(f"eval.prompts heldout: no held-out sample: the run has {samples} sample(s), and "
+                          f"train.eval_fraction holds one out only from 2 on",
+                          fix=f"add records to prepare.data, {other}")
+    return InputError(f"eval.prompts heldout: none of the {held} held-out sample(s) (train.eval_fraction "
+                      f"{eval_fraction:g} of {samples}) has a prompt before its first assistant turn",
+                      fix=f"raise train.eval_fraction (training then runs again), {other}")
+
+
 def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int, Sequence[int]]]],
                 fmt: str = "auto", multimodal: str = "drop") -> list[EvalItem]:
     """The items eval.prompts names; `heldout` gives the held-out (sample id, tokens) on demand."""

@@ -67,7 +67,7 @@ from ..targets.families import default_layers, family_of
 from ..targets.load import TargetParts, load_target
 from ..utils import atomic_write_bytes, atomic_write_json, log
 from .context import StageContext
-from .eval_sets import EvalItem, by_category, named_items, run_rounds, set_name
+from .eval_sets import EvalItem, by_category, named_items, no_heldout_error, run_rounds, set_name
 from .eval_vllm import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .online import split_source
 from .train_data import split_ids
@@ -509,11 +509,10 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
         # Split the ids that training split (the extract store's, which may lack set-aside
         # samples), so that the held-out prompts are exactly the ones training never saw.
         split_ids_from = split_source(upstream) if "extract" in upstream else data.sample_ids
-        if cfg.train.eval_fraction <= 0:
-            raise ValueError("eval needs held-out prompts: train.eval_fraction is 0")
         named = heldout_prompts(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed, ecfg.num_prompts)
-        if not named:
-            raise ValueError("eval: no held-out sample has a prompt before its first assistant turn")
+        if not named:  # before the target loads
+            held = len(split_ids(split_ids_from, cfg.train.eval_fraction, cfg.run.seed)[1])
+            raise no_heldout_error(len(split_ids_from), held, cfg.train.eval_fraction)
         return named
 
     items = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
@@ -633,7 +632,13 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
         ref = evaluate_items(inp.target, inp.tokenizer, untrained_like(inp.draft, cfg.run.seed), inp.aux_layers,
                              [replace(it, asks=it.asks[:1]) for it in firsts], quiet, inp.render, seed=cfg.run.seed,
                              verbose=False)
-        result["reference"] = {"draft": "untrained, same shape", **ref["aggregate"]}
+        result["reference"] = {"draft": "untrained, same shape", **ref["aggregate"],
+                               **against_untrained(result, ref)}
+        if result["reference"]["trained_no_better"]:
+            log(f"[eval] WARNING: the trained draft is no better than an untrained one of its shape on the same "
+                f"{len(firsts)} prompt(s) (tau {_fmt(result['reference']['trained_tau'], 3)} against "
+                f"{_fmt(result['reference']['tau'], 3)}): it learnt nothing; see the train stage's log.jsonl (loss, "
+                "skipped_steps) and train.lr, or train longer")
     _write_result(ctx.out_dir, key, result)
     agg = result["aggregate"]
     stats = {k: agg.get(k) for k in ("num_prompts", "new_tokens", "verify_forwards", "tau", "tau_ceiling",
@@ -642,9 +647,24 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
     stats["result"] = f"{key}.json"
     if "reference" in result:
         stats["reference_tau"] = result["reference"]["tau"]
+        stats["trained_no_better_than_untrained"] = result["reference"]["trained_no_better"]
     if "by_category" in result:
         stats["tau_by_category"] = {c: a["tau"] for c, a in result["by_category"].items()}
     return result, stats
+
+
+def against_untrained(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """The trained draft's tau on the prompts the untrained reference decoded (their first turn,
+    as the reference asks them), and whether it is no better there (`trained_no_better`: trained
+    tau <= untrained tau). A draft that learnt something accepts more than a random one of its
+    shape on the same prompts; one that did not (a diverged run, a run far too short) does not."""
+    keys = {r["item"] for r in ref["prompts"]}
+    same = [r for r in result["prompts"] if r["item"] in keys and r.get("turn", 1) == 1]
+    tau = acceptance_stats([a for r in same for a in r["accepted_per_forward"]],
+                           result["aggregate"]["tau_ceiling"] - 1)["tau"]
+    untrained = ref["aggregate"]["tau"]
+    return {"trained_tau": tau,
+            "trained_no_better": tau is not None and untrained is not None and tau <= untrained}
 
 
 def _check_lossless(result: dict[str, Any], dtype: str, path: Path) -> None:
