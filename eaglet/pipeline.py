@@ -285,7 +285,7 @@ def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool 
         if check_upstream and stage.name in plan.damaged:
             raise CorruptDataError(f"stage {name} needs stage {stage.name}'s output "
                                    f"{run_dir / stage.name}/{plan.damaged[stage.name]}",
-                                   fix=f"run `eaglet {stage.name} CONFIG`, which makes them again, or `eaglet run "
+                                   fix=f"run `eaglet {stage.name} CONFIG`, which writes it again, or `eaglet run "
                                        "CONFIG`")
         upstream[stage.name] = run_dir / stage.name
     stage, h, inputs = plan.stages[-1]

@@ -2,8 +2,10 @@
 
     eaglet export CONFIG [--format vllm|sglang]     # or as a stage of `eaglet run`
 
-Reads the trained draft (`<train>/final/`, eaglet/formats/draft.py) and writes each format of
-`export.formats` into `<export>/<format>/` (eaglet/formats/serving.py says what each holds).
+Reads the trained draft (`<train>/final/`, eaglet/formats/draft.py: its files checked against
+their checksums.json, and refused when a weight is not finite) and writes each format of
+`export.formats` into `<export>/<format>/` with its checksums.json (eaglet/formats/serving.py
+says what each holds).
 Every export is then read back through the same reader `train.init_from` uses and must give
 the trained draft's logits (within bf16 rounding for a bf16 export), and must hold exactly what
 its engine's loader reads (eaglet/formats/serving_engines.py: every weight matched to a
