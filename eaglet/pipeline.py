@@ -17,8 +17,8 @@ plan checks that each is there with its size (no file is read: a terabyte store 
 plan a run), so a stage whose output is missing or cut runs again, and a stage that needs it
 alone is refused (CorruptDataError, with the command that rebuilds it). The sha256 is checked
 where a file is read. A manifest an older eaglet wrote has no `outputs`: its stage stays up to
-date (a finished extract of a large target does not rerun for an upgrade), and its files are
-read unverified, with a note (eaglet/formats/checked.py).
+date while its output folders are there (a finished extract of a large target does not rerun for
+an upgrade), and its files are read unverified, with a note (eaglet/formats/checked.py).
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
 (they split the work, see eaglet/draft/parallelize.py); the other stages run on rank 0 while the
@@ -226,14 +226,22 @@ class Plan:
         return old is not None and (old == h or self.renamed.get(old) == h)
 
 
-def _damaged(run_dir: Path, manifests: dict[str, dict[str, Any] | None]) -> dict[str, str]:
-    """Stage -> its first listed output that is missing or not its size (sizes only)."""
+def _damaged(cfg: Config, manifests: dict[str, dict[str, Any] | None]) -> dict[str, str]:
+    """Stage -> its first listed output that is missing or not its size (sizes only). A manifest
+    an older eaglet wrote lists none: then only its output folders (train/final/, export/vllm/)
+    must be there."""
     out = {}
-    for name, m in manifests.items():
-        outputs = (m or {}).get("outputs")
-        problem = outputs_problem(run_dir / name, outputs) if isinstance(outputs, dict) else None
+    for stage in STAGES:
+        m = manifests.get(stage.name)
+        if not m:
+            continue
+        folder, outputs = cfg.run_dir / stage.name, m.get("outputs")
+        if isinstance(outputs, dict):
+            problem = outputs_problem(folder, outputs)
+        else:
+            problem = next((f"{sub}/: missing" for sub in stage.outputs(cfg) if not (folder / sub).is_dir()), None)
         if problem is not None:
-            out[name] = problem
+            out[stage.name] = problem
     return out
 
 
@@ -255,7 +263,7 @@ def _stage_plan(cfg: Config, upto: str) -> Plan:
         if stage.name == upto:
             break
     # rank 0's view of the files, so that every rank decides alike
-    damaged = broadcast_object(_damaged(cfg.run_dir, manifests) if dist_env().is_main else None)
+    damaged = broadcast_object(_damaged(cfg, manifests) if dist_env().is_main else None)
     return Plan(plan, manifests, renamed, earlier, damaged)
 
 

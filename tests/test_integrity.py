@@ -212,6 +212,29 @@ def test_a_deleted_final_is_written_again_from_the_last_checkpoint(run, made, tm
     assert load_final(run / "train" / "final")[0] is not None
 
 
+def test_an_older_runs_deleted_final_is_written_again_too(run, made, capsys):
+    """A run an older eaglet made (manifests without outputs, no checksums.json): it stays up to
+    date and its files are read unverified, but a train/final/ removed (as the note's fix says)
+    still makes train run again, and the draft it writes has its checksums."""
+    for manifest in run.glob("*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        del m["outputs"]
+        manifest.write_text(json.dumps(m))
+    for sums in run.rglob("checksums.json"):
+        if "checkpoints" not in sums.parts:
+            sums.unlink()
+    before = (run / "train" / "final" / "model.safetensors").read_bytes()
+    pipeline.run_all(load_config(None, [f"run.dir={run}", *made[1]]), upto="export")
+    assert "running the stage again" not in capsys.readouterr().err
+    shutil.rmtree(run / "train" / "final")
+    pipeline.run_all(load_config(None, [f"run.dir={run}", *made[1]]), upto="export")
+    err = capsys.readouterr().err
+    assert f"[train] output {run / 'train'}/final/: missing; running the stage again" in err
+    assert "[export] up to date" in err
+    assert (run / "train" / "final" / "model.safetensors").read_bytes() == before
+    assert (run / "train" / "final" / "checksums.json").is_file()
+
+
 def test_a_cut_output_makes_its_stage_run_again(run, made, capsys):
     """A listed output whose size changed (the plan reads no file: sizes only)."""
     path = run / "vocab" / "vocab.safetensors"
