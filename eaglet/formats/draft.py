@@ -66,5 +66,6 @@ def load_final(folder: str | Path) -> tuple[Eagle3Draft, list[int]]:
         model.load_state_dict(state, strict=True)
         aux = [int(i) for i in meta["aux_layers"]]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise checked.error(DRAFT_CONFIG, f"does not describe {WEIGHTS_FILE}: {type(e).__name__}: {str(e)[:160]}") from e
+        why = f"does not describe {WEIGHTS_FILE}: {type(e).__name__}: {str(e)[:160]}"
+        raise checked.error(DRAFT_CONFIG, why) from e
     return model, aux

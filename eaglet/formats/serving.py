@@ -7,9 +7,10 @@ Each export is a folder with config.json and model.safetensors (safetensors only
 here ever unpickles), and checksums.json, their sha256 and size (eaglet/formats/checked.py;
 the engines ignore it). `load_draft` checks an export's files against it where it has one (an
 export eaglet wrote; a draft from elsewhere has none and is read as it is): a damaged file is
-CorruptDataError naming it, as is a safetensors file that cannot be parsed. The weights are renamed by one generated name map per format
-(`name_map`: eaglet's state-dict names -> checkpoint names, built from Eagle3Draft's own
-state dict), and read back through the inverse of the same map.
+CorruptDataError naming it, as is a safetensors file that cannot be parsed. The weights are
+renamed by one generated name map per format (`name_map`: eaglet's state-dict names ->
+checkpoint names, built from Eagle3Draft's own state dict), and read back through the inverse of
+the same map.
 
 Formats
 -------
@@ -331,7 +332,8 @@ def draft_model(loaded: Loaded, embed: Tensor | None = None) -> tuple[Eagle3Draf
     state = dict(state)
     if "embed_tokens.weight" in meta["missing"]:
         if embed is None:
-            raise ValueError(f"{meta['folder']}: the checkpoint has no embed_tokens.weight; pass the target's embedding")
+            raise ValueError(f"{meta['folder']}: the checkpoint has no embed_tokens.weight; pass the target's "
+                             "embedding")
         state["embed_tokens.weight"] = embed
     draft = Eagle3Draft(cfg)
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
