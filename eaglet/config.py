@@ -281,7 +281,9 @@ class TrainSection:
         "the folder compiles nothing again; default: $TORCHINDUCTOR_CACHE_DIR where set, else <EAGLET_CACHE or "
         "~/.cache/eaglet>/compile. On a slow network home, a node-local folder.", path=PATH, hashed=False)
     device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
-    draft_layers: int = _f(1, "Decoder layers in the draft.", _ge(1))
+    draft_layers: int = _f(
+        1, "Decoder layers in the draft (EAGLE-3: 1; at most 64, a draft being a small fraction of its target).",
+        Range(1, 64))
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
     norm_output: bool = _f(False, "EAGLE-3.1: feed the post-norm state to the next TTT step.")
     init_head_from_target: bool = _f(False, "Start the draft's lm_head from the target's LM head rows of the draft vocabulary.")

@@ -142,6 +142,8 @@ OUT_OF_RANGE = [
     # every integer becomes a numpy or torch int64 somewhere
     ("train.max_tokens", "99999999999999999999", "train.max_tokens: 99999999999999999999 does not fit a 64-bit integer"),
     ("eval.max_new_tokens", "9223372036854775808", "eval.max_new_tokens: 9223372036854775808 does not fit a 64-bit integer"),
+    # a million draft layers: the doctor's meta skeleton alone took minutes
+    ("train.draft_layers", "1000000", "train.draft_layers: 1000000 is not in [1, 64]"),
 ]
 
 

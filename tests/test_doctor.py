@@ -182,6 +182,15 @@ def test_host_memory_within_a_tenth_of_the_plan_warns(tmp_path, assets, monkeypa
     assert f.status == status, f.line()
 
 
+def test_a_teacher_chunk_past_the_micro_batch_costs_only_the_micro_batch(tmp_path, assets, monkeypatch):
+    """The teacher takes train.teacher_chunk positions of a micro-batch at a time: a chunk larger
+    than train.max_tokens holds max_tokens positions, not a trillion (a FAIL before)."""
+    _host_free(monkeypatch, 4 * 2**30)
+    fs = diagnose(_cfg(tmp_path, assets, "train.teacher_chunk=1000000000000")).findings
+    (f,) = [f for f in fs if f.check == "memory (train)"]
+    assert f.status == "ok" and f"teacher {8192 * 512 * 4 * 2 / 2**20:.1f} MiB" in f.expected, f.line()  # V 512
+
+
 def test_train_preflight_stops_a_plan_the_host_cannot_hold(tmp_path, assets, monkeypatch):
     """train.ttt_steps 100000 on a 23 GiB machine: ~880 GiB of activations; the preflight of train
     stops it (exit 3) before any weight loads, naming the setting."""

@@ -770,7 +770,7 @@ def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
     act_bytes = 4 if t.precision == "fp32" or (t.precision == "auto" and not torch.cuda.is_available()) else 2
     acts = t.max_tokens * (t.ttt_steps * ((16 * H + 4 * I) * act_bytes + 3 * Vd * 4)
                            + n_aux * dcfg.target_hidden_size * 4)
-    teacher = t.teacher_chunk * (V if t.mask_out_of_vocab else Vd) * 4 * 2
+    teacher = min(t.teacher_chunk, t.max_tokens) * (V if t.mask_out_of_vocab else Vd) * 4 * 2  # chunks of a micro-batch
     online = 0
     if p.cfg.extract.mode == "online" and p.cfg.extract.backend == "hf" and p.model is not None:
         # The target runs beside the draft: its weights and one micro-batch's forward.
