@@ -34,7 +34,7 @@ from eaglet.config import TrainSection
 from eaglet.distributed import barrier, init_distributed
 from eaglet.draft.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import parallelize, resolve_strategy
-from eaglet.draft.step import TeacherHead, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile
+from eaglet.draft.step import SkippedSteps, TeacherHead, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile
 from eaglet.testing.synthetic import PRESETS, synthetic_batch
 
 
@@ -88,11 +88,13 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    skipped = SkippedSteps(device)  # the trainer's count of steps skipped for a non-finite gradient
+
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         loss = torch.zeros((), device=device)
         for a, b in enumerate(batches):
             loss += micro_batch(par, b, tc, autocast, sync=a == len(batches) - 1).total.detach()
-        optimizer_step(par, opt, sched, tc)
+        optimizer_step(par, opt, sched, tc, skipped=skipped)
         return loss
 
     def wait() -> None:  # phase 1 runs on rank 0 alone: no collective there

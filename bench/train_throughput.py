@@ -71,8 +71,8 @@ from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.loss import compile_soft_ce
 from eaglet.draft.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import Parallel, parallelize
-from eaglet.draft.step import (TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda, micro_batch,
-                               optimizer_step, resolve_compile)
+from eaglet.draft.step import (SkippedSteps, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda,
+                               micro_batch, optimizer_step, resolve_compile)
 from eaglet.draft.unroll import use_fast_unroll
 from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch,
                                       synthetic_loss_mask)
@@ -450,11 +450,13 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     timer = PhaseTimer(args.breakdown, device)
     timed = replace(par, module=_TimedSteps(par.module, timer), teacher=_TimedTeacher(par.teacher, timer))
 
+    skipped = SkippedSteps(device)  # the trainer's count of steps skipped for a non-finite gradient
+
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         timer.start_step()
         out = micro_batch(timed, next(turn), tc, autocast, sync=True)
         timer.mark("backward")
-        optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass)
+        optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass, skipped=skipped)
         timer.mark("optimizer")
         return out.total.detach()
 
