@@ -53,6 +53,22 @@ class Range:
         return f"{'<' if self.hi_open else '<='} {num(self.hi)}"
 
 
+@dataclass(frozen=True)
+class Pattern:
+    """The strings a text field takes: `regex` matched whole; `what` names them in docs and errors."""
+
+    regex: str
+    what: str
+    items: None = None
+
+    def __contains__(self, v: str) -> bool:
+        return re.fullmatch(self.regex, v) is not None
+
+    def __str__(self) -> str:
+        return self.what
+
+
+DEVICE = Pattern(r"auto|cpu|mps|(cuda|xpu|npu|hpu)(:\d+)?", "auto, cpu, cuda, cuda:N, mps, xpu[:N], npu[:N], hpu[:N]")
 SEEDS = Range(0, 2**32 - 1)  # a seed: numpy's legacy generator takes 32 bits, and eval derives torch seeds from it
 INT64_MAX = 2**63 - 1  # every integer setting ends up in a numpy or torch int64 (a size, a count, a seed)
 
@@ -69,7 +85,7 @@ FRACTION = Range(0, 1)  # in [0, 1]
 PATH, MODEL = "path", "model"  # `path` metadata: a file or folder; a model folder or a hub id
 
 
-def _f(default: Any, doc: str, check: Range | None = None, path: str | None = None, hashed: bool = True,
+def _f(default: Any, doc: str, check: Range | Pattern | None = None, path: str | None = None, hashed: bool = True,
        **kw: Any) -> Any:
     """A config field. hashed=False: a key of how a stage runs, not of what it writes, left out of
     the stage's input hash (`Config.hashed_section`): setting it reruns nothing, and adding such a
@@ -101,7 +117,8 @@ class TargetSection:
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = _f(
         "bfloat16", "Dtype the target is loaded in ('auto' keeps the checkpoint's)."
     )
-    device: str = _f("auto", "Device for the target: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1'.")
+    device: str = _f("auto", "Device for the target: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1'.",
+                     DEVICE)
     device_map: str | None = _f(
         None, "transformers device_map (e.g. 'auto') to spread a large target over GPUs. Under torchrun: one process "
         "per node (--nproc-per-node 1), each spreading its replica over the node's GPUs, data parallel across nodes."
@@ -280,7 +297,7 @@ class TrainSection:
         None, "Where torch.compile keeps what it compiled (inductor's cache), so that a resumed or later run sharing "
         "the folder compiles nothing again; default: $TORCHINDUCTOR_CACHE_DIR where set, else <EAGLET_CACHE or "
         "~/.cache/eaglet>/compile. On a slow network home, a node-local folder.", path=PATH, hashed=False)
-    device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.")
+    device: str = _f("auto", "Training device: 'auto' (cuda when present), 'cpu', 'cuda', 'cuda:N'.", DEVICE)
     draft_layers: int = _f(
         1, "Decoder layers in the draft (EAGLE-3: 1; at most 64, a draft being a small fraction of its target).",
         Range(1, 64))
@@ -351,7 +368,7 @@ class EvalSection:
         "many prompts; no speed or lossless figures (eaglet/engines/replay.py).")
     baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
     lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
-    device: str = _f("auto", "Device for target and draft during eval.")
+    device: str = _f("auto", "Device for target and draft during eval.", DEVICE)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
         "auto", "Dtype of target and draft in eval (auto: float32 on CPU, which the lossless check needs; bfloat16 on GPU)."
     )
@@ -573,8 +590,12 @@ FLOAT_TEXT = re.compile(r"[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][-+]?\d+)?")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
-def _check(key: str, value: Any, rng: Range | None) -> None:
+def _check(key: str, value: Any, rng: Range | Pattern | None) -> None:
     """Raise ConfigError, naming the key, when `value` (each item of a list) is outside `rng`."""
+    if isinstance(rng, Pattern):
+        if isinstance(value, str) and value not in rng:
+            raise ConfigError(f"{key}: {value!r} is not one of {rng}", fix=f"set one of {rng}")
+        return
     if rng is None or value is None or isinstance(value, str):  # a range bounds the numbers; "auto" is a Literal's
         return
     if isinstance(value, list):

@@ -106,6 +106,7 @@ def test_regenerate_flags_set_the_regenerate_section(tmp_path, monkeypatch):
 
 # ---- value ranges -----------------------------------------------------------------------------
 
+DEVICES = "auto, cpu, cuda, cuda:N, mps, xpu[:N], npu[:N], hpu[:N]"
 OUT_OF_RANGE = [
     ("train.eval_fraction", "1.5", "train.eval_fraction: 1.5 is not in [0, 1)"),
     ("train.eval_fraction", "1", "train.eval_fraction: 1.0 is not in [0, 1)"),
@@ -144,6 +145,10 @@ OUT_OF_RANGE = [
     ("eval.max_new_tokens", "9223372036854775808", "eval.max_new_tokens: 9223372036854775808 does not fit a 64-bit integer"),
     # a million draft layers: the doctor's meta skeleton alone took minutes
     ("train.draft_layers", "1000000", "train.draft_layers: 1000000 is not in [1, 64]"),
+    # a device torch cannot read failed only when the stage reached torch.device (exit 70)
+    ("train.device", "changed", "train.device: 'changed' is not one of " + DEVICES),
+    ("eval.device", "cuda:x", "eval.device: 'cuda:x' is not one of " + DEVICES),
+    ("target.device", "gpu", "target.device: 'gpu' is not one of " + DEVICES),
 ]
 
 
@@ -166,7 +171,8 @@ def test_values_out_of_range_name_the_key_in_file_and_override(tmp_path, key, va
                                         ("train.gamma", "1"), ("train.grad_clip", "0"), ("extract.selfcheck_samples", "0"),
                                         ("train.eval_every", "0"), ("prepare.max_length", "2"),
                                         ("run.seed", "4294967295"), ("train.seed", "0"),
-                                        ("train.max_steps", "9223372036854775807")])
+                                        ("train.max_steps", "9223372036854775807"), ("train.device", "cuda:1"),
+                                        ("eval.device", "cpu"), ("target.device", "auto"), ("train.device", "mps")])
 def test_values_at_the_edge_of_their_range_are_accepted(key, value):
     load_config(None, [f"{key}={value}"])
 
