@@ -573,3 +573,24 @@ def test_a_non_finite_weight_is_never_checkpointed(clean, tmp_path, monkeypatch,
         train_on_copy(tmp, base, tmp_path / "inf", "train.max_skipped_steps=100", f"train.log_every={log_every}")
     assert _no_non_finite_checkpoint(tmp_path / "inf") == ["step-0000002"]
     assert not (tmp_path / "inf" / "train" / "final").exists()
+
+
+def test_a_log_cut_by_a_kill_mid_write_resumes_to_the_same_losses(clean, tmp_path, capfd):
+    """A kill in the middle of a log.jsonl write leaves a partial last line (and a disk may leave
+    garbage): the resume drops the lines that do not parse, says how many, and logs the same
+    losses as the uninterrupted run (it died with exit 70, JSONDecodeError, before)."""
+    tmp, base, ref = clean
+    run = killed_copy(ref, tmp_path / "run", after=6)
+    path = run / "train" / "log.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    upto = next(k for k, ln in enumerate(lines) if json.loads(ln)["step"] > 6)  # the first line past the checkpoint
+    # garbage among the kept lines, then the first later line cut mid-way, as the kill left them
+    path.write_bytes(b"".join(lines[:2]) + b"\xff\x00{garbage\n" + b"".join(lines[2:upto]) + lines[upto][:17])
+    stats = _train(run, base)
+    assert stats["resumed"]["from_step"] == 6
+    err = capfd.readouterr().err
+    assert f"[train] {path}: dropped 2 lines that do not parse (a write cut short by a kill)" in err
+    kept = (ref / "train" / "log.jsonl").read_text().splitlines()[:upto]
+    assert path.read_text().splitlines()[:upto] == kept  # the lines before the checkpoint kept as they were
+    assert [(r["step"], r["loss"]) for r in _log(run)] == [(r["step"], r["loss"]) for r in _log(ref)]
+    _same_weights(run, ref)

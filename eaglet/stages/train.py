@@ -73,7 +73,7 @@ from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..formats.vocab import load_vocab
 from ..targets.families import text_config_from_dict
-from ..utils import log
+from ..utils import atomic_write_text, log
 from .checkpoint_writer import CheckpointWriter, host_snapshot
 from .context import StageContext
 from .online import AheadStates, OnlineStates
@@ -229,7 +229,8 @@ def set_aside(out_dir: Path) -> Path | None:
 # ---- the loop -------------------------------------------------------------------------------------
 
 class MetricLog:
-    """log.jsonl (+ TensorBoard when installed)."""
+    """log.jsonl (+ TensorBoard when installed). A resume keeps the lines of the steps up to the
+    checkpoint's and drops, with a log line, those that do not parse (a kill mid-write)."""
 
     def __init__(self, folder: Path, resume_step: int, tensorboard: bool, enabled: bool = True):
         self.path = folder / LOG_FILE
@@ -238,13 +239,16 @@ class MetricLog:
         self.kept: list[dict[str, Any]] = []
         if not enabled:  # ranks other than 0
             return
-        kept = []
+        kept: list[tuple[str, dict[str, Any]]] = []
         if resume_step and self.path.is_file():  # drop lines of steps the resume will redo
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept, dropped = _log_lines(self.path.read_bytes(), resume_step)
+            if dropped:  # a kill in the middle of a write: the checkpoint, not the log, is the state
+                log(f"[train] {self.path}: dropped {dropped} line{'s' if dropped > 1 else ''} that do not parse (a "
+                    "write cut short by a kill); their metrics are lost, the training state is the checkpoint's")
         elif self.path.is_file():
             self.path.unlink()
-        self.path.write_text("".join(ln + "\n" for ln in kept))
-        self.kept = [json.loads(ln) for ln in kept]
+        atomic_write_text(self.path, "".join(ln + "\n" for ln, _ in kept), fsync=False)
+        self.kept = [rec for _, rec in kept]
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -267,6 +271,25 @@ class MetricLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _log_lines(data: bytes, upto: int) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """log.jsonl's records of steps up to `upto`, each with its line, and the number of lines
+    dropped because they are not a record (cut short, or garbage)."""
+    kept, dropped = [], 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode()
+            rec = json.loads(line)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):  # UnicodeDecodeError, JSONDecodeError too
+            dropped += 1
+            continue
+        if step <= upto:
+            kept.append((line, rec))
+    return kept, dropped
 
 
 def _memory_gib(device: torch.device) -> float:
