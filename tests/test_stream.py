@@ -141,7 +141,7 @@ def test_buffer_never_exceeds_its_bound(assets, tmp_path):
     (the buffer's entries and the server's connector files) while training runs."""
     root, target, model, data = assets
     fake = _engine(model, tmp_path)
-    mb = 256 * ((len(LAYERS) + 1) * 64 * 4 + 5 + (len(LAYERS) + 1) * 64 * 2 + 8) + 4096 * 8
+    mb = 256 * ((len(LAYERS) + 1) * 64 * 4 + 5 + (len(LAYERS) + 1) * 64 * 4 + 8) + 4096 * 8  # float32 states, both
     bound_gb = 3.2 * mb / 1e9
     peak = [0]
     stop = threading.Event()
@@ -281,7 +281,7 @@ class _HeldProbe(threading.Condition):
 
 
 def test_the_bound_holds_the_producer_back_until_training_reads(assets, runs, tmp_path):
-    """A bound of about three micro-batches and a consumer that reads nothing until the producer
+    """A bound of about two micro-batches and a consumer that reads nothing until the producer
     is held by it: the entries and connector files on disk stay within the bound, fewer than all
     micro-batches are computed ahead, and the consumer then gets every micro-batch in order, the
     bytes on disk within the bound throughout."""
@@ -294,7 +294,7 @@ def test_the_bound_holds_the_producer_back_until_training_reads(assets, runs, tm
     loads = [ids[i : i + 2] for i in range(0, 24, 2)]
     toks = [sum(len(_prepared(probe, i, 256)[0]) for i in load) for load in loads]
     dims = (probe.n_aux, probe.hidden, probe.dtype)
-    bound = int(3.2 * max(micro_batch_bytes(t, 2, *dims) for t in toks))
+    bound = int(2.2 * max(micro_batch_bytes(t, 2, *dims, 4) for t in toks))  # float32 connector files
     assert sum(entry_bytes(t, 2, *dims) for t in toks) > 1.5 * bound  # all of them would not fit
     s = _streamed(runs, tmp_path / "buffer", fake, stream_buffer_gb=bound / 1e9)
     assert abs(s.bound - bound) <= 1
@@ -328,6 +328,31 @@ def test_the_bound_holds_the_producer_back_until_training_reads(assets, runs, tm
         t.join()
         s.close()
     assert 0 < peak[0] <= s.bound, (peak[0], s.bound)
+
+
+def test_the_reservation_covers_the_connector_files_the_engine_writes(assets, runs, tmp_path):
+    """A micro-batch's reservation holds the connector files its requests leave before they are
+    converted: the engine writes states in target.dtype (float32 here, 4 bytes a value), so a
+    reservation sized for 16-bit states would let the buffer outgrow its bound."""
+    from eaglet.formats.buffer import connector_itemsize, entry_bytes, micro_batch_bytes
+
+    _, _, model, _ = assets
+    fake = _engine(model, tmp_path / "engine")
+    s = _streamed(runs, tmp_path / "buffer", fake)
+    assert s.cfg.target.dtype == "float32"
+    load = [int(i) for i in s.sample_ids[:3]]
+    requests = [(i, _prepared(s, i, 256)[0].tolist()) for i in load]
+    fake.run(requests, None)
+    written = disk_bytes(tmp_path / "engine")
+    tokens = sum(len(ids) for _, ids in requests)
+    dims = (len(load), s.n_aux, s.hidden, s.dtype)
+    reserved = micro_batch_bytes(tokens, *dims, connector_itemsize(s.cfg.target.dtype)) - entry_bytes(tokens, *dims)
+    assert written <= reserved, (written, reserved)
+    s.start([load], 256)  # the stream reserves the same
+    try:
+        assert s.load_sizes == [micro_batch_bytes(tokens, *dims, 4)]
+    finally:
+        s.close()
 
 
 def test_a_server_of_another_model_is_refused_at_the_start(assets, tmp_path):

@@ -29,7 +29,7 @@ from ..config import Config
 from ..distributed import resolve_device
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import ConfigError, EagletError, PreflightError
-from ..formats.buffer import buffer_folder, micro_batch_bytes
+from ..formats.buffer import buffer_folder, connector_itemsize, micro_batch_bytes
 from ..formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
 from ..formats.datasets import check_data_file, iter_records, row_label
 from ..formats.prepared import PreparedData
@@ -845,7 +845,7 @@ def _stream_buffer(p: Probe) -> None:
     torchrun the in-process engine cannot serve every rank."""
     e, tc = p.cfg.extract, p.cfg.train
     hidden, n_aux = _hidden_and_aux(p)
-    one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype])
+    one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype], connector_itemsize(p.cfg.target.dtype))
     bound = float(e.stream_buffer_gb) * 1e9
     where = buffer_folder(e.stream_dir, p.cfg.run_dir / "train")
     what = (f"two micro-batches of train.max_tokens {tc.max_tokens} ({n_aux} + 1 states of width {hidden}, "

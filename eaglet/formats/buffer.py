@@ -45,11 +45,19 @@ def entry_bytes(tokens: int, samples: int, n_aux: int, hidden: int, dtype: torch
     return tokens * per_token + HEADER_BYTES + 24 * samples
 
 
-def micro_batch_bytes(tokens: int, samples: int, n_aux: int, hidden: int, dtype: torch.dtype) -> int:
+def connector_itemsize(target_dtype: str) -> int:
+    """Bytes per value of the states vLLM's connector files hold: the dtype the engine computes
+    in, target.dtype (a server's own: set target.dtype to what it runs); "auto" runs a float32
+    checkpoint in 16 bits too, as vLLM does."""
+    return 4 if target_dtype == "float32" else 2
+
+
+def micro_batch_bytes(tokens: int, samples: int, n_aux: int, hidden: int, dtype: torch.dtype,
+                      connector_bytes: int = 2) -> int:
     """What one micro-batch holds of the buffer at most: its entry, and the connector files of
-    its requests (vLLM writes the n_aux + 1 states in bf16, with the token ids) until they are
-    converted."""
-    connector = tokens * ((n_aux + 1) * hidden * 2 + 8) + 4096 * samples
+    its requests (vLLM writes the n_aux + 1 states, `connector_bytes` a value: `connector_itemsize`,
+    with the token ids) until they are converted."""
+    connector = tokens * ((n_aux + 1) * hidden * connector_bytes + 8) + 4096 * samples
     return entry_bytes(tokens, samples, n_aux, hidden, dtype) + connector
 
 

@@ -49,7 +49,7 @@ import torch
 from ..config import Config
 from ..engines.vllm import EngineProcess, LocalEngine, ServerEngine, engine_args
 from ..errors import ConfigError, InputError
-from ..formats.buffer import clear_entries, micro_batch_bytes, read_entry, write_entry
+from ..formats.buffer import clear_entries, connector_itemsize, micro_batch_bytes, read_entry, write_entry
 from ..formats.store import FP8, StoreReader, capture_dtype, quantize_states
 from ..utils import child_context, log, pid_alive
 from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
@@ -191,7 +191,8 @@ class StreamedStates(PreparedStates):
         if not self.loads:
             return
         self.load_tokens = [sum(self._tokens(i) for i in x) for x in self.loads]
-        self.load_sizes = [micro_batch_bytes(t, len(x), self.n_aux, self.hidden, self.dtype)
+        per_value = connector_itemsize(self.cfg.target.dtype)
+        self.load_sizes = [micro_batch_bytes(t, len(x), self.n_aux, self.hidden, self.dtype, per_value)
                            for t, x in zip(self.load_tokens, self.loads)]
         need = max(self.load_sizes)
         k = self.load_sizes.index(need)
