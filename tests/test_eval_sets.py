@@ -4,6 +4,7 @@ runs on a GPU only)."""
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -228,8 +229,14 @@ def test_eval_keeps_a_result_per_setting_and_evaluates_an_export_as_its_own_draf
 def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     """run_eval with eval.vllm on, vLLM replaced by a stand-in that answers every prompt the
     same way with and without the draft and counts 2 drafts per prompt and 1 token accepted
-    at position 1 in one of them: the result file, the speeds, the identity and the agreement check."""
+    at position 1 in one of them: the result file, the speeds, the identity and the agreement check.
+    The run's export is the trained draft written as the export stage writes it (checksums.json
+    too): vLLM gets it only once it is checked, and a damaged one is refused before any engine
+    starts or the target loads."""
     from eaglet.engines.vllm_specdec import SpecCounts
+    from eaglet.errors import CorruptDataError
+    from eaglet.formats.draft import FINAL_DIR, load_final
+    from eaglet.formats.serving import export_draft
     from eaglet.stages import eval_vllm, evaluate
 
     made = []
@@ -252,6 +259,11 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     cfg, ctx = _eval_setup(tmp_path)
     cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 6, 0
     ctx.upstream["export"] = tmp_path / "export"
+    draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
+    export_draft(draft, tmp_path / "export" / "vllm", "vllm", aux_layer_ids=aux, verifier_name_or_path=cfg.target.path,
+                 verifier_architectures=json.loads((Path(cfg.target.path) / "config.json").read_text())["architectures"],
+                 num_speculative_tokens=cfg.export.speculative_tokens, include_embed=cfg.export.include_embed,
+                 dtype=cfg.export.dtype)
     with pytest.raises(eval_vllm.EngineAgreementError, match="vLLM's mean acceptance length 1.500"):
         evaluate.run_eval(cfg, ctx)  # the stand-in's 1.5 is not this random draft's tau
     v = json.loads((ctx.out_dir / "heldout-chain2-greedy-vllm.json").read_text())
@@ -267,6 +279,29 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     stats = evaluate.run_eval(cfg, ctx)
     assert stats["vllm"]["mean_acceptance_length"] == pytest.approx(1.5) and stats["vllm"]["agreement_ok"] is None
+
+    weights = tmp_path / "export" / "vllm" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01  # one bit of a weight: vLLM would serve it without a word
+    weights.write_bytes(bytes(raw))
+    started = len(made)
+    for in_process in (False, True):  # the vLLM eval alone, and after the in-process eval (before the target loads)
+        cfg.eval.in_process = in_process
+        with pytest.raises(CorruptDataError, match=f"damaged file {weights} \\(sha256.*`eaglet export CONFIG --force`"):
+            evaluate.run_eval(cfg, ctx)
+    assert len(made) == started  # no engine was started
+
+    raw[-1] ^= 0x01
+    weights.write_bytes(bytes(raw))  # intact again, in an export written before checksums (no checksums.json)
+    (weights.parent / "checksums.json").unlink()
+    config = json.loads((weights.parent / "config.json").read_text())
+    del config["target_hidden_size"]  # vLLM's loader would take its own default
+    (weights.parent / "config.json").write_text(json.dumps(config))
+    cfg.eval.in_process = False
+    with pytest.raises(InputError, match=f"the run's export {weights.parent} would not load as vLLM .*"
+                                         "'target_hidden_size'.*`eaglet export CONFIG --force`"):
+        evaluate.run_eval(cfg, ctx)
+    assert len(made) == started
 
 
 def test_the_doctor_says_whether_the_run_ends_with_the_vllm_eval():

@@ -520,11 +520,9 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
     render = lambda messages: generation_prompt(tokenizer, template, messages)
-    if not load_models:  # vLLM reads eval.draft: checked here first, as below
-        if ecfg.draft:
-            read_eval_draft(ecfg.draft)
+    if not load_models:  # vLLM reads the draft's folder (eval.draft, else the run's export): checked here first
         return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
-                          ecfg.draft or str(upstream["export"] / "vllm"))
+                          vllm_draft(cfg, upstream))
     # the draft is read and checked (checksums, finite weights, eval.draft's loader format) before the target loads
     if ecfg.draft:
         exported = read_eval_draft(ecfg.draft)
@@ -537,19 +535,36 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source)
 
 
-def read_eval_draft(path: str) -> Loaded:
+def read_eval_draft(path: str, own: bool = False) -> Loaded:
     """eval.draft read (`load_draft`: checked against its checksums.json where eaglet wrote it,
     every weight finite) and holding what its engine's loader reads
     (eaglet/formats/serving_engines.py), so that eval measures the draft the engine would serve;
-    raises CorruptDataError or InputError naming the file and what is wrong."""
+    raises CorruptDataError or InputError naming the file and what is wrong. `own`: the run's own
+    export (the vLLM eval's draft without eval.draft), read the same way."""
     loaded = load_draft(path, finite=True)
     meta = loaded[2]
     problems = PROBLEMS[meta["format"]](meta["folder"])
     if problems:
-        raise InputError(f"eval.draft {meta['folder']} would not load as {ENGINES[meta['format']]} loads it: "
-                         + "; ".join(problems), fix="export the draft again (`eaglet export CONFIG`), or name another "
-                                                    "in eval.draft")
+        what, fix = ((f"the run's export {meta['folder']}", "export it again: `eaglet export CONFIG --force`") if own
+                     else (f"eval.draft {meta['folder']}", "export the draft again (`eaglet export CONFIG`), or name "
+                                                          "another in eval.draft"))
+        raise InputError(f"{what} would not load as {ENGINES[meta['format']]} loads it: " + "; ".join(problems), fix=fix)
     return loaded
+
+
+def vllm_draft(cfg: Config, upstream: dict[str, Any]) -> str:
+    """The folder the vLLM eval hands vLLM as its draft, eval.draft or else the run's
+    `<export>/vllm`, checked first (`read_eval_draft`: checksums, finite weights, its loader's
+    format): vLLM would load a damaged file without a word."""
+    if cfg.eval.draft:
+        read_eval_draft(cfg.eval.draft)
+        return cfg.eval.draft
+    folder = Path(upstream["export"]) / "vllm"
+    if not folder.is_dir():
+        raise InputError(f"the vLLM eval serves the run's vLLM export, and there is none in {folder.parent}",
+                         fix="add vllm to export.formats and run `eaglet export CONFIG`, or name an export in eval.draft")
+    read_eval_draft(str(folder), own=True)
+    return str(folder)
 
 
 def _exported_draft(loaded: Loaded, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
@@ -590,6 +605,8 @@ def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     if not ecfg.in_process and not vllm_on:
         raise InputError("eval.in_process is off and the vLLM eval does not run (eval.vllm)",
                          fix="set eval.in_process=true, or eval.vllm=on on a machine with vLLM and a GPU")
+    if vllm_on and ecfg.in_process and not ecfg.draft:  # the export vLLM will serve, checked before the target loads
+        vllm_draft(cfg, ctx.upstream)
     inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process)
     result, stats, key = None, {}, setting_key(ecfg)
     if ecfg.in_process:
