@@ -375,7 +375,8 @@ def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight
 
 def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
     """What a user who just ran the pipeline (or its export or eval) wants to see: tau and the
-    acceptance per draft position, where the exports are, and the commands that serve them."""
+    acceptance per draft position, eval.prompts records skipped, where the exports are, and the
+    commands that serve them."""
     by = {m["stage"]: m.get("stats") or {} for m in manifests}
     lines = [f"eaglet: {cfg.run_dir}"]
     ev = by.get("eval")
@@ -395,6 +396,10 @@ def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
             lines.append(f"  in vLLM: mean acceptance length {v['mean_acceptance_length']:.3f}{rel}; speedup {speed}")
         for c, t in (ev.get("tau_by_category") or {}).items():
             lines.append(f"    {c:<12} {t:.3f}")
+        if skipped := ev.get("skipped_prompts"):
+            counts = ", ".join(f"{r}={n}" for r, n in skipped.items())
+            lines.append(f"  skipped {sum(skipped.values())} record(s) of eval.prompts ({counts}); the first are "
+                         f"in {ev.get('result') or ev.get('vllm_result')} (skipped_prompts)")
         lines.append(f"  results: {cfg.run_dir / 'eval'}")
     for fmt, x in (by.get("export") or {}).items():
         if isinstance(x, dict) and "path" in x:

@@ -148,32 +148,156 @@ def test_a_conversations_file_asks_its_last_user_turn_after_its_context(tmp_path
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                       {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"}]},
         {"conversations": [{"from": "human", "value": "only this"}]},  # ShareGPT, no reply: fine here
-        {"messages": [{"role": "assistant", "content": "no user turn at all"}]},  # skipped
+        {"messages": [{"role": "assistant", "content": "no user turn at all"}]},  # skipped, counted
     ])
-    items = file_items(path)
+    items, skipped = file_items(path)
     assert [it.asks for it in items] == [("and then?",), ("only this",)]
     assert items[0].messages([], 0) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                                         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"}]
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "a"}]}, {"messages": 3}])
-    with pytest.raises(InputError, match=r"bad.jsonl row 2"):
-        file_items(bad)
+    assert skipped.by_reason() == {"no_user_turn": 1} and skipped.read == 3
+    assert skipped.examples[0]["row"] == 3 and skipped.examples[0]["file"] == str(path)
+
+
+def _bad_prompts():
+    """One record for each way a line of eval.prompts cannot be a prompt, by its reason."""
+    def msgs(*turns):
+        return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+
+    return {"malformed_json": '{"messages": [',
+            "not_a_conversation": json.dumps({"messages": 3}),
+            "unknown_role": msgs(("robot", "beep")),
+            "empty_content": msgs(("system", "s"), ("user", "   ")),  # an empty user turn
+            "no_user_turn": msgs(("assistant", "an answer to nothing")),
+            "invalid_unicode": '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+            "too_deeply_nested": '{"messages": [{"role": "user", "content": "q"}], "meta": ' + "[" * 5000 + "]" * 5000 + "}"}
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json"])
-def test_a_prompt_with_a_lone_surrogate_or_deep_nesting_is_named_by_row(tmp_path, kind):
-    """Before, such a prompt passed file_items and crashed eval in the tokenizer or the JSON decoder
-    (exit 70); like any bad record of eval.prompts it is now an InputError naming file and row."""
+def test_a_prompt_with_a_lone_surrogate_or_deep_nesting_is_skipped_and_counted_by_row(tmp_path, kind):
+    """Such a prompt crashed eval in the tokenizer or the JSON decoder (exit 70), then stopped it
+    (InputError); like every bad record of eval.prompts it is now skipped, counted by its reason
+    and kept as an example (file, row), and the records around it are asked."""
     from eaglet.stages.eval_sets import file_items
 
     ok = '{"messages": [{"role": "user", "content": "fine"}]}'
-    cases = {"invalid_unicode: a lone surrogate \\ud800": '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
-             "too_deeply_nested": '{"messages": [{"role": "user", "content": "q"}], "meta": ' + "[" * 5000 + "]" * 5000 + "}"}
-    for words, bad in cases.items():
-        path = tmp_path / f"p.{kind}"
+    for reason in ("invalid_unicode", "too_deeply_nested"):
+        bad = _bad_prompts()[reason]
+        path = tmp_path / f"{reason}.{kind}"
         path.write_text("\n".join([ok, bad, ok]) + "\n" if kind == "jsonl" else f"[{ok}, {bad}, {ok}]")
-        row = 2 if kind == "jsonl" else 1
-        with pytest.raises(InputError, match=re.escape(f"eval.prompts: {path} row {row}: {words}")):
-            file_items(path)
+        first = 1 if kind == "jsonl" else 0
+        items, skipped = file_items(path)
+        assert [it.key for it in items] == [f"{path.name} row {first}", f"{path.name} row {first + 2}"]
+        assert skipped.by_reason() == {reason: 1} and skipped.read == 3
+        assert [(e["file"], e["row"], e["reason"]) for e in skipped.examples] == [(str(path), first + 1, reason)]
+
+
+def test_every_unusable_record_of_eval_prompts_is_skipped_and_counted_and_num_prompts_counts_usable_ones(tmp_path):
+    """Each reason once among the records, and eval.num_prompts (the limit) counts usable prompts
+    only: 2 of them are the 1st and 9th records, and reading stops there."""
+    from eaglet.stages.eval_sets import SKIPPED_EXAMPLES, file_items, named_items
+
+    ask = lambda q: json.dumps({"messages": [{"role": "user", "content": q}]})  # noqa: E731
+    bad = _bad_prompts()
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([ask("one"), *bad.values(), ask("two"), ask("three")]) + "\n")
+    items, skipped = named_items(str(path), 2, heldout=lambda: pytest.fail("not heldout"))
+    assert [it.asks for it in items] == [("one",), ("two",)]
+    assert skipped.by_reason() == {r: 1 for r in sorted(bad)} and skipped.total == len(bad) == 7
+    assert skipped.read == 9  # the third prompt is not read
+    assert [(e["row"], e["reason"]) for e in skipped.examples] == list(zip(range(2, 2 + SKIPPED_EXAMPLES), bad))
+    line = skipped.warning()
+    assert line.startswith(f"eval.prompts {path}: skipped 7 of the 9 records read (empty_content=1, "
+                           f"invalid_unicode=1, malformed_json=1, no_user_turn=1, not_a_conversation=1, "
+                           f"too_deeply_nested=1, unknown_role=1), e.g. {path}:line 2: malformed_json: ")
+    items, skipped = file_items(path)
+    assert [it.asks for it in items] == [("one",), ("two",), ("three",)] and skipped.read == 10
+
+
+def test_a_prompts_file_without_a_usable_record_is_one_line_with_the_counts(tmp_path):
+    from eaglet.errors import ConfigError
+    from eaglet.stages.eval_sets import file_items
+
+    bad = _bad_prompts()
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([bad["no_user_turn"], bad["invalid_unicode"], bad["no_user_turn"]]) + "\n")
+    with pytest.raises(InputError) as e:
+        file_items(path)
+    assert e.value.exit_code == 4 and e.value.line() == (
+        f"eval.prompts: {path}: no usable conversation (3 records read; skipped: invalid_unicode=1, "
+        "no_user_turn=2); fix the file (each record needs a user turn to ask), or set eval.prompts to heldout, "
+        "mt_bench or another file")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(InputError, match=r"eval\.prompts: .*empty\.jsonl: no records \(the file is empty"):
+        file_items(tmp_path / "empty.jsonl")
+    (tmp_path / "p.txt").write_text(bad["no_user_turn"])  # the readers' whole-file errors name eval.prompts
+    with pytest.raises(ConfigError, match=r"^eval\.prompts: .*p\.txt: unknown file type '\.txt'"):
+        file_items(tmp_path / "p.txt")
+
+
+def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_path, monkeypatch, capfd):
+    """Both eval paths over a file with two bad records among three good ones, eval.num_prompts 2:
+    the two good prompts around the bad ones are decoded (a bad one uses up none of the 2), one
+    WARNING line names the first skipped row, and the counts and examples are in the result JSON,
+    the stage's stats (the manifest's) and the run summary; the vLLM eval (a stand-in engine)
+    writes the same into its own result."""
+    from eaglet.engines.vllm_specdec import SpecCounts
+    from eaglet.formats.draft import FINAL_DIR, load_final
+    from eaglet.formats.serving import export_draft
+    from eaglet.pipeline import run_summary
+    from eaglet.stages import eval_vllm, evaluate
+
+    cfg, ctx = _eval_setup(tmp_path)
+    cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 4, 0
+    cfg.eval.num_prompts = 2
+    ask = lambda q: json.dumps({"messages": [{"role": "user", "content": q}]})  # noqa: E731
+    bad = _bad_prompts()
+    path = tmp_path / "asks.jsonl"
+    path.write_text("\n".join([bad["no_user_turn"], ask("tell me"), bad["invalid_unicode"], ask("go on"),
+                               ask("not asked")]) + "\n")
+    counts = {"invalid_unicode": 1, "no_user_turn": 1}
+    cfg.eval.prompts = str(path)
+    stats = evaluate.run_eval(cfg, ctx)
+    res = json.loads((ctx.out_dir / stats["result"]).read_text())
+    assert [r["item"] for r in res["prompts"]] == ["asks.jsonl row 2", "asks.jsonl row 4"] and stats["num_prompts"] == 2
+    skipped = res["skipped_prompts"]
+    assert {k: skipped[k] for k in ("file", "records_read", "counts")} == {"file": str(path), "records_read": 4,
+                                                                          "counts": counts}
+    assert [(e["file"], e["row"], e["reason"]) for e in skipped["examples"]] == [
+        (str(path), 1, "no_user_turn"), (str(path), 3, "invalid_unicode")]
+    assert stats["skipped_prompts"] == counts
+    err = capfd.readouterr().err
+    assert f"[eval] WARNING: eval.prompts {path}: skipped 2 of the 4 records read (invalid_unicode=1, " \
+           f"no_user_turn=1), e.g. {path}:line 1: no_user_turn: " in err and err.count("skipped 2 of") == 1
+    said = "  skipped 2 record(s) of eval.prompts (invalid_unicode=1, no_user_turn=1); the first are in {} " \
+           "(skipped_prompts)"
+    assert said.format("asks-chain2-greedy.json") in run_summary(cfg, [{"stage": "eval", "stats": stats}]).splitlines()
+
+    class StandIn:  # the vLLM eval alone, vLLM replaced: what it is asked and what it writes
+        def __init__(self, target, *, draft=None, k=0, **kw):
+            self.draft, self.k = draft, k
+
+        def generate(self, prompts, max_tokens, batch):
+            n = len(prompts)
+            counts = SpecCounts(2 * n, 2 * n * self.k, n, [n] + [0] * (self.k - 1)) if self.draft else SpecCounts()
+            return [[5] * 4 for _ in prompts], 1.0, counts
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(eval_vllm, "VllmDecoder", StandIn)
+    monkeypatch.setattr(evaluate, "want_vllm", lambda ecfg: True)
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
+    cfg.eval.draft = str(export_draft(draft, tmp_path / "exported", "vllm", aux_layer_ids=aux, verifier_name_or_path="t",
+                                      verifier_architectures=[], num_speculative_tokens=2, include_embed=False,
+                                      dtype="float32"))
+    cfg.eval.in_process = False
+    stats = evaluate.run_eval(cfg, ctx)
+    v = json.loads((ctx.out_dir / stats["vllm_result"]).read_text())
+    assert [r["item"] for r in v["prompts"]] == ["asks.jsonl row 2", "asks.jsonl row 4"] and v["num_prompts"] == 2
+    assert v["skipped_prompts"] == skipped and stats["skipped_prompts"] == counts
+    assert said.format("asks-chain2-greedy-vllm.json") in run_summary(cfg, [{"stage": "eval", "stats": stats}])
+    assert "skipped" not in run_summary(cfg, [{"stage": "eval", "stats": {**stats, "skipped_prompts": {}}}])
 
 
 def test_a_second_turn_is_asked_after_the_first_answer():
@@ -260,8 +384,9 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 6, 0
     ctx.upstream["export"] = tmp_path / "export"
     draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
+    architectures = json.loads((Path(cfg.target.path) / "config.json").read_text())["architectures"]
     export_draft(draft, tmp_path / "export" / "vllm", "vllm", aux_layer_ids=aux, verifier_name_or_path=cfg.target.path,
-                 verifier_architectures=json.loads((Path(cfg.target.path) / "config.json").read_text())["architectures"],
+                 verifier_architectures=architectures,
                  num_speculative_tokens=cfg.export.speculative_tokens, include_embed=cfg.export.include_embed,
                  dtype=cfg.export.dtype)
     with pytest.raises(eval_vllm.EngineAgreementError, match="vLLM's mean acceptance length 1.500"):

@@ -6,7 +6,10 @@
                extraction, stem, humanities: 10 each), two user turns each; the second is
                asked after the target's own answer to the first
     PATH       a file of conversations in any format prepare reads: the last user turn is the
-               prompt, the messages before it (as the file has them) its context
+               prompt, the messages before it (as the file has them) its context. A record that
+               cannot be one (any reason prepare skips a record for, or no user turn) is skipped
+               and counted by reason (`SkippedPrompts`), as prepare counts its bad records; a
+               file without one usable record is an InputError giving those counts
 
 Each prompt is an `EvalItem`. `run_rounds` decodes every item's first turn, then every second
 turn with the answers of the first in the conversation, and so on, with any decoder: the
@@ -16,21 +19,25 @@ use it alike, so both ask the same questions the same way.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..formats.datasets import (
     RecordError,
     iter_records,
     mt_bench_questions,
     normalize_record,
+    row_label,
 )
 
 HELDOUT, MT_BENCH = "heldout", "mt_bench"
 Message = dict[str, str]
+NO_USER_TURN = "no_user_turn"  # a skip reason of eval.prompts only: a conversation with nothing to ask
+SKIPPED_EXAMPLES = 5  # skipped records of eval.prompts kept (file, row, reason, detail) in the result
 
 
 @dataclass(frozen=True)
@@ -69,29 +76,85 @@ def mt_bench_items(limit: int | None = None, cache: Path | None = None) -> list[
     return [EvalItem(key=f"mt_bench {q['id']}", category=q["category"], asks=tuple(q["turns"])) for q in qs]
 
 
-def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto", multimodal: str = "drop") -> list[EvalItem]:
-    """The first `limit` conversations of `path` that have a user turn; a record that cannot be
-    read is an InputError naming the file and row."""
+@dataclass
+class SkippedPrompts:
+    """The records of an eval.prompts file eval passed over, counted by reason (prepare's reasons,
+    eaglet/formats/datasets.py, and no_user_turn), the first SKIPPED_EXAMPLES of them kept as
+    prepare's skipped.jsonl lines are ({file, row, reason, detail}). `read`: the records read,
+    which end with the last one eval uses (eval.num_prompts counts usable records only)."""
+
+    path: str = ""
+    read: int = 0
+    counts: Counter = field(default_factory=Counter)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, row: int, err: RecordError) -> None:
+        self.counts[err.reason] += 1
+        if len(self.examples) < SKIPPED_EXAMPLES:
+            self.examples.append({"file": self.path, "row": row, "reason": err.reason, "detail": err.detail})
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def by_reason(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+    def counts_text(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.by_reason().items()) or "none"
+
+    def to_json(self) -> dict[str, Any]:
+        """As the result JSON has it (`skipped_prompts`)."""
+        return {"file": self.path or None, "records_read": self.read, "counts": self.by_reason(),
+                "examples": list(self.examples)}
+
+    def warning(self) -> str | None:
+        """One line for the log when any record was skipped, naming the first; else None."""
+        if not self.total:
+            return None
+        e = self.examples[0]
+        return (f"eval.prompts {self.path}: skipped {self.total} of the {self.read} records read ({self.counts_text()}), "
+                f"e.g. {row_label(e['file'], e['row'])}: {e['reason']}: {str(e['detail'])[:200]}; the counts and the "
+                f"first {SKIPPED_EXAMPLES} are in the result's skipped_prompts")
+
+
+def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto",
+               multimodal: str = "drop") -> tuple[list[EvalItem], SkippedPrompts]:
+    """The first `limit` usable conversations of `path` (a bad record does not use up one), and
+    the records skipped on the way: one that cannot be read or normalised (its RecordError's
+    reason) or has no user turn (no_user_turn; an empty user turn is normalize_record's
+    empty_content). A file without a usable record is an InputError giving the counts by reason."""
     out: list[EvalItem] = []
-    for row, rec in iter_records(path):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            messages = normalize_record(rec, fmt, multimodal, need_assistant=False)
-        except RecordError as e:
-            raise InputError(f"eval.prompts: {path} row {row}: {e}",
-                             fix="fix or remove that record (eval reads every record it uses)") from None
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if not users:
-            continue
-        last = users[-1]
-        out.append(EvalItem(key=f"{Path(path).name} row {row}", context=tuple(messages[:last]),
-                            asks=(messages[last]["content"],)))
+    skipped = SkippedPrompts(path=str(path))
+    try:
+        for row, rec in iter_records(path):
+            skipped.read += 1
+            try:
+                if isinstance(rec, RecordError):
+                    raise rec
+                messages = normalize_record(rec, fmt, multimodal, need_assistant=False)
+                users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+                if not users:
+                    raise RecordError(NO_USER_TURN, f"{len(messages)} turn(s), none from the user: nothing to ask")
+            except RecordError as e:
+                skipped.add(row, e)
+                continue
+            last = users[-1]
+            out.append(EvalItem(key=f"{Path(path).name} row {row}", context=tuple(messages[:last]),
+                                asks=(messages[last]["content"],)))
+            if limit is not None and len(out) >= limit:
+                break
+    except (InputError, ConfigError) as e:  # the whole file: the readers name it as prepare.data's
+        if e.message.startswith("prepare.data: "):
+            raise type(e)("eval.prompts: " + e.message.removeprefix("prepare.data: "), fix=e.fix) from None
+        raise
     if not out:
-        raise InputError(f"eval.prompts: {path} has no conversation with a user turn")
-    return out
+        what = (f"no usable conversation ({skipped.read} records read; skipped: {skipped.counts_text()})"
+                if skipped.read else "no records (the file is empty or holds only blank lines)")
+        raise InputError(f"eval.prompts: {path}: {what}",
+                         fix="fix the file (each record needs a user turn to ask), or set eval.prompts to "
+                             "heldout, mt_bench or another file")
+    return out, skipped
 
 
 def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputError:
@@ -112,12 +175,13 @@ def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputErro
 
 
 def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int, Sequence[int]]]],
-                fmt: str = "auto", multimodal: str = "drop") -> list[EvalItem]:
-    """The items eval.prompts names; `heldout` gives the held-out (sample id, tokens) on demand."""
+                fmt: str = "auto", multimodal: str = "drop") -> tuple[list[EvalItem], SkippedPrompts]:
+    """The items eval.prompts names and the records of a file skipped (`file_items`; none for
+    heldout and mt_bench); `heldout` gives the held-out (sample id, tokens) on demand."""
     if spec == HELDOUT:
-        return heldout_items(heldout())
+        return heldout_items(heldout()), SkippedPrompts()
     if spec == MT_BENCH:
-        return mt_bench_items(limit)
+        return mt_bench_items(limit), SkippedPrompts()
     if not Path(spec).is_file():
         raise InputError(f"eval.prompts: {spec!r} is neither 'heldout', 'mt_bench' nor a file",
                          fix="set eval.prompts to heldout, mt_bench or the path of a conversations file")

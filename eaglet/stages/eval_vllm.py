@@ -115,6 +115,7 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
     result = {
         "engine": "vllm", "vllm_version": installed_vllm_version(), "draft": folder, "k": k,
         "max_new_tokens": n_new, "dtype": engine["dtype"], "num_prompts": len(records),
+        "skipped_prompts": inp.skipped.to_json(),
         "acceptance": acc, "acceptance_batch": sizes[0],
         "acceptance_by_batch": {f"batch_{b}": runs[f"draft_b{b}"][2].summary() for b in sizes},
         "speed": speed, "greedy_identity": identity,

@@ -35,7 +35,7 @@ import gc
 import io
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ from ..targets.families import default_layers, family_of
 from ..targets.load import TargetParts, load_target
 from ..utils import atomic_write_bytes, atomic_write_json, log
 from .context import StageContext
-from .eval_sets import EvalItem, by_category, named_items, no_heldout_error, run_rounds, set_name
+from .eval_sets import EvalItem, SkippedPrompts, by_category, named_items, no_heldout_error, run_rounds, set_name
 from .eval_vllm import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .online import split_source
 from .train_data import split_ids
@@ -496,6 +496,7 @@ class EvalInputs:
     dtype: str
     render: Callable[[list[dict[str, str]]], list[int]]
     draft_source: str  # the final/ folder or the export folder the draft came from
+    skipped: SkippedPrompts = field(default_factory=SkippedPrompts)  # eval.prompts records passed over
 
 
 def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True) -> EvalInputs:
@@ -515,14 +516,16 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
             raise no_heldout_error(len(split_ids_from), held, cfg.train.eval_fraction)
         return named
 
-    items = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
+    items, skipped = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
+    if warning := skipped.warning():  # before the target loads
+        log(f"[eval] WARNING: {warning}")
     dtype = resolve_eval_dtype(ecfg)
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
     render = lambda messages: generation_prompt(tokenizer, template, messages)
     if not load_models:  # vLLM reads the draft's folder (eval.draft, else the run's export): checked here first
         return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
-                          vllm_draft(cfg, upstream))
+                          vllm_draft(cfg, upstream), skipped)
     # the draft is read and checked (checksums, finite weights, eval.draft's loader format) before the target loads
     if ecfg.draft:
         exported = read_eval_draft(ecfg.draft)
@@ -532,7 +535,7 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     target, info = load_target(replace(cfg.target, device=ecfg.device, dtype=dtype))
     if ecfg.draft:
         draft, aux_layers, source = _exported_draft(exported, target)
-    return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source)
+    return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source, skipped)
 
 
 def read_eval_draft(path: str, own: bool = False) -> Loaded:
@@ -623,6 +626,7 @@ def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
             _write_plot(ctx.out_dir, key, plot_eval(result, vllm))
         stats["vllm"] = vllm_stats(vllm)
         stats["vllm_result"] = f"{setting_key(ecfg, 'vllm')}.json"
+    stats["skipped_prompts"] = inp.skipped.by_reason()  # eval.prompts records passed over, by reason
     if result is not None:
         _check_lossless(result, inp.dtype, ctx.out_dir / f"{key}.json")
     if vllm is not None and result is not None:
@@ -640,7 +644,7 @@ def _in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tu
         if rec["item"].startswith("sample "):
             rec["sample_id"] = int(rec["item"].split()[1])
     result.update(target=inp.info, aux_layers=list(inp.aux_layers), prompt_set=ecfg.prompts, draft=inp.draft_source,
-                  input_hash=ctx.input_hash)
+                  input_hash=ctx.input_hash, skipped_prompts=inp.skipped.to_json())
     if ecfg.reference_prompts:
         firsts = list(inp.items)[: ecfg.reference_prompts]
         # replay gives decoding's counts (sampled: drawn as decoding draws them) for less
