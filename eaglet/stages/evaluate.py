@@ -551,7 +551,8 @@ def read_eval_draft(path: str, own: bool = False) -> Loaded:
         what, fix = ((f"the run's export {meta['folder']}", "export it again: `eaglet export CONFIG --force`") if own
                      else (f"eval.draft {meta['folder']}", "export the draft again (`eaglet export CONFIG`), or name "
                                                           "another in eval.draft"))
-        raise InputError(f"{what} would not load as {ENGINES[meta['format']]} loads it: " + "; ".join(problems), fix=fix)
+        raise InputError(f"{what} would not load as {ENGINES[meta['format']]} loads it: " + "; ".join(problems),
+                         fix=fix)
     return loaded
 
 
@@ -565,7 +566,8 @@ def vllm_draft(cfg: Config, upstream: dict[str, Any]) -> str:
     folder = Path(upstream["export"]) / "vllm"
     if not folder.is_dir():
         raise InputError(f"the vLLM eval serves the run's vLLM export, and there is none in {folder.parent}",
-                         fix="add vllm to export.formats and run `eaglet export CONFIG`, or name an export in eval.draft")
+                         fix="add vllm to export.formats and run `eaglet export CONFIG`, or name an export in "
+                             "eval.draft")
     read_eval_draft(str(folder), own=True)
     return str(folder)
 
