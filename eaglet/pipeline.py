@@ -44,7 +44,6 @@ from .errors import CorruptDataError, InputError, ResumeError
 from .formats.checked import listed, outputs_problem
 from .formats.datasets import check_data_files
 from .formats.draft import FINAL_DIR
-from .formats.store import INDEX as STORE_INDEX
 from .stages.context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
@@ -63,10 +62,9 @@ class Stage:
     # The stages before it that it reads (None: all); its input hash chains to the last of them.
     needs: Callable[[Config], tuple[str, ...]] | None = None
     # Its outputs, as its manifest lists them (eaglet/formats/checked.py `listed`): the folders
-    # (relative to its own) whose checksums.json lists what later stages read, and files that
-    # another check covers, listed by size alone (the store's index.json; its shards have sidecars).
+    # (relative to its own) whose checksums.json lists what later stages read (the store's shards,
+    # which have sidecars, are not listed).
     outputs: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
-    sized: tuple[str, ...] = ()
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
@@ -128,7 +126,7 @@ STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
           _prepare_files, target=tokenizer_identity, outputs=_here),
     Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True,
-          target=model_identity, outputs=_here, sized=(STORE_INDEX,)),
+          target=model_identity, outputs=_here),
     Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab", outputs=_here),
     Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True,
           outputs=lambda cfg: (FINAL_DIR,)),
@@ -342,7 +340,7 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
             "started": t0,
             "seconds": round(time.time() - t0, 3),
             "stats": stats,
-            "outputs": listed(out_dir, stage.outputs(cfg), stage.sized),
+            "outputs": listed(out_dir, stage.outputs(cfg)),
         }
         atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2, default=str))
         log(f"[{stage.name}] done in {manifest['seconds']:.1f}s")

@@ -55,6 +55,7 @@ READERS = {
     "prepare/index.json": (lambda run: PreparedData(run / "prepare"), "eaglet prepare CONFIG --force"),
     "extract/head.safetensors": (_head, "eaglet extract CONFIG --force"),
     "extract/target_config.json": (lambda run: read_target_config(run / "extract"), "eaglet extract CONFIG --force"),
+    "extract/index.json": (lambda run: StoreReader(run / "extract", verify=False), "eaglet extract CONFIG --force"),
     "vocab/vocab.safetensors": (lambda run: load_vocab(run / "vocab"), "eaglet vocab CONFIG --force"),
     "train/final/model.safetensors": (lambda run: load_final(run / "train" / "final"), "eaglet train CONFIG"),
     "train/final/draft_config.json": (lambda run: load_final(run / "train" / "final"), "eaglet train CONFIG"),
@@ -124,8 +125,9 @@ def test_checksums_json_damaged_or_listing_another_run_is_refused(run, folder):
 
 def test_the_manifests_list_every_output_with_its_sum_and_each_is_damaged_above(made):
     """Each manifest lists its stage's outputs with the sha256 and size they were written with;
-    every listed file (but checksums.json, and the store's index.json, which its shards' sidecars
-    check) is one READERS damages, so an output added without a check fails here."""
+    every listed file (but checksums.json, and the store's store.json, which only extraction
+    reads: tests/test_store.py damages it) is one READERS damages, so an output added without a
+    check fails here."""
     run, _ = made
     checked_here = set()
     for stage in ("prepare", "extract", "vocab", "train", "export", "eval"):
@@ -133,13 +135,12 @@ def test_the_manifests_list_every_output_with_its_sum_and_each_is_damaged_above(
         for rel, want in outputs.items():
             data = (run / stage / rel).read_bytes()
             assert len(data) == want["bytes"], rel
-            if "sha256" in want:
-                assert hashlib.sha256(data).hexdigest() == want["sha256"], rel
-            if not rel.endswith("checksums.json") and (stage, rel) != ("extract", "index.json"):
+            assert hashlib.sha256(data).hexdigest() == want["sha256"], rel
+            if not rel.endswith("checksums.json") and (stage, rel) != ("extract", "store.json"):
                 checked_here.add(f"{stage}/{rel}")
     assert checked_here == set(READERS)
     assert set(json.loads((run / "extract" / "manifest.json").read_text())["outputs"]) == {
-        "head.safetensors", "target_config.json", "checksums.json", "index.json"}  # no shard: they have sidecars
+        "store.json", "head.safetensors", "target_config.json", "index.json", "checksums.json"}  # shards: sidecars
 
 
 def test_a_folder_written_before_checksums_is_read_with_a_note_once(run, capsys):

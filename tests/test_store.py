@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import threading
 import time
 
@@ -11,8 +12,12 @@ import pytest
 import torch
 
 import eaglet.formats.store as store_mod
-from eaglet.formats.store import (INDEX, CorruptShardError, StoreReader, StoreWriter, open_verified, resume_folder,
-                                  write_safetensors)
+from eaglet import cli
+from eaglet.errors import CorruptDataError
+from eaglet.formats import checked
+from eaglet.formats.checked import CHECKSUMS
+from eaglet.formats.store import (FORMAT, INDEX, STORE_META, CorruptShardError, StoreReader, StoreWriter,
+                                  open_verified, prepare_folder, resume_folder, write_safetensors)
 
 H, N_AUX = 8, 3
 
@@ -103,8 +108,16 @@ def test_truncated_shard_is_named(tmp_path):
 
 
 def test_reader_needs_finished_store(tmp_path):
+    """An extraction not finished (index.json gone and unlisted: prepare_folder drops it from
+    checksums.json as an extraction starts) is no store; a finished store's index.json deleted is
+    a missing file, named with the command that writes it again."""
     _write(tmp_path, _samples(5))
     (tmp_path / INDEX).unlink()
+    with pytest.raises(CorruptDataError) as e:
+        StoreReader(tmp_path)
+    assert e.value.line() == f"missing file {tmp_path / INDEX}; repair it with `eaglet extract CONFIG --force`"
+    prepare_folder(tmp_path, _meta(), fsync=False)  # an extraction begun (then killed)
+    assert INDEX not in json.loads((tmp_path / CHECKSUMS).read_text())["files"]
     with pytest.raises(FileNotFoundError, match=INDEX):
         StoreReader(tmp_path)
 
@@ -297,3 +310,190 @@ def test_a_store_begun_under_an_earlier_hash_of_the_same_inputs_resumes(tmp_path
         w.close()
     else:
         assert kept == [] and check.intact == 0
+
+
+# ---- store.json and index.json: checksummed, and a lost store.json never costs the shards ----------------
+
+
+def _shard_files(folder) -> dict:
+    """name -> (inode, mtime) of every shard and sidecar: a file deleted or written again changes."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.glob("shard-r*"))}
+
+
+def _sums(folder) -> dict:
+    return json.loads((folder / CHECKSUMS).read_text())["files"]
+
+
+def test_store_json_and_index_json_are_listed_in_checksums_json_as_written(tmp_path):
+    """store.json is listed as an extraction starts, index.json when it ends (and dropped when
+    the next begins), each with the sha256 of its bytes."""
+    _write(tmp_path, _samples(5))
+    sums = _sums(tmp_path)
+    assert set(sums) == {STORE_META, INDEX}
+    for name in (STORE_META, INDEX):
+        data = (tmp_path / name).read_bytes()
+        assert sums[name] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    assert json.loads((tmp_path / STORE_META).read_text()) == {"format": FORMAT, **_meta()}
+
+
+def _differs(path):  # still JSON, and what it says is another input's: only its checksum tells
+    path.write_text(path.read_text().replace(f'"hidden_size": {H}', f'"hidden_size": {H + 1}'))
+
+
+def _older_and_cut(path):  # a store written before store.json was checksummed, its store.json cut
+    (path.parent / CHECKSUMS).unlink()
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+STORE_JSON_DAMAGE = {
+    "deleted": (lambda p: p.unlink(), "missing"),
+    "cut": (lambda p: p.write_bytes(p.read_bytes()[:-7]), "damaged ("),
+    "changed": (_differs, f"damaged (sha256 differs from its {CHECKSUMS}: changed since it was written)"),
+    "older store, cut": (_older_and_cut, "damaged (not readable: JSONDecodeError)"),
+}
+
+
+@pytest.mark.parametrize("how", list(STORE_JSON_DAMAGE))
+def test_a_lost_or_damaged_store_json_keeps_the_shards_index_json_describes(tmp_path, how, capsys):
+    """store.json deleted or damaged: the shards index.json describes as these same inputs' are
+    kept, store.json written again, and the extraction goes on (before, every shard was deleted,
+    "made for other inputs (no readable store.json)": GPU-hours lost for a 300-byte file)."""
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    before = _shard_files(tmp_path)
+    damage, lost = STORE_JSON_DAMAGE[how]
+    damage(tmp_path / STORE_META)
+    capsys.readouterr()
+    check = resume_folder(tmp_path, _meta(), fsync=False)
+    err = capsys.readouterr().err
+    shards = len([f for f in before if f.endswith(".safetensors")])
+    assert f"[extract] {STORE_META} of the store in {tmp_path} is {lost}" in err, err
+    assert (f"but {INDEX} describes these same inputs: keeping its {shards} shard files and writing {STORE_META} "
+            "again") in err
+    assert "clearing" not in err
+    assert _shard_files(tmp_path) == before  # not one shard or sidecar deleted or written again
+    assert check.intact == shards and check.bad == check.missing == []
+    assert json.loads((tmp_path / STORE_META).read_text()) == {"format": FORMAT, **_meta()}
+    assert _sums(tmp_path)[STORE_META]["sha256"] == hashlib.sha256((tmp_path / STORE_META).read_bytes()).hexdigest()
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=4000, fsync=False, prepare=False)
+    assert w.done_ids() == set(samples)
+    w.close()
+    _assert_same(open_verified(tmp_path), samples)
+
+
+def test_a_store_json_lost_mid_extraction_is_written_again_from_the_sha256_recorded(tmp_path, capsys):
+    """No index.json yet (an extraction cut short), store.json deleted: the sha256 checksums.json
+    recorded for it is that of today's store.json, so the shards are these inputs' and are kept."""
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    prepare_folder(tmp_path, _meta(), fsync=False)  # a rerun begun, then killed: no index.json
+    (tmp_path / STORE_META).unlink()
+    before = _shard_files(tmp_path)
+    capsys.readouterr()
+    resume_folder(tmp_path, _meta(), fsync=False)
+    err = capsys.readouterr().err
+    assert (f"{STORE_META} of the store in {tmp_path} is missing, but the sha256 its {CHECKSUMS} recorded for it "
+            f"describes these same inputs: keeping its") in err, err
+    assert _shard_files(tmp_path) == before
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=4000, fsync=False, prepare=False)
+    assert w.done_ids() == set(samples)
+    w.close()
+
+
+@pytest.mark.parametrize("also", ["checksums.json lost", "other inputs now"])
+def test_a_lost_store_json_with_nothing_to_say_what_the_shards_hold_stops_and_keeps_them(tmp_path, also):
+    """store.json lost mid-extraction and nothing else says what the shards hold (checksums.json
+    lost too, or its sha256 is not today's store.json's): one line, exit 5, naming store.json,
+    the shard files kept and what to do; not a file is deleted."""
+    _write(tmp_path, _samples(25))
+    prepare_folder(tmp_path, _meta(), fsync=False)  # no index.json
+    (tmp_path / STORE_META).unlink()
+    if also == "checksums.json lost":
+        (tmp_path / CHECKSUMS).unlink()
+    before = _shard_files(tmp_path)
+    with pytest.raises(CorruptDataError) as e:
+        resume_folder(tmp_path, _meta(input_hash="h2" if also == "other inputs now" else "h1"), fsync=False)
+    shards = len([f for f in before if f.endswith(".safetensors")])
+    code, line = cli._error_line(e.value)
+    assert code == 5 and line == (
+        f"{STORE_META} of the store in {tmp_path} is missing and no {INDEX} says what its {shards} shard files hold "
+        f"(an extraction cut short, or {INDEX} lost too); they are kept, unread; restore {tmp_path / STORE_META} (it "
+        f"describes the inputs the shards were extracted from), or delete {tmp_path} to extract afresh")
+    assert _shard_files(tmp_path) == before
+    # under torchrun rank 0 runs prepare_folder alone and run_on_main sends its exception, pickled, to every rank
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is type(e.value) and cli._error_line(again) == (code, line)
+
+
+def test_a_lost_store_json_beside_an_index_of_other_inputs_clears_the_store(tmp_path, capsys):
+    """index.json says the shards are another extraction's: cleared, as an intact store.json of
+    other inputs clears them."""
+    _write(tmp_path, _samples(10))
+    (tmp_path / STORE_META).unlink()
+    capsys.readouterr()
+    check = resume_folder(tmp_path, _meta(input_hash="h2"), fsync=False)
+    err = capsys.readouterr().err
+    assert f"made for other inputs ({STORE_META} missing; its {INDEX}: input hash h1 -> h2); clearing" in err, err
+    assert list(tmp_path.glob("shard-*")) == [] and check.intact == 0
+
+
+def test_a_damaged_checksums_json_is_written_again_by_the_extraction(tmp_path, capsys):
+    samples = _samples(10)
+    _write(tmp_path, samples)
+    (tmp_path / CHECKSUMS).write_text("{")
+    before = _shard_files(tmp_path)
+    capsys.readouterr()
+    resume_folder(tmp_path, _meta(), fsync=False)
+    assert f"[extract] {tmp_path / CHECKSUMS} is damaged: writing it again" in capsys.readouterr().err
+    assert _shard_files(tmp_path) == before and set(_sums(tmp_path)) == {STORE_META}
+    w = StoreWriter(tmp_path, _meta(), shard_bytes=4000, fsync=False, prepare=False)
+    w.close()
+    assert set(_sums(tmp_path)) == {STORE_META, INDEX}
+    _assert_same(open_verified(tmp_path), samples)
+
+
+def _not_a_store_index(path):
+    index = json.loads(path.read_text())
+    del index["meta"]
+    path.write_text(json.dumps(index))
+    sums = json.loads((path.parent / CHECKSUMS).read_text())  # listed as it is now: only the reader sees it
+    sums["files"][INDEX] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size}
+    (path.parent / CHECKSUMS).write_text(json.dumps(sums))
+
+
+INDEX_DAMAGE = {
+    "flipped": (lambda p: p.write_bytes(p.read_bytes().replace(b'"num_samples": 25', b'"num_samples": 26')),
+                f"sha256 differs from its {CHECKSUMS}"),
+    "cut": (lambda p: p.write_bytes(p.read_bytes()[:-1]), "bytes, "),
+    "unparsable": (lambda p: p.write_bytes(b"[" + p.read_bytes()[1:]), f"sha256 differs from its {CHECKSUMS}"),
+    "not a store index": (_not_a_store_index, "not a store index: KeyError: 'meta'"),
+}
+
+
+@pytest.mark.parametrize("how", list(INDEX_DAMAGE))
+def test_a_damaged_index_json_is_named_with_the_repair_command(tmp_path, how):
+    """index.json is checked against checksums.json before training reads it (a damaged one was
+    "no finished store" or a KeyError before, exit 70)."""
+    _write(tmp_path, _samples(25))
+    damage, why = INDEX_DAMAGE[how]
+    damage(tmp_path / INDEX)
+    with pytest.raises(CorruptDataError) as e:
+        StoreReader(tmp_path)
+    code, line = cli._error_line(e.value)
+    assert code == 5 and line.startswith(f"damaged file {tmp_path / INDEX} (") and why in line, line
+    assert line.endswith("; repair it with `eaglet extract CONFIG --force`"), line
+
+
+def test_an_index_json_written_before_it_was_listed_is_read_with_a_note(tmp_path, capsys):
+    samples = _samples(25)
+    _write(tmp_path, samples)
+    sums = json.loads((tmp_path / CHECKSUMS).read_text())
+    del sums["files"][INDEX]
+    (tmp_path / CHECKSUMS).write_text(json.dumps(sums))
+    checked._told.clear()
+    capsys.readouterr()
+    _assert_same(StoreReader(tmp_path), samples)
+    StoreReader(tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and f"{tmp_path / INDEX} is not listed in its {CHECKSUMS}" in err
+    assert "read unverified" in err and "eaglet extract CONFIG --force" in err

@@ -148,3 +148,50 @@ def test_extract_re_extracts_the_samples_of_a_missing_shard(store_run, capsys, l
     assert {f: after.get(f) for f in before if not f.startswith(stem)} == {
         f: v for f, v in before.items() if not f.startswith(stem)}
     _assert_same_store(open_verified(store), StoreReader(tmp / "run" / "extract"))
+
+
+@pytest.mark.parametrize("how", ["deleted", "damaged"])
+def test_a_lost_store_json_reruns_extract_which_keeps_every_shard(store_run, capsys, how):
+    """store.json deleted or damaged: `eaglet run` sees the output gone or resized and runs
+    extract again, which keeps every shard (index.json says they are these inputs'), writes
+    store.json again and extracts nothing (it deleted every shard before)."""
+    tmp, _ = store_run
+    run, cfg = _copy(store_run, f"store-json-{how}")
+    store = run / "extract"
+    before = _files(store)
+    if how == "deleted":
+        (store / "store.json").unlink()
+    else:
+        (store / "store.json").write_text("{")
+    capsys.readouterr()
+    manifests = pipeline.run_all(cfg, upto="extract", preflight=False)
+    err = capsys.readouterr().err
+    assert f"[extract] output {store}/store.json: " in err and "running the stage again" in err, err
+    assert "index.json describes these same inputs: keeping its 8 shard files and writing store.json again" in err
+    assert "[extract] store verified: 8 of 8 shards intact" in err and "clearing" not in err
+    stats = manifests[1]["stats"]
+    assert stats["resumed_samples"] == 24 and stats["new_tokens"] == 0 and stats["samples"] == 24
+    assert _files(store) == before
+    _assert_same_store(open_verified(store), StoreReader(tmp / "run" / "extract"))
+
+
+def test_an_extraction_cut_short_without_store_json_or_checksums_stops_in_one_line(store_run, capsys):
+    """Killed mid-extraction (no index.json), then store.json and checksums.json lost: nothing
+    says what the shards hold, so `eaglet extract` stops (exit 5) naming store.json and the shard
+    files it keeps, and deletes none."""
+    tmp, base = store_run
+    run, _ = _copy(store_run, "cut-short-lost")
+    store = run / "extract"
+    for name in ("manifest.json", INDEX, "store.json", "checksums.json"):
+        (store / name).unlink()
+    before = _files(store)
+    config = tmp / "cut-short-lost.yaml"
+    config.write_text(f"run: {{dir: {run}}}\n")
+    capsys.readouterr()
+    rc = cli.main(["extract", str(config), *[a for s in base for a in ("--set", s)], "--skip-preflight"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 5 and line == (
+        f"eaglet: store.json of the store in {store} is missing and no index.json says what its 8 shard files hold "
+        f"(an extraction cut short, or index.json lost too); they are kept, unread; restore {store / 'store.json'} "
+        f"(it describes the inputs the shards were extracted from), or delete {store} to extract afresh"), line
+    assert _files(store) == before

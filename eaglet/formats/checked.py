@@ -5,15 +5,18 @@ verify against it.
                                 "files": {name: {"sha256": hex digest, "bytes": size}}}
 
 A format module writes its files through `write_files` (or `write_file` and then `write_sums`
-for files written one by one): each file atomically, its sha256 taken from the bytes in memory
-as they are written (never read back to be hashed), then the folder's checksums.json. Its reader
+for files written one by one; `update_sums` for a folder whose files are written at different
+times, the store's): each file atomically, its sha256 taken from the bytes in memory as they are
+written (never read back to be hashed), then the folder's checksums.json. Its reader
 opens the folder as a `CheckedFolder`, which checks a file's size and sha256 against
 checksums.json before the file is parsed, and turns a file it cannot parse into
 CorruptDataError too: a missing, cut, flipped or unparsable file is named in one line with the
 command that rebuilds it (exit 5), never a library's exception.
 
 A folder written by an eaglet before checksums has no checksums.json: its files are read
-unverified, and the reader says so once per folder and process. (The pipeline knows which
+unverified, and the reader says so once per folder and process (likewise a file its
+checksums.json does not list, where the reader allows it: the store's index.json before it was
+listed). (The pipeline knows which
 folders must have one: each manifest lists its stage's outputs, `listed` below, and a missing
 or resized file makes the stage out of date; see eaglet/pipeline.py.)
 
@@ -59,6 +62,35 @@ def write_sums(folder: str | Path, sums: Mapping[str, dict[str, Any]], fsync: bo
     return write_file(Path(folder) / CHECKSUMS, data, fsync=fsync)
 
 
+def read_sums(folder: str | Path, fix: str) -> dict[str, dict[str, Any]] | None:
+    """The entries of `folder`/checksums.json (file name -> {"sha256", "bytes"}), or None where
+    there is none; CorruptDataError naming it (with `fix`) when it cannot be read."""
+    path = Path(folder) / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        sums = json.loads(path.read_bytes())["files"]
+        return {str(n): {"sha256": str(w["sha256"]), "bytes": int(w["bytes"])} for n, w in sums.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptDataError(f"damaged file {path} (not readable: {type(e).__name__})", fix=fix) from e
+
+
+def update_sums(folder: str | Path, add: Mapping[str, dict[str, Any]] | None = None, drop: Iterable[str] = (),
+                fix: str = "", fsync: bool = True) -> dict[str, dict[str, Any]]:
+    """`folder`/checksums.json with the entries of `add` set and those named in `drop` removed,
+    every other entry kept (read, merged, written again atomically; a folder without one gets
+    one); returns the entries written. For a folder whose files are written at different times
+    (the store: store.json as an extraction starts, the target's head, index.json as it ends).
+    A checksums.json that cannot be read is CorruptDataError (with `fix`): its other entries are
+    never guessed."""
+    sums = read_sums(folder, fix) or {}
+    gone = set(drop)
+    sums = {n: w for n, w in sums.items() if n not in gone}
+    sums.update({n: dict(w) for n, w in (add or {}).items()})
+    write_sums(folder, sums, fsync)
+    return sums
+
+
 def write_files(folder: str | Path, files: Mapping[str, bytes | memoryview], fsync: bool = True
                 ) -> dict[str, dict[str, Any]]:
     """Write each of `files` (name -> bytes) into `folder`, in order, then its checksums.json
@@ -77,12 +109,11 @@ def size_problem(path: Path, want: Mapping[str, Any]) -> str | None:
     return None if size == int(want["bytes"]) else f"{size} bytes, {want['bytes']} written (cut or overwritten)"
 
 
-def listed(folder: str | Path, subfolders: Iterable[str], sized: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+def listed(folder: str | Path, subfolders: Iterable[str]) -> dict[str, dict[str, Any]]:
     """What a stage's manifest records of its outputs: each file the checksums.json of each of
     `subfolders` (relative to `folder`; "." is the folder itself) lists, with its sha256 and
-    size, checksums.json itself, and the files `sized` names (relative paths) by their size
-    alone (the files of another format's own check: the store's index.json). Reads only the
-    small checksums.json files. Raises RuntimeError (a writer's bug) when one is missing."""
+    size, and checksums.json itself. Reads only the small checksums.json files. Raises
+    RuntimeError (a writer's bug) when one is missing."""
     folder = Path(folder)
     out: dict[str, dict[str, Any]] = {}
     for sub in subfolders:
@@ -95,8 +126,6 @@ def listed(folder: str | Path, subfolders: Iterable[str], sized: Iterable[str] =
         prefix = "" if sub in ("", ".") else f"{sub}/"
         out.update({prefix + name: dict(want) for name, want in files.items()})
         out[prefix + CHECKSUMS] = digest(data)
-    for rel in sized:
-        out[rel] = {"bytes": (folder / rel).stat().st_size}
     return out
 
 
@@ -120,14 +149,7 @@ class CheckedFolder:
 
     def __init__(self, folder: str | Path, fix: str, tell: bool = True):
         self.folder, self.fix, self.tell = Path(folder), fix, tell
-        path = self.folder / CHECKSUMS
-        self.sums: dict[str, dict[str, Any]] | None = None
-        if path.is_file():
-            try:
-                sums = json.loads(path.read_bytes())["files"]
-                self.sums = {str(n): {"sha256": str(w["sha256"]), "bytes": int(w["bytes"])} for n, w in sums.items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CorruptDataError(f"damaged file {path} (not readable: {type(e).__name__})", fix=fix) from e
+        self.sums: dict[str, dict[str, Any]] | None = read_sums(self.folder, fix)
 
     @property
     def verified(self) -> bool:
@@ -143,9 +165,11 @@ class CheckedFolder:
         return CorruptDataError(f"missing file {path}" if why == "missing" else f"damaged file {path} ({why})",
                                 fix=self.fix)
 
-    def check(self, name: str) -> Path:
+    def check(self, name: str, unlisted_ok: bool = False) -> Path:
         """The path of file `name` after its size and sha256 matched checksums.json (streamed:
-        a large file is not held in memory); raises CorruptDataError naming it otherwise."""
+        a large file is not held in memory); raises CorruptDataError naming it otherwise.
+        `unlisted_ok`: a file checksums.json does not list (written before the format listed it)
+        is read unverified, with a note, rather than refused as another run's."""
         path = self.folder / name
         if self.sums is None:
             if not path.is_file():
@@ -157,8 +181,16 @@ class CheckedFolder:
                     f"its files are read unverified; to add checksums, {self.fix}")
             return path
         want = self.sums.get(name)
+        if want is None and unlisted_ok and path.is_file():
+            key = str(path.resolve())
+            if self.tell and key not in _told:
+                _told.add(key)
+                log(f"note: {path} is not listed in its {CHECKSUMS} (written by an eaglet before it was checksummed): "
+                    f"read unverified; to add its checksum, {self.fix}")
+            return path
         if want is None:
-            raise self.error(name, f"not listed in its {CHECKSUMS}: written by another run")
+            raise self.error(name, "missing" if unlisted_ok
+                             else f"not listed in its {CHECKSUMS}: written by another run")
         problem = size_problem(path, want)
         if problem is not None:
             raise self.error(name, problem)
@@ -166,17 +198,18 @@ class CheckedFolder:
             raise self.error(name, f"sha256 differs from its {CHECKSUMS}: changed since it was written")
         return path
 
-    def read(self, name: str, parse: Callable[[Path], T]) -> T:
-        """`parse(path)` of file `name` once it is checked; a file `parse` cannot read (a damaged
-        safetensors header or JSON in a folder without checksums) is CorruptDataError too."""
-        path = self.check(name)
+    def read(self, name: str, parse: Callable[[Path], T], unlisted_ok: bool = False) -> T:
+        """`parse(path)` of file `name` once it is checked (`unlisted_ok` as there); a file `parse`
+        cannot read (a damaged safetensors header or JSON in a folder without checksums) is
+        CorruptDataError too."""
+        path = self.check(name, unlisted_ok)
         try:
             return parse(path)
         except Exception as e:  # noqa: BLE001 - every library error of a damaged file ends here
             raise self.error(name, f"not readable: {type(e).__name__}: {_short(e)}") from e
 
-    def json(self, name: str) -> Any:
-        return self.read(name, lambda p: json.loads(p.read_text()))
+    def json(self, name: str, unlisted_ok: bool = False) -> Any:
+        return self.read(name, lambda p: json.loads(p.read_text()), unlisted_ok)
 
 
 def _short(e: BaseException) -> str:

@@ -4,7 +4,7 @@ A store folder holds
 
     store.json                      format, input hash, hidden size, layer ids, dtype: what
                                     the shards mean (`store_meta`; a store made for other
-                                    inputs is cleared)
+                                    inputs is cleared, never one whose store.json is lost)
     shard-r{rank}-{k:06d}.safetensors
         aux        [N, n_aux*H]  store dtype  states entering the `layers`, concatenated low..high
         final      [N, H]        store dtype  the teacher state: after the final norm (what the LM head
@@ -24,8 +24,10 @@ A store folder holds
                                     and final norm [H] (as a plain RMSNorm scale): the draft's
                                     frozen embedding and the teacher (`write_target_head`)
     target_config.json              the target's text config (the draft's sizes)
-    checksums.json                  sha256 and size of head.safetensors and target_config.json
-                                    (eaglet/formats/checked.py), checked each time they are read
+    checksums.json                  sha256 and size of store.json, head.safetensors,
+                                    target_config.json and index.json (eaglet/formats/checked.py),
+                                    each added as its file is written (`update_sums`) and checked
+                                    where it is read
 
 Both extraction backends write through `StoreWriter` and `write_target_head`; training and
 online states read through `StoreReader` and `read_target_head`.
@@ -34,6 +36,14 @@ Crash safety: a shard is written to a temporary file, fsynced and renamed; only 
 sidecar written (atomically). A shard counts as done only when its sidecar exists, so a
 process killed at any instant leaves done shards plus debris (tmp files, a shard without a
 sidecar) that the next `StoreWriter` deletes; their samples are extracted again.
+
+store.json is read by extraction alone, index.json by every reader (verified against
+checksums.json; a store written before index.json was listed there is read with a note). A
+store.json lost or damaged (missing, unparsable, or not the sha256 checksums.json recorded) never
+clears the shards: where index.json, or the sha256 recorded for store.json, says they were made
+for these same inputs, they are kept and store.json written again; where nothing says what they
+hold (an extraction cut short, checksums.json lost too), extraction stops (CorruptDataError)
+and keeps them (`prepare_folder`).
 
 Checked before use: training checks every shard (size, sha256, header) before its first step
 (`open_verified`), spread over threads and torchrun ranks, so a flipped byte is named before
@@ -74,7 +84,7 @@ from tqdm import tqdm
 from ..distributed import all_gather_object, barrier, dist_env, run_on_main
 from ..errors import CorruptDataError
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
-from .checked import CheckedFolder, write_files
+from .checked import CHECKSUMS, CheckedFolder, digest, read_sums, size_problem, update_sums, write_file, write_sums
 
 FORMAT = "eaglet-store-v1"
 STORE_META = "store.json"
@@ -189,8 +199,30 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[list[torch.Tens
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return None
+
+
+def _meta_bytes(meta: dict[str, Any]) -> bytes:
+    """store.json as written: the same meta gives the same bytes (and sha256)."""
+    return json.dumps(meta, indent=1, default=str).encode()
+
+
+def _read_listed(folder: Path, name: str, sums: dict[str, dict[str, Any]]) -> tuple[Any, str | None]:
+    """(the JSON of file `name`, None), or (None, why it cannot be used: "missing", or what is
+    damaged), checked against `sums` (checksums.json's entries) where they list it."""
+    path = folder / name
+    want = sums.get(name)
+    problem = size_problem(path, want) if want is not None else (None if path.is_file() else "missing")
+    if problem is not None:
+        return None, problem
+    try:
+        data = path.read_bytes()
+        if want is not None and digest(data)["sha256"] != want["sha256"]:
+            return None, f"sha256 differs from its {CHECKSUMS}: changed since it was written"
+        return json.loads(data), None
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"not readable: {type(e).__name__}"
 
 
 # ---- what the states are: store.json, head.safetensors, target_config.json ---------------------------
@@ -218,8 +250,10 @@ def write_target_head(folder: str | Path, embed_tokens: torch.Tensor, lm_head: t
     folder = Path(folder)
     # clone(): a target with tied embeddings has one tensor for embed_tokens and lm_head.
     tensors = {"embed_tokens": embed_tokens, "lm_head": lm_head, "norm": norm}
-    write_files(folder, {HEAD_FILE: save({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}),
-                         TARGET_CONFIG: json.dumps(text_config, indent=1, default=str).encode()})
+    sums = {HEAD_FILE: write_file(folder / HEAD_FILE, save({k: v.detach().to("cpu").clone().contiguous()
+                                                            for k, v in tensors.items()})),
+            TARGET_CONFIG: write_file(folder / TARGET_CONFIG, json.dumps(text_config, indent=1, default=str).encode())}
+    update_sums(folder, sums, fix=REPAIR)  # beside store.json's entry (and index.json's, once written)
 
 
 def read_target_config(folder: str | Path) -> dict[str, Any]:
@@ -322,12 +356,19 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
     shard) and are gone: their samples are no longer stored.
 
     A store made for other inputs (store.json differs) is deleted; the index is removed (it
-    is valid again only when this extraction completes); debris of any rank (temporary
-    files, a shard without its sidecar, a sidecar without its shard) is removed. Under
-    torchrun rank 0 runs this alone, before any rank opens a writer. Checksums are not
-    read here (`resume_folder` checks them). `earlier`: the input hashes an older eaglet gave
-    the same inputs (`StageContext.earlier_hashes`); a store begun under one is kept, its
-    store.json given today's hash.
+    is valid again only when this extraction completes) and dropped from checksums.json;
+    debris of any rank (temporary files, a shard without its sidecar, a sidecar without its
+    shard) is removed. Under torchrun rank 0 runs this alone, before any rank opens a writer.
+    Shards' checksums are not read here (`resume_folder` checks them). `earlier`: the input
+    hashes an older eaglet gave the same inputs (`StageContext.earlier_hashes`); a store begun
+    under one is kept, its store.json given today's hash.
+
+    A store.json missing or damaged (unparsable, or not what checksums.json recorded) never
+    clears the shards: where index.json describes these inputs, or the sha256 checksums.json
+    recorded for store.json is that of today's, they are kept and store.json is written again;
+    where index.json describes other inputs, the store is cleared as for an intact store.json
+    that differs; where nothing says what the shards hold, CorruptDataError names store.json
+    and the shard files kept.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -338,29 +379,68 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
         return m == meta or (isinstance(m, dict) and m.get("input_hash") in earlier
                              and {**m, "input_hash": meta.get("input_hash")} == meta)
 
-    old = _read_json(folder / STORE_META)
+    try:
+        sums, damaged_sums = read_sums(folder, REPAIR) or {}, False
+    except CorruptDataError:  # written again below; the head's entries when extraction writes the head
+        sums, damaged_sums = {}, True
+        log(f"[extract] {folder / CHECKSUMS} is damaged: writing it again (the store's files are listed as they "
+            "are written)")
+    old, old_why = _read_listed(folder, STORE_META, sums)
+    if old_why is None and not isinstance(old, dict):
+        old, old_why = None, "not readable: not a store description"
+    index, _ = _read_listed(folder, INDEX, sums)
+    index_meta = index.get("meta") if isinstance(index, dict) else None
     files = [p for p in folder.iterdir() if _is_store_file(p.name)]
-    index = _read_json(folder / INDEX)
+    shards = [p for p in files if _SHARD_RE.match(p.name)]
     listed: dict[str, int] = {}  # shards known to have been finished -> their samples
-    if isinstance(index, dict) and same(index.get("meta")):
+    if same(index_meta):
         listed = {str(sh["file"]): int(sh["samples"]) for sh in index.get("shards", []) if isinstance(sh, dict)}
-    if old != meta and same(old) and files:
-        log(f"[extract] store in {folder} was begun by an older eaglet, which hashed the same inputs as "
-            f"{str(old['input_hash'])[:12]}; resuming it")
-    elif old != meta and files:
-        listed = {}
-        if isinstance(old, dict) and old.get("input_hash") != meta.get("input_hash"):
-            why = f"input hash {str(old.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
-        elif isinstance(old, dict):
-            why = "changed " + ", ".join(k for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
+
+    def differs(m: dict[str, Any]) -> str:
+        if m.get("input_hash") != meta.get("input_hash"):
+            return f"input hash {str(m.get('input_hash'))[:12]} -> {str(meta.get('input_hash'))[:12]}"
+        return "changed " + ", ".join(k for k in sorted(set(m) | set(meta)) if m.get(k) != meta.get(k))
+
+    lost = "missing" if old_why == "missing" else f"damaged ({old_why})"
+    clear = None  # why the files go
+    if old_why is not None and any(p.name != STORE_META for p in files):
+        recorded = sums.get(STORE_META, {}).get("sha256")
+        if same(index_meta) or recorded == digest(_meta_bytes(meta))["sha256"]:
+            if shards:
+                basis = INDEX if same(index_meta) else f"the sha256 its {CHECKSUMS} recorded for it"
+                log(f"[extract] {STORE_META} of the store in {folder} is {lost}, but {basis} describes these same "
+                    f"inputs: keeping its {len(shards)} shard files and writing {STORE_META} again")
+        elif isinstance(index_meta, dict):  # index.json says what the shards hold: another extraction's
+            clear = f"{STORE_META} {lost}; its {INDEX}: {differs(index_meta)}"
+        elif shards:  # an extraction cut short: nothing left says what the shards hold
+            raise CorruptDataError(
+                f"{STORE_META} of the store in {folder} is {lost} and no {INDEX} says what its {len(shards)} shard "
+                f"files hold (an extraction cut short, or {INDEX} lost too); they are kept, unread",
+                fix=f"restore {folder / STORE_META} (it describes the inputs the shards were extracted from), or "
+                    f"delete {folder} to extract afresh")
+        else:  # debris only: nothing is lost
+            clear = f"no readable {STORE_META}"
+    elif old_why is None and old != meta:
+        if same(old):
+            if files:
+                log(f"[extract] store in {folder} was begun by an older eaglet, which hashed the same inputs as "
+                    f"{str(old['input_hash'])[:12]}; resuming it")
         else:
-            why = f"no readable {STORE_META}"
-        log(f"[extract] store in {folder} was made for other inputs ({why}); clearing {len(files)} files")
+            clear = differs(old)
+    if clear is not None and files:
+        listed = {}
+        log(f"[extract] store in {folder} was made for other inputs ({clear}); clearing {len(files)} files")
         for p in files:
             p.unlink(missing_ok=True)
-    if old != meta:
-        atomic_write_json(folder / STORE_META, meta, fsync=fsync)
+    # checksums.json never lists index.json while it is gone, nor an old store.json while the new one is written
+    rewrite = old != meta or STORE_META not in sums
+    keep = {n: w for n, w in sums.items() if n != INDEX and not (rewrite and n == STORE_META)}
+    if keep != sums or damaged_sums:
+        write_sums(folder, keep, fsync)
     (folder / INDEX).unlink(missing_ok=True)
+    if rewrite:
+        keep[STORE_META] = write_file(folder / STORE_META, _meta_bytes(meta), fsync)
+        write_sums(folder, keep, fsync)
 
     removed = 0
     for p in sorted(folder.iterdir()):
@@ -501,7 +581,8 @@ def finished_shards(folder: str | Path) -> dict[str, dict[str, Any]]:
 def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dict[str, Any]],
                 set_aside: list[dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
     """Write index.json over the shards in `records` (file -> sidecar) and the samples set
-    aside; returns the index. The last file of an extraction: its presence means complete."""
+    aside, and add it to the folder's checksums.json; returns the index. The last file of an
+    extraction: its presence means complete."""
     shards = [{k: records[f][k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for f in sorted(records)]
     index = {
         "format": FORMAT,
@@ -514,7 +595,8 @@ def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dic
         "set_aside_counts": dict(Counter(s["reason"] for s in set_aside)),
         "set_aside": sorted(set_aside, key=lambda s: s["sample_id"]),
     }
-    atomic_write_json(Path(folder) / INDEX, index, fsync=fsync)
+    sums = write_file(Path(folder) / INDEX, json.dumps(index, indent=1).encode(), fsync=fsync)
+    update_sums(folder, {INDEX: sums}, fix=REPAIR, fsync=fsync)
     return index
 
 
@@ -729,22 +811,28 @@ class StoreReader:
 
     def __init__(self, folder: str | Path, verify: bool = True):
         self.folder = Path(folder)
-        index = _read_json(self.folder / INDEX)
-        if not isinstance(index, dict):
+        checked = CheckedFolder(self.folder, REPAIR)
+        if not (self.folder / INDEX).is_file() and not checked.lists(INDEX):  # an extraction not finished
             raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
+        # size and sha256 first (a store written before index.json was listed: read with a note)
+        index = checked.json(INDEX, unlisted_ok=True)
+        try:
+            self.meta: dict[str, Any] = dict(index["meta"])
+            self.layers: list[int] = [int(i) for i in self.meta["layers"]]
+            self.hidden_size = int(self.meta["hidden_size"])
+            self.dtype = DTYPES[self.meta["dtype"]]
+            entries = [(str(sh["file"]), str(sh["sha256"]), int(sh["samples"])) for sh in index["shards"]]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise checked.error(INDEX, f"not a store index: {type(e).__name__}: {e}") from e
         self.index = index
-        self.meta: dict[str, Any] = index["meta"]
-        self.layers: list[int] = list(self.meta["layers"])
-        self.hidden_size = int(self.meta["hidden_size"])
-        self.dtype = DTYPES[self.meta["dtype"]]
         self.hash_on_open = verify
         self.shards: list[dict[str, Any]] = []
         ids, shard_of, row, lengths = [], [], [], []
-        for k, sh in enumerate(index["shards"]):
-            side = _read_json(self.folder / sh["file"].replace(".safetensors", ".json"))
-            if not isinstance(side, dict) or side.get("sha256") != sh["sha256"]:
-                raise CorruptShardError(f"store {self.folder}: {sh['file']}: sidecar missing or not matching {INDEX}",
-                                        fix=f"{REPAIR} (re-extracts its {sh['samples']} samples)")
+        for k, (file, sha, samples) in enumerate(entries):
+            side = _read_json(self.folder / file.replace(".safetensors", ".json"))
+            if not isinstance(side, dict) or side.get("sha256") != sha:
+                raise CorruptShardError(f"store {self.folder}: {file}: sidecar missing or not matching {INDEX}",
+                                        fix=f"{REPAIR} (re-extracts its {samples} samples)")
             self.shards.append(side)
             n = len(side["sample_ids"])
             ids.append(np.asarray(side["sample_ids"], dtype=np.int64))
