@@ -82,15 +82,19 @@ def _gt(lo: float) -> Range:
 
 
 FRACTION = Range(0, 1)  # in [0, 1]
-PATH, MODEL = "path", "model"  # `path` metadata: a file or folder; a model folder or a hub id
+# `path` metadata, how a relative value resolves (`load_config`): PATH a file or folder, MODEL a
+# model folder or a hub id (`resolve_path`), both against the config file's folder (--set: the
+# working directory); IN_TARGET a file name inside target.path (or an absolute path).
+PATH, MODEL, IN_TARGET = "path", "model", "in_target"
 
 
 def _f(default: Any, doc: str, check: Range | Pattern | None = None, path: str | None = None, hashed: bool = True,
-       **kw: Any) -> Any:
+       words: tuple[str, ...] = (), **kw: Any) -> Any:
     """A config field. hashed=False: a key of how a stage runs, not of what it writes, left out of
     the stage's input hash (`Config.hashed_section`): setting it reruns nothing, and adding such a
-    key to eaglet leaves the runs made before it valid."""
-    meta = {"doc": doc, "check": check, "path": path, "hashed": hashed}
+    key to eaglet leaves the runs made before it valid. `words`: of a path field, the values that
+    are not paths and stay as written (eval.prompts' heldout); a file of that name is ./name."""
+    meta = {"doc": doc, "check": check, "path": path, "hashed": hashed, "words": frozenset(words)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -110,7 +114,8 @@ class RunSection:
 class TargetSection:
     path: str = _f("", "Target model: a local Hugging Face model folder (or hub id already in the local cache).",
                    path=MODEL)
-    gguf_file: str | None = _f(None, "GGUF file name inside `path` (or an absolute path) to load a GGUF target.")
+    gguf_file: str | None = _f(None, "GGUF file name inside `path` (or an absolute path) to load a GGUF target.",
+                               path=IN_TARGET)
     tokenizer: str | None = _f(None, "Tokenizer folder (or cached hub id), if not the target's own `path`.", path=MODEL)
     chat_template: str | None = _f(None, "Path to a Jinja chat template file that replaces the tokenizer's own.",
                                    path=PATH)
@@ -342,7 +347,7 @@ class EvalSection:
     prompts: str = _f(
         "heldout", "What to decode: 'heldout' (the training run's held-out samples), 'mt_bench' (the 80 MT-bench "
         "questions, two turns each, fetched through pip), or a file of conversations in any format prepare reads "
-        "(the last user turn is the prompt).")
+        "(the last user turn is the prompt).", path=PATH, words=("heldout", "mt_bench"))
     draft: str | None = _f(
         None, "Evaluate this draft instead of the run's own: an export folder (either format), e.g. one trained "
         "elsewhere.", path=PATH)
@@ -471,19 +476,20 @@ class Config:
 
     def paths(self) -> list[tuple[str, str]]:
         """(key, value) of every path setting that is set, as `load_config` resolved it (a hub id
-        as written); a relative target.gguf_file is joined to a target.path folder."""
+        as written; a field's `words`, which are no paths, left out); a relative IN_TARGET value
+        (target.gguf_file) is joined to a target.path folder."""
         out = []
         for sname in _sections():
             section = getattr(self, sname)
             for f in dataclasses.fields(section):
-                key, value = f"{sname}.{f.name}", getattr(section, f.name)
-                if key == "target.gguf_file" and value:
-                    folder = Path(self.target.path)
-                    out.append((key, str(folder / value) if folder.is_dir() else value))
-                elif f.metadata.get("path") and isinstance(value, list):
-                    out += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
-                elif f.metadata.get("path") and value:
-                    out.append((key, value))
+                key, value, kind = f"{sname}.{f.name}", getattr(section, f.name), f.metadata.get("path")
+                values = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+                for label, v in values:
+                    if not kind or not v or v in f.metadata["words"]:
+                        continue
+                    if kind == IN_TARGET and self.target.path and Path(self.target.path).is_dir():
+                        v = str(Path(self.target.path) / v)  # an absolute v stays itself
+                    out.append((label, v))
         return out
 
 
@@ -623,11 +629,17 @@ def resolve_path(value: str, base: Path, model: bool = False) -> str:
     return os.path.normpath(base / p)
 
 
-def _resolve(key: str, value: Any, kind: str | None, base: Path) -> Any:
+def _resolve(value: Any, meta: Any, base: Path) -> Any:
+    """A field's value (each item of a list) resolved as its `path` metadata says (`_f`)."""
+    kind = meta.get("path")
     if kind is None or value is None:
         return value
     if isinstance(value, list):
-        return [resolve_path(v, base, kind == MODEL) for v in value]
+        return [_resolve(v, meta, base) for v in value]
+    if value in meta["words"]:
+        return value
+    if kind == IN_TARGET:  # a name inside target.path, whichever folder the config is in
+        return str(Path(value).expanduser()) if value.startswith("~") else value
     return resolve_path(value, base, kind == MODEL)
 
 
@@ -658,7 +670,7 @@ def _apply(cfg: Config, updates: dict[str, Any], origin: str, base: Path) -> Non
                 if origin.startswith("--set"):
                     raise
                 raise ConfigError(f"{e.message}, in {origin}", fix=e.fix) from None
-            setattr(obj, key, _resolve(name, value, meta.get("path"), base))
+            setattr(obj, key, _resolve(value, meta, base))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -716,7 +728,9 @@ def describe_defaults() -> str:
             if rng is not None:
                 many = typing.get_origin(hints[f.name]) is list or "list[" in _type_name(hints[f.name])
                 extra = f", {f'{rng.items} items, ' if rng.items else ''}{'each ' if many else ''}{rng}"
-            extra += {PATH: ", a path", MODEL: ", a path or hub id"}.get(f.metadata.get("path"), "")
+            extra += {PATH: ", a path", MODEL: ", a path or hub id",
+                      IN_TARGET: ", a file name in target.path or an absolute path"}.get(f.metadata.get("path"), "")
+            extra += f" or one of {', '.join(sorted(f.metadata['words']))}" if f.metadata.get("words") else ""
             extra += "" if f.metadata.get("hashed", True) else ", reruns nothing"
             lines.append(f"  # {f.metadata.get('doc', '')}  [{_type_name(hints[f.name])}{extra}]")
             lines.append(f"  {f.name}: {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
@@ -742,9 +756,14 @@ Paths (the keys marked "a path" below): a relative path in the config file is ta
 the folder of the config file, one given with `--set` (or a default, `run.dir`) against the
 working directory. `target.path` and `target.tokenizer` may also name a hub id already in the
 local cache (`org/name`): a relative value of that shape is a path only when it exists under
-the config file's folder or starts with `./` or `../`. `target.gguf_file` is a file name inside
-`target.path`, or an absolute path. `eaglet config CONFIG` prints the config with every path
-resolved.
+the config file's folder or starts with `./` or `../`. `eval.prompts` keeps its words
+(`heldout`, `mt_bench`) as they are; a prompts file of such a name is written `./heldout`.
+`target.gguf_file` is a file name inside `target.path`, or an absolute path. The other text
+keys are not paths here (URLs, names; `export.verifier_name_or_path` names the target on the
+serving machine and is written as given); the mappings handed to vLLM (`*.vllm_engine_args`)
+are passed as written, a relative path in them taken by vLLM against the working directory.
+`eaglet config CONFIG` prints the config with every path resolved, and `eaglet doctor CONFIG`
+lists each path it names (its `paths` line).
 
     eaglet config CONFIG [--set ...]     # the resolved config
     eaglet config --defaults             # every key with its type, default and doc (this page)

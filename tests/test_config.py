@@ -290,3 +290,100 @@ def test_a_bare_on_or_off_is_the_setting_not_a_boolean(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("eval:\n  vllm: off\n")
     assert load_config(path, []).eval.vllm == "off"
+
+
+# ---- every key that can hold a path ---------------------------------------------------------------
+
+# The keys whose type takes free text and that are not paths, each reviewed: a new text key must be
+# marked with its path kind (config._f's `path`) or added here with the reason.
+NOT_PATHS = {
+    "target.device_map": "a transformers device_map ('auto', 'balanced', ...)",
+    "target.attn_implementation": "a transformers attention implementation's name",
+    "target.revision": "a branch, tag or commit of the hub repository",
+    "extract.vllm_engine_args": "vllm.LLM's keyword arguments, handed to vLLM as written",
+    "extract.vllm_server": "a URL",
+    "extract.vllm_server_api_key_env": "an environment variable's name",
+    "export.formats": "format names",
+    "export.verifier_name_or_path": "the target as the serving machine names it, written as given",
+    "eval.vllm_engine_args": "vllm.LLM's keyword arguments, handed to vLLM as written",
+    "regenerate.shard": "'R/N'",
+    "regenerate.url": "a URL",
+    "regenerate.model": "the served model's name",
+    "regenerate.api_key_env": "an environment variable's name",
+}
+
+
+def _fields():
+    """(key, field, type) of every config key."""
+    import dataclasses
+    import typing
+
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield f"{section.name}.{f.name}", f, hints[f.name]
+
+
+def _takes_text(tp):
+    """Whether a value of type `tp` may be any string (or a list or mapping of them)."""
+    import typing
+
+    if tp is str or typing.get_origin(tp) is dict:
+        return True
+    return any(_takes_text(a) for a in typing.get_args(tp)) if typing.get_origin(tp) is not typing.Literal else False
+
+
+def test_every_key_that_can_hold_a_path_is_marked():
+    from eaglet.config import Pattern
+
+    text = {k for k, f, tp in _fields() if _takes_text(tp) and not isinstance(f.metadata["check"], Pattern)}
+    marked = {k for k, f, _ in _fields() if f.metadata["path"]}
+    assert text - marked == set(NOT_PATHS), "a text key is neither marked as a path nor reviewed in NOT_PATHS"
+    assert {"eval.prompts", "eval.draft", "regenerate.out", "extract.stream_dir", "train.compile_cache",
+            "train.init_from", "target.gguf_file"} <= marked
+
+
+def test_each_path_key_resolves_against_the_config_files_folder_and_set_against_the_cwd(tmp_path, monkeypatch, capsys):
+    import typing
+
+    import yaml
+
+    from eaglet.config import IN_TARGET, MODEL
+
+    folder, elsewhere = tmp_path / "configs" / "sub", tmp_path / "cwd"
+    (folder / "rel" / "v").mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    keys = [(k, f, typing.get_origin(tp) is list) for k, f, tp in _fields() if f.metadata["path"]]
+    # a MODEL value shaped like a hub id is a path where it exists (rel/v does) or starts with ./
+    relative = {k: ("./rel/v" if f.metadata["path"] == MODEL else "rel/v") for k, f, _ in keys}
+    written = {k: [relative[k]] if many else relative[k] for k, _, many in keys}
+    data = {}
+    for k, _, _ in keys:
+        section, name = k.split(".")
+        data.setdefault(section, {})[name] = written[k]
+    path = folder / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    paths = dict(cfg.paths())
+    assert cli.main(["config", str(path)]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)  # `eaglet config FILE`: the resolved config
+    for k, f, many in keys:
+        section, name = k.split(".")
+        value = getattr(getattr(cfg, section), name)
+        got, label = (value[0], f"{k}[0]") if many else (value, k)
+        assert printed[section][name] == value, k
+        if f.metadata["path"] == IN_TARGET:  # a name inside target.path, wherever the config or the cwd is
+            assert (got, paths[label]) == ("rel/v", str(folder / "rel" / "v" / "rel" / "v")), k
+            assert getattr(getattr(load_config(path, [f"{k}=rel/v"]), section), name) == "rel/v", k
+            continue
+        assert got == paths[label] == str(folder / "rel" / "v"), k
+        again = getattr(getattr(load_config(path, [f"{k}={written[k]}"]), section), name)
+        assert (again[0] if many else again) == str(elsewhere / "rel" / "v"), k
+        for word in f.metadata["words"]:  # eval.prompts heldout / mt_bench stay words, in the file and --set
+            path.write_text(yaml.safe_dump({section: {name: word}}))
+            assert getattr(getattr(load_config(path), section), name) == word, (k, word)
+            assert getattr(getattr(load_config(None, [f"{k}={word}"]), section), name) == word, (k, word)
+            assert k not in dict(load_config(path).paths()), (k, word)
+        path.write_text(yaml.safe_dump(data))

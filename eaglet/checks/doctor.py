@@ -132,7 +132,8 @@ def _raw_config(path: str) -> dict[str, Any]:
         return {}
 
 
-_WRITTEN = ("run.dir", "regenerate.out", "extract.vllm_storage")  # made by eaglet when missing
+# made by eaglet when missing
+_WRITTEN = ("run.dir", "regenerate.out", "extract.vllm_storage", "extract.stream_dir", "train.compile_cache")
 
 
 def check_paths(p: Probe) -> None:
