@@ -33,9 +33,10 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .checks.doctor import preflight as run_preflight
 from .config import Config, TargetSection, unhashed_keys
@@ -49,6 +50,7 @@ from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
 
 MANIFEST = "manifest.json"
+FINGERPRINTS = ".fingerprints.json"  # in run.dir: the input files' hashes by (path, size, mtime)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def _hash_json(obj: Any) -> str:
 
 def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[str, Any]:
     """Everything the stage's output depends on, as a JSON-able dict."""
-    cache = cfg.run_dir / ".fingerprints.json"
+    cache = cfg.run_dir / FINGERPRINTS
     inputs = {
         "stage": stage.name,
         "config": {s: cfg.hashed_section(s) for s in stage.sections},
@@ -271,10 +273,54 @@ def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
     return before if stage.needs is None else tuple(n for n in before if n in stage.needs(cfg))
 
 
+def _holds_no_file(folder: Path) -> bool:
+    return not any(not p.is_dir() for p in folder.rglob("*"))
+
+
+def _remove_empty(folder: Path) -> None:
+    """Remove `folder` and the folders in it, if none holds a file (a link counts as one)."""
+    if not folder.is_dir() or folder.is_symlink() or not _holds_no_file(folder):
+        return
+    for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [folder]:
+        try:
+            sub.rmdir()
+        except OSError:  # something appeared in it meanwhile: it stays
+            return
+
+
+@contextmanager
+def _nothing_left_on_failure(cfg: Config) -> Iterator[None]:
+    """A command that fails leaves the folders it made only where they hold a file (a stage's
+    partial work, which a rerun resumes): a failure before any stage ran (a config error, a
+    preflight FAIL, a missing input) leaves run.dir as it was, or absent. The input-hash cache,
+    which planning writes, goes when this command made it and no stage folder it made holds a
+    file. Nothing that existed before is removed."""
+    run_dir = cfg.run_dir.absolute()
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the deepest first
+    stage_dirs = [run_dir / s.name for s in STAGES if not (run_dir / s.name).exists()]
+    cache_made = not (run_dir / FINGERPRINTS).exists()
+    try:
+        yield
+    except BaseException:
+        if dist_env().is_main:
+            if cache_made and all(not d.is_dir() or _holds_no_file(d) for d in stage_dirs):
+                (run_dir / FINGERPRINTS).unlink(missing_ok=True)
+            for folder in stage_dirs + made:
+                _remove_empty(folder)
+        raise
+
+
 def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
               preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
-    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/checks/doctor.py)."""
+    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/checks/doctor.py).
+    Failing, it leaves no empty folder it made (`_nothing_left_on_failure`)."""
+    with _nothing_left_on_failure(cfg):
+        return _run_stage(cfg, name, force, check_upstream, preflight, extend)
+
+
+def _run_stage(cfg: Config, name: str, force: bool, check_upstream: bool, preflight: bool,
+               extend: bool) -> dict[str, Any]:
     init_distributed(cfg.run.dist_timeout_minutes)
     plan = _stage_plan(cfg, name)
     run_dir = cfg.run_dir
@@ -361,7 +407,13 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
 
 def run_all(cfg: Config, upto: str | None = None, force: bool = False, preflight: bool = True,
             extend: bool = False) -> list[dict[str, Any]]:
-    """`eaglet run`: every stage in order, skipping those up to date (`extend`: train's --extend)."""
+    """`eaglet run`: every stage in order, skipping those up to date (`extend`: train's --extend).
+    Failing, it leaves no empty folder it made (`_nothing_left_on_failure`)."""
+    with _nothing_left_on_failure(cfg):
+        return _run_all(cfg, upto, force, preflight, extend)
+
+
+def _run_all(cfg: Config, upto: str | None, force: bool, preflight: bool, extend: bool) -> list[dict[str, Any]]:
     init_distributed(cfg.run.dist_timeout_minutes)
     manifests, upstream = [], {}
     plan = _stage_plan(cfg, upto or STAGE_NAMES[-1])

@@ -173,3 +173,67 @@ def test_a_corrupt_shard(tmp_path, capsys, trained):
     cfg = _config(tmp_path)
     rc, line, _ = _run(capsys, "train", cfg, *_flags(tmp_path / "run", base), "--force")
     _one_line(line, 5, rc, shard.name, "eaglet extract CONFIG --force")
+
+
+# ---- a failed command leaves no folder behind -----------------------------------------------------
+
+def _tree(folder):
+    """Every path under `folder`, relative, with a '/' after each folder."""
+    return sorted(str(p.relative_to(folder)) + ("/" if p.is_dir() else "") for p in folder.rglob("*"))
+
+
+def _failing(case, work, target):
+    """(command, config sections, exit code) of a command that fails before any stage runs."""
+    data = str(tiny.write_jsonl(work / "d.jsonl", tiny.make_conversations(2)))
+    (work / "broken.jinja").write_text("{% for x %}\n")
+    return {
+        "a target folder not found": ("run", {"target": {"path": str(work / "gone")}, "prepare": {"data": [data]}}, 4),
+        "target.path not set": ("run", {"prepare": {"data": [data]}}, 2),
+        "a preflight FAIL": ("run", {"target": {"path": str(target), "chat_template": "broken.jinja"},
+                                     "prepare": {"data": [data]}}, 3),
+        "a data file not found": ("prepare", {"target": {"path": str(target)}, "prepare": {"data": ["nope.jsonl"]}}, 4),
+        "a stage run before the one it needs": ("export", {"target": {"path": str(target)}, "prepare": {"data": [data]}}, 4),
+        "a config value out of range": ("run", {"train": {"ckpt_every": 0}}, 2),
+    }[case]
+
+
+CASES = ["a target folder not found", "target.path not set", "a preflight FAIL", "a data file not found",
+         "a stage run before the one it needs", "a config value out of range"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_command_that_fails_before_any_stage_leaves_no_run_folder(tmp_path, capsys, target, case):
+    work = tmp_path / "work"
+    work.mkdir()
+    command, sections, code = _failing(case, work, target)
+    path = work / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": "runs/x"}, **sections}))  # runs/ and runs/x are new
+    before = _tree(work)
+    rc, line, _ = _run(capsys, command, path)
+    assert (rc, line.startswith("eaglet: ")) == (code, True), line
+    assert _tree(work) == before, case
+
+
+@pytest.mark.parametrize("case", ["a preflight FAIL", "a stage run before the one it needs"])
+def test_a_failed_command_leaves_an_existing_run_folder_as_it_was(tmp_path, capsys, target, case):
+    work = tmp_path / "work"
+    (work / "runs" / "x" / "train").mkdir(parents=True)  # an empty stage folder made before: it stays
+    (work / "runs" / "x" / "notes.txt").write_text("mine")
+    command, sections, code = _failing(case, work, target)
+    path = work / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": "runs/x"}, **sections}))
+    before = _tree(work)
+    rc, line, _ = _run(capsys, command, path)
+    assert rc == code, line
+    assert _tree(work) == before
+
+
+def test_a_command_that_fails_after_a_stage_ran_keeps_its_work(tmp_path, capsys, target):
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(4))
+    cfg = _config(tmp_path, target={"path": str(target)}, prepare={"data": [str(data)]},
+                  extract={"layers": [1, 99]})  # extract's preflight fails, after prepare ran
+    rc, line, _ = _run(capsys, "run", cfg)
+    assert rc == 3, line
+    kept = _tree(tmp_path / "run")
+    assert "prepare/manifest.json" in kept and ".fingerprints.json" in kept, kept
+    assert not any(p.startswith("extract") for p in kept), kept
