@@ -1107,7 +1107,8 @@ print(warm, counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxg
 """
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor's CPU code needs a C++ compiler: install g++ (apt-get install g++)")
 def test_a_second_process_finds_the_first_ones_compile_in_the_cache(tmp_path):
     """Inductor itself (not a mock): a process that points its cache at the folder an earlier
     one compiled into takes the graph from it (a cache hit, no compile), as a resumed run does;

@@ -386,7 +386,8 @@ def _matches_hf(tmp_path, prep, dtype, engine_args, min_top1, min_cos, **extract
 
 
 @pytest.mark.skipif(not _vllm_importable() or not torch.cuda.is_available(),
-                    reason="needs vLLM and a CUDA GPU: run with .venv-vllm/bin/python -m pytest on a GPU machine")
+                    reason="needs vLLM and a CUDA GPU: on a GPU machine, `bash scripts/vllm_venv.sh`, then "
+                           "`.venv-vllm/bin/python -m pytest tests/test_vllm_backend.py`")
 def test_vllm_extract_matches_hf_on_gpu(tmp_path, prep):
     """The real thing: vLLM's extract_hidden_states + ExampleHiddenStatesConnector on a GPU,
     against the HF backend's store of the same samples (bf16 both: close, not equal; a random
@@ -397,7 +398,8 @@ def test_vllm_extract_matches_hf_on_gpu(tmp_path, prep):
 
 
 @pytest.mark.skipif(not _vllm_importable() or not torch.cuda.is_available(),
-                    reason="needs vLLM and a CUDA GPU: run with .venv-vllm/bin/python -m pytest on a GPU machine")
+                    reason="needs vLLM and a CUDA GPU: on a GPU machine, `bash scripts/vllm_venv.sh`, then "
+                           "`.venv-vllm/bin/python -m pytest tests/test_vllm_backend.py`")
 def test_vllm_server_extract_matches_hf_on_gpu(tmp_path, prep):
     """extract.vllm_server against a real `vllm serve`, started with the command the doctor
     prints for the same config (storage, layer ids, max_model_len), then the same comparison

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("EAGLET_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: bash scripts/vllm_venv.sh to run these")]
+    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: `bash scripts/vllm_venv.sh` builds it "
+    "(or set EAGLET_VLLM_PYTHON to a python with vLLM)")]
 
 
 @pytest.fixture(scope="module")
