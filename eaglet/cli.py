@@ -5,6 +5,7 @@
     eaglet regenerate CONFIG [--out FILE ...]           the target's own replies (the regenerate section)
     eaglet doctor CONFIG [--shadow]                     check the run before loading weights (exit 1 on FAIL)
     eaglet config [CONFIG] [--defaults]                 the resolved config, or every key with its doc
+    --preset cpu (any command that reads a config)       sizes for a CPU, under the file's keys and --set
     eaglet demo                                         the whole pipeline on SmolLM2-135M-Instruct and ShareGPT
 
 Every error ends in one line, `eaglet: <what>, <where>; <how to fix>`, with the exit code
@@ -24,7 +25,7 @@ import traceback
 from pathlib import Path
 
 from .checks.doctor import run_doctor
-from .config import RegenerateSection, describe_defaults, dump_config, load_config
+from .config import PRESETS, RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
 from .distributed import dist_env, keep_group_at_exit
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
@@ -47,6 +48,12 @@ def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> Non
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="Override one config key (repeatable); the value is read as YAML, e.g. --set extract.batch_tokens=16384.",
+    )
+    p.add_argument(
+        "--preset", metavar="NAME",
+        help=f"Apply a preset of settings over the defaults, under the config file's keys and --set, which win over "
+             f"it (also run.preset in the file): {', '.join(PRESETS)} (sizes for a CPU). Without one, the defaults "
+             "are sized for a GPU; see docs/config.md.",
     )
 
 
@@ -155,7 +162,7 @@ def _command(args: argparse.Namespace) -> int:
         if args.defaults:
             print(describe_defaults())
         else:
-            print(dump_config(load_config(args.config, args.overrides)), end="")
+            print(dump_config(load_config(args.config, args.overrides, args.preset)), end="")
         return 0
     overrides = list(getattr(args, "overrides", []))
     if getattr(args, "formats", None):
@@ -163,12 +170,12 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "regenerate":
         flags = {k.removeprefix("regen_"): v for k, v in vars(args).items() if k.startswith("regen_") and v is not None}
         overrides += [f"regenerate.{k}={json.dumps(v)}" for k, v in flags.items()]
-        run_regenerate(load_config(args.config, overrides), preflight=not args.skip_preflight)
+        run_regenerate(load_config(args.config, overrides, args.preset), preflight=not args.skip_preflight)
         return 0
     if args.command == "demo":
         run_demo(args.cache, args.run_dir, args.overrides)
         return 0
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, args.preset)
     preflight = not getattr(args, "skip_preflight", False)
     if args.command == "doctor":
         return run_doctor(cfg, more=shadow_findings if args.shadow else None)

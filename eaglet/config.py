@@ -108,6 +108,11 @@ class RunSection:
         60.0, "Under torchrun: longest wait in a collective, e.g. of ranks 1.. while rank 0 alone runs prepare, "
         "vocab, export or eval; then the run fails instead of hanging.", _gt(0)
     )
+    preset: str | None = _f(
+        None, "Settings applied over the defaults and under this file's other keys and --set (also `--preset NAME` "
+        "on the command line, which wins over this key): 'cpu', sizes for a CPU (PRESETS in eaglet/config.py; their "
+        "values are listed in docs/config.md). None: the defaults, which are sized for a GPU. Recorded in each "
+        "manifest; its values, not its name, are what a stage's input hash covers.", hashed=False)
 
 
 @dataclass
@@ -688,16 +693,61 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+# ---- presets ------------------------------------------------------------------------------
+
+# Settings as data ({section: {key: value}}), applied over the defaults and under a config
+# file's keys and --set (`load_config`): the defaults are sized for a GPU. `cpu` holds the sizes
+# `eaglet demo` runs with on a CPU (minutes on 2 cores); the demo adds its own data's settings
+# (records, epochs, learning rate: eaglet/demo.py).
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        "target": {"dtype": "float32"},  # the dtype eval runs the target in on a CPU (eval.dtype auto)
+        "prepare": {"max_length": 256},
+        "extract": {"batch_tokens": 4096, "shard_mb": 64},
+        "vocab": {"size": 1024},
+        "train": {"max_tokens": 1024, "ttt_steps": 3, "warmup_steps": 10, "mask_out_of_vocab": False,
+                  "log_every": 5, "eval_every": 0, "ckpt_every": 50},
+        "eval": {"num_prompts": 8, "max_new_tokens": 48, "chain_tokens": 3},
+    },
+}
+
+
+def preset_settings(name: Any, origin: str = "--preset") -> dict[str, dict[str, Any]]:
+    """The settings of preset `name`; an unknown name is a ConfigError naming the valid ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}, in {origin}",
+                          fix=f"use one of: {', '.join(PRESETS)}; leave it out for the defaults, sized for a GPU")
+    return PRESETS[name]
+
+
+def _chosen_preset(preset: str | None, data: dict[str, Any], overrides: list[str], where: str) -> tuple[Any, str]:
+    """(the preset's name or None, where it was named): --preset, else the last --set run.preset,
+    else the file's run.preset."""
+    if preset is not None:
+        return preset, "--preset"
+    for text in reversed(overrides):
+        sname, key, value = parse_override(text)
+        if (sname, key) == ("run", "preset"):
+            return value, "--set run.preset"
+    run = data.get("run")
+    return (run.get("preset"), f"run.preset, in {where}") if isinstance(run, dict) else (None, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                preset: str | None = None) -> Config:
     """Read a YAML config (or start from defaults) and apply `--set` overrides, every value checked.
 
+    A preset (`preset`, `--preset` on the command line; else run.preset of --set or the file)
+    is applied first, over the defaults: the file's keys and --set win over its values.
     Path settings (`Config.paths`) come out absolute: a relative one in the file is taken
     against the file's folder, one of `--set` or a default against the working directory, where
     the user typed it. target.path and target.tokenizer may be hub ids (`resolve_path`).
     """
     cfg = Config()
     cwd = Path.cwd()
+    overrides = list(overrides or [])
     _apply(cfg, {"run": {"dir": cfg.run.dir}}, "the defaults", cwd)  # the one path with a default
+    data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -708,10 +758,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    name, origin = _chosen_preset(preset, data, overrides, str(path))
+    if name is not None:
+        _apply(cfg, preset_settings(name, origin), f"preset {name}", cwd)
+    if path is not None:
         _apply(cfg, data, str(path), path.absolute().parent)
-    for text in overrides or []:
+    for text in overrides:
         sname, key, value = parse_override(text)
         _apply(cfg, {sname: {key: value}}, f"--set {sname}.{key}", cwd)
+    cfg.run.preset = name
     return cfg
 
 
@@ -752,6 +807,14 @@ the closest valid one. A float may be written as YAML 1.1 reads it or not (`1e-3
 On the command line, `--set section.key=value` (repeatable, the value read as YAML) overrides
 the file.
 
+The defaults are sized for a GPU. A preset is a set of values applied over the defaults and
+under the file: `--preset cpu` on any command that reads a config (or `run.preset: cpu` in the
+file) sizes a run for a CPU, and every key the file sets, and every `--set`, still wins over
+the preset's value. `eaglet config CONFIG --preset cpu` prints what results. The presets
+(`PRESETS` in eaglet/config.py):
+
+PRESET_TABLE
+
 Paths (the keys marked "a path" below): a relative path in the config file is taken against
 the folder of the config file, one given with `--set` (or a default, `run.dir`) against the
 working directory. `target.path` and `target.tokenizer` may also name a hub id already in the
@@ -777,8 +840,14 @@ run an older eaglet made, which hashed such keys, stays up to date. This page is
 
 
 def config_page() -> str:
-    """docs/config.md: CONFIG_PAGE and every key of `describe_defaults`."""
-    return f"{CONFIG_PAGE}\n```yaml\n{describe_defaults()}```\n"
+    """docs/config.md: CONFIG_PAGE with the presets' values, and every key of `describe_defaults`."""
+    def value(v: Any) -> str:
+        return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+    table = "\n".join(["| preset | values |", "|---|---|"] + [
+        f"| `{name}` | " + ", ".join(f"`{s}.{k}: {value(v)}`" for s, values in settings.items() for k, v in values.items())
+        + " |" for name, settings in PRESETS.items()])
+    return f"{CONFIG_PAGE.replace('PRESET_TABLE', table)}\n```yaml\n{describe_defaults()}```\n"
 
 
 if __name__ == "__main__":

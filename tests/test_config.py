@@ -297,6 +297,7 @@ def test_a_bare_on_or_off_is_the_setting_not_a_boolean(tmp_path):
 # The keys whose type takes free text and that are not paths, each reviewed: a new text key must be
 # marked with its path kind (config._f's `path`) or added here with the reason.
 NOT_PATHS = {
+    "run.preset": "a preset's name (cpu)",
     "target.device_map": "a transformers device_map ('auto', 'balanced', ...)",
     "target.attn_implementation": "a transformers attention implementation's name",
     "target.revision": "a branch, tag or commit of the hub repository",
@@ -387,3 +388,80 @@ def test_each_path_key_resolves_against_the_config_files_folder_and_set_against_
             assert getattr(getattr(load_config(None, [f"{k}={word}"]), section), name) == word, (k, word)
             assert k not in dict(load_config(path).paths()), (k, word)
         path.write_text(yaml.safe_dump(data))
+
+
+# ---- presets ------------------------------------------------------------------------------------
+
+def _preset_keys(name):
+    from eaglet.config import PRESETS
+
+    return [(s, k, v) for s, values in PRESETS[name].items() for k, v in values.items()]
+
+
+def test_the_cpu_preset_applies_under_the_file_and_set(tmp_path):
+    """A preset's values replace the defaults; every key a file sets and every --set win over it,
+    named by --preset or by the file's run.preset (which --set run.preset=null drops)."""
+    cfg = load_config(None, preset="cpu")
+    assert cfg.run.preset == "cpu" and load_config().run.preset is None
+    for s, k, v in _preset_keys("cpu"):
+        assert getattr(getattr(cfg, s), k) == v != getattr(getattr(Config(), s), k), (s, k)
+    assert cfg.train.lr == Config().train.lr  # a key the preset leaves alone keeps its default
+
+    path = tmp_path / "my.yaml"
+    path.write_text("prepare:\n  max_length: 2048\ntrain:\n  ttt_steps: 5\n")
+    cfg = load_config(path, ["vocab.size=2048"], preset="cpu")
+    assert (cfg.prepare.max_length, cfg.train.ttt_steps, cfg.vocab.size) == (2048, 5, 2048)  # the file's, --set's
+    assert (cfg.train.max_tokens, cfg.extract.batch_tokens, cfg.run.preset) == (1024, 4096, "cpu")  # the preset's
+
+    path.write_text("run:\n  preset: cpu\ntrain:\n  ttt_steps: 5\n")  # named in the file: applied under it
+    cfg = load_config(path)
+    assert (cfg.run.preset, cfg.train.ttt_steps, cfg.train.max_tokens) == ("cpu", 5, 1024)
+    cfg = load_config(path, ["run.preset=null"])
+    assert (cfg.run.preset, cfg.train.ttt_steps, cfg.train.max_tokens) == (None, 5, 8192)
+
+
+def test_an_unknown_preset_is_one_line_naming_the_valid_ones(tmp_path, capsys):
+    assert cli.main(["config", "--preset", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("eaglet: unknown preset 'gpu', in --preset; use one of: cpu; leave it out for the defaults, "
+                   "sized for a GPU\n")
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  preset: tiny\n")
+    assert cli.main(["doctor", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"eaglet: unknown preset 'tiny', in run.preset, in {path}; use one of: cpu")
+
+
+def test_every_command_that_reads_a_config_takes_the_preset(tmp_path, capsys):
+    """--preset on each of them; `eaglet config FILE --preset cpu` prints the resolved values."""
+    import yaml
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        if any(a.dest == "config" for a in sub._actions):
+            assert any("--preset" in a.option_strings for a in sub._actions), name
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  ttt_steps: 5\n")
+    assert cli.main(["config", str(path), "--preset", "cpu"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["run"]["preset"] == "cpu" and printed["train"]["ttt_steps"] == 5
+    assert printed["train"]["max_tokens"] == 1024 and printed["vocab"]["size"] == 1024
+
+
+def test_a_stage_records_its_preset_and_hashes_only_the_values(tmp_path):
+    """The manifest names the preset (run.preset in its config); the input hash covers the values:
+    the same values set key by key, without the preset, leave the stage up to date."""
+    import yaml
+
+    from eaglet import pipeline
+    from eaglet.testing import tiny
+
+    target = tiny.save_target(tmp_path / "t", family="llama", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(6, seed=1))
+    base = [f"run.dir={tmp_path / 'run'}", f"target.path={target}", f"prepare.data=[{data}]"]
+    first = pipeline.run_stage(load_config(None, base, preset="cpu"), "prepare", preflight=False)
+    assert first["config"]["run"]["preset"] == "cpu" and first["config"]["prepare"]["max_length"] == 256
+    same = [f"{s}.{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for s, k, v in _preset_keys("cpu")]
+    again = pipeline.run_stage(load_config(None, base + same), "prepare", preflight=False)
+    assert again["started"] == first["started"] and again["input_hash"] == first["input_hash"]  # skipped

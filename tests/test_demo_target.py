@@ -67,3 +67,24 @@ def test_an_older_conversion_is_converted_again(tied, monkeypatch):
     assert json.loads((old / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     demo.gguf_to_folder(gguf, old)
     assert calls == ["m.gguf"]  # up to date: not converted again
+
+
+
+def test_the_demo_runs_with_the_cpu_preset_on_a_cpu(monkeypatch):
+    """On a CPU the demo's sizes are the cpu preset's, the preset users get with --preset cpu: the
+    demo names the preset (recorded in its manifests) and sets none of its keys itself, so the two
+    cannot drift apart; on a GPU it runs with the defaults, which are sized for one."""
+    from pathlib import Path
+
+    from eaglet.config import PRESETS
+
+    preset = {(s, k): v for s, values in PRESETS["cpu"].items() for k, v in values.items()}
+    own = {tuple(text.split("=")[0].split(".")) for text in demo.CPU_SETTINGS}
+    assert own and not own & set(preset)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = demo.demo_config(Path("/t"), Path("/d.json"), "/tmp/demo-run", [])
+    assert cfg.run.preset == "cpu" and cfg.prepare.max_records == 150
+    assert {(s, k): getattr(getattr(cfg, s), k) for s, k in preset} == preset
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = demo.demo_config(Path("/t"), Path("/d.json"), "/tmp/demo-run", [])
+    assert cfg.run.preset is None and (cfg.train.ttt_steps, cfg.prepare.max_records) == (7, 20000)

@@ -166,20 +166,70 @@ def test_host_memory_too_small_fails_on_the_cpu(tmp_path, assets, monkeypatch):
     assert (extract.check, train.check) == ("memory (extract)", "memory (train)")
     assert "host memory" in extract.expected and extract.found == "1.0 MiB available"
     assert "lower extract.batch_tokens (now 16384)" in extract.fix
-    assert train.fix == "lower train.max_tokens (now 8192) or train.ttt_steps (now 7)"
+    preset = "; or run with --preset cpu (sizes for a CPU; the keys the file sets still win: docs/config.md)"
+    assert extract.fix.endswith(preset)
+    assert train.fix == "lower train.max_tokens (now 8192) or train.ttt_steps (now 7)" + preset
+    cpu = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={assets['llama']}",
+                             f"prepare.data=[{assets['data']}]", "vocab.size=128"], preset="cpu")
+    extract, train = _fails(cpu)  # 1 MiB holds no plan; the preset is no longer the fix to suggest
+    assert train.fix == "lower train.max_tokens (now 1024) or train.ttt_steps (now 3)" and "preset" not in extract.fix
 
 
-@pytest.mark.parametrize("share, status", [(1.01, "FAIL"), (0.95, "warn"), (0.85, "ok")])
-def test_host_memory_within_a_tenth_of_the_plan_warns(tmp_path, assets, monkeypatch, share, status):
-    """need > free: FAIL; need above 90% of free: warn; below: ok (the train plan, on the CPU)."""
+def _needs(monkeypatch):
+    """{what: bytes} of each memory plan the doctor holds to the free memory, as it computes them."""
     from eaglet.checks import doctor
 
+    needs, real = {}, doctor._memory_finding
+
+    def record(p, what, need, *args, **kwargs):
+        needs[what] = need
+        return real(p, what, need, *args, **kwargs)
+
+    monkeypatch.setattr(doctor, "_memory_finding", record)
+    return needs
+
+
+@pytest.mark.parametrize("what", ["extract", "train"])
+@pytest.mark.parametrize("share, status", [(1.01, "FAIL"), (0.95, "warn"), (0.85, "ok")])
+def test_host_memory_within_a_tenth_of_the_plan_warns(tmp_path, assets, monkeypatch, what, share, status):
+    """need > free: FAIL; need above 90% of free: warn; below: ok (extract's and train's plans, on
+    the CPU)."""
+    needs = _needs(monkeypatch)
     _host_free(monkeypatch, 10**15)
     cfg = _cfg(tmp_path, assets)
-    need = doctor._draft_need(diagnose(cfg))[0]
-    _host_free(monkeypatch, int(need / share))
-    (f,) = [f for f in diagnose(cfg).findings if f.check == "memory (train)"]
+    diagnose(cfg)
+    _host_free(monkeypatch, int(needs[what] / share))
+    (f,) = [f for f in diagnose(cfg).findings if f.check == f"memory ({what})"]
     assert f.status == status, f.line()
+
+
+def _smollm2_shaped(tmp_path, assets):
+    """A target folder with SmolLM2-135M's config (576 wide, 30 layers, 49,152 tokens) and the tiny
+    tokenizer: the doctor's plans read the config only, never the weights."""
+    folder = tmp_path / "smollm2-shaped"
+    shutil.copytree(assets["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_the_readme_config_on_a_23_gib_cpu_machine_fails_and_names_the_preset(tmp_path, assets, monkeypatch):
+    """The README's "your model, your data" config (max_length 2048, the GPU-sized defaults) with
+    SmolLM2 on a 23 GiB machine without a GPU: training's ~24.7 GiB is a FAIL naming the settings
+    and the cpu preset; with --preset cpu the same file fits."""
+    folder = _smollm2_shaped(tmp_path, assets)
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump({"run": {"dir": "runs/my-draft"}, "target": {"path": str(folder)},
+                                    "prepare": {"data": [str(assets["data"])], "max_length": 2048},
+                                    "train": {"epochs": 2}}))
+    _host_free(monkeypatch, 23 * 2**30)
+    (f,) = _fails(load_config(path))
+    assert f.check == "memory (train)" and re.search(r"~24\.\d GiB of host memory", f.expected), f.line()
+    assert "train.max_tokens (now 8192)" in f.fix and "--preset cpu" in f.fix
+    fits = [f for f in diagnose(load_config(path, preset="cpu")).findings if f.check.startswith("memory")]
+    assert [f.status for f in fits] == ["ok", "ok"], [f.line() for f in fits]
 
 
 def test_a_teacher_chunk_past_the_micro_batch_costs_only_the_micro_batch(tmp_path, assets, monkeypatch):

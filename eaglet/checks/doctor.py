@@ -643,8 +643,10 @@ def _memory_finding(p: Probe, what: str, need: int, breakdown: str, devices: lis
         if free is None:
             p.add("info", f"memory ({what})", expected, "this system's available memory could not be read")
             return
-        p.add(_memory_status(need, free), f"memory ({what})", expected, f"{_gib(free)} available",
-              host_fix or fix)
+        fix = host_fix or fix
+        if p.cfg.run.preset != "cpu":  # the sizes the demo runs with on a CPU (eaglet/config.py PRESETS)
+            fix += "; or run with --preset cpu (sizes for a CPU; the keys the file sets still win: docs/config.md)"
+        p.add(_memory_status(need, free), f"memory ({what})", expected, f"{_gib(free)} available", fix)
         return
     free = _free_on(devices)
     names = ", ".join(str(d) for d in devices)
