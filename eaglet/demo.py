@@ -178,16 +178,19 @@ def _print_summary(cfg: Config, s: dict[str, Any]) -> None:
     if "eval" in s:
         ev = s["eval"]
         lines.append(f"  exported drafts {cfg.run_dir / 'export' / 'vllm'} (vLLM), {cfg.run_dir / 'export' / 'sglang'} (SGLang)")
-        lines.append(f"  tau (chain of {cfg.eval.chain_tokens}, greedy, {ev.get('num_prompts')} held-out prompts): "
-                     f"trained {ev['tau']:.3f}, untrained {_f(ev.get('reference_tau'))} "
-                     f"(on {min(cfg.eval.reference_prompts, ev.get('num_prompts') or 0)} of them)")
+        note = (ev.get("prompt_count") or {}).get("note")
+        lines.append(f"  tau (chain of {cfg.eval.chain_tokens}, greedy, {ev.get('num_prompts')} held-out prompts"
+                     f"{'; ' + note if note else ''}): trained {ev['tau']:.3f}, untrained "
+                     f"{_f(ev.get('reference_tau'))} (on {min(cfg.eval.reference_prompts, ev.get('num_prompts') or 0)} "
+                     "of them)")
         rates = ev.get("acceptance_rate") or []
         lines.append("  acceptance per draft position: " + ", ".join("-" if a is None else f"{a:.2f}" for a in rates))
         if ev.get("speedup"):
             lines.append(f"  tokens/s: speculative {ev['tokens_per_s']:.1f}, plain target {ev['baseline_tokens_per_s']:.1f} "
                          f"(x{ev['speedup']:.2f})")
             lines += cost_lines(ev, cfg.eval.chain_tokens, str(cfg.run_dir))
-        lines.append(f"  lossless check (greedy output == target's own): {ev.get('lossless', 'n/a')}")
+        lines.append(f"  {pipeline.lossless_verdict(cfg, ev)}")
+        lines.append(f"  plot            {cfg.run_dir / 'eval' / 'eval.png'}")
     print("\n".join(lines))
 
 

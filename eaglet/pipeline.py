@@ -423,10 +423,25 @@ def _run_all(cfg: Config, upto: str | None, force: bool, preflight: bool, extend
     return manifests
 
 
+def lossless_verdict(cfg: Config, ev: dict[str, Any]) -> str:
+    """The eval's lossless check in one phrase, on how many prompts, from its stats; or why it did not run."""
+    n, bad = ev.get("num_prompts"), ev.get("lossless_mismatches")
+    if ev.get("lossless") is True:
+        return f"lossless: yes, the speculative output equals the target's own greedy output on all {n} prompts"
+    if ev.get("lossless") is False:
+        return (f"lossless: NO, {bad if bad is not None else 'some'} of {n} prompts differ from the target's own greedy "
+                f"output (near-ties outside float32; eval/{ev.get('result')}: mismatches)")
+    e = cfg.eval
+    why = ("eval.replay decodes nothing" if e.replay else "sampled decoding (eval.temperature > 0) has no "
+           "token-for-token check" if e.temperature > 0 else "eval.lossless_check is off")
+    return f"lossless: not checked ({why})"
+
+
 def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
     """What a user who just ran the pipeline (or its export or eval) wants to see: tau and the
-    acceptance per draft position, eval.prompts records skipped, where the exports are, and the
-    commands that serve them."""
+    acceptance per draft position, the lossless verdict, why fewer prompts than eval.num_prompts
+    asked for, eval.prompts records skipped, where the exports are, and the commands that serve
+    them."""
     by = {m["stage"]: m.get("stats") or {} for m in manifests}
     lines = [f"eaglet: {cfg.run_dir}"]
     ev = by.get("eval")
@@ -440,6 +455,10 @@ def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
             lines.append(f"  tau, {drafting}, {ev.get('num_prompts')} prompts ({e.prompts}): {ev['tau']:.3f}{ref}")
             lines.append("  acceptance per draft position: "
                          + ", ".join("-" if a is None else f"{a:.2f}" for a in ev.get("acceptance_rate") or []))
+        if note := (ev.get("prompt_count") or {}).get("note"):
+            lines.append(f"  prompts: {ev['prompt_count']['used']} ({note})")
+        if ev.get("tau") is not None:
+            lines.append(f"  {lossless_verdict(cfg, ev)}")
         if v.get("mean_acceptance_length") is not None:
             rel = f" ({v['relative_difference']:+.1%} against eaglet's)" if v.get("relative_difference") is not None else ""
             speed = ", ".join(f"{b.replace('_', ' ')} {s:.2f}x" for b, s in (v.get("speedup") or {}).items() if s)

@@ -534,3 +534,46 @@ def test_eval_warns_when_the_trained_draft_is_no_better_than_an_untrained_one(tm
                      r"same 2 prompt\(s\) \(tau \d\.\d{3} against \d\.\d{3}\): it learnt nothing", capfd.readouterr().err)
     summary = run_summary(cfg, [{"stage": "eval", "stats": stats}])
     assert "WARNING, no better than the untrained draft on the same prompts" in summary
+
+
+def _plotted_result(num_prompts=4):
+    recs = [{"item": f"sample {i}", "turn": 1, "tau": 1.2 + 0.1 * i} for i in range(num_prompts)]
+    return {
+        "settings": {"method": "chain", "chain_tokens": 3, "temperature": 0.0, "device": "cpu", "dtype": "float32"},
+        "prompt_set": "heldout", "prompts": recs,
+        "aggregate": {"num_prompts": num_prompts, "tau": 1.35, "tau_ceiling": 4, "verify_forwards": 100,
+                      "acceptance_rate": [0.3, 0.1, None], "position_reached": [100, 30, 0], "speedup": 0.72,
+                      "tokens_per_s": 7.2, "baseline_tokens_per_s": 10.0, "lossless": True, "mismatches": []},
+        "reference": {"num_prompts": 2, "tau": 1.0, "trained_tau": 1.25, "acceptance_rate": [0.0, None, None],
+                      "prompts": [{"item": "sample 0", "tau": 1.0}, {"item": "sample 1", "tau": 1.0}]},
+    }
+
+
+def test_the_plot_shows_trained_and_untrained_side_by_side_on_honest_axes():
+    """eval.png: the untrained draft is bars of its own colour beside the trained draft's (one at
+    0 acceptance still drawn), the acceptance axis is [0, 1], prompts are numbered from 1 as the
+    messages number them, and the speedup says what it is."""
+    from matplotlib.colors import to_hex
+
+    from eaglet.stages.evaluate import TRAINED, UNTRAINED, eval_figure
+
+    fig = eval_figure(_plotted_result())
+    acc, tau = fig.axes
+    assert acc.get_ylim() == (0.0, 1.0)
+    assert [t.get_text() for t in tau.get_xticklabels()] == ["1", "2", "3", "4"]
+
+    def bars(ax):  # colour -> [(x centre, height)]
+        out = {}
+        for p in ax.patches:
+            out.setdefault(to_hex(p.get_facecolor()), []).append((round(p.get_x() + p.get_width() / 2, 3),
+                                                                  round(p.get_height(), 3)))
+        return out
+
+    a, t = bars(acc), bars(tau)
+    assert [h for _, h in a[TRAINED]] == [0.3, 0.1, 0.0] and [h for _, h in a[UNTRAINED]][0] == 0.0
+    assert a[UNTRAINED][0][0] > a[TRAINED][0][0]  # side by side at position 1, not on top of each other
+    assert to_hex(acc.patches[len(a[TRAINED])].get_edgecolor()) == UNTRAINED  # a bar of height 0 shows as a line
+    assert [h for _, h in t[TRAINED]] == [1.2, 1.3, 1.4, 1.5] and [h for _, h in t[UNTRAINED]][:2] == [1.0, 1.0]
+    words = " ".join(x.get_text() for x in fig.texts)
+    assert "speedup 0.72x = speculative / plain decoding tokens/s (7.2 / 10.0) on cpu" in words
+    assert "untrained draft 1.00" in fig._suptitle.get_text()

@@ -288,3 +288,29 @@ def test_the_run_summary_gives_tau_the_exports_and_their_serve_commands():
     assert "acceptance per draft position: 0.32, -" in text and "math         1.540" in text
     assert "mean acceptance length 1.398 (-2.2% against eaglet's); speedup batch 1 0.97x, batch 16 0.79x" in text
     assert "vllm export: /r/export/vllm\n    serve: vllm serve T --x" in text
+
+
+def test_the_run_summary_gives_the_lossless_verdict_and_why_fewer_prompts_than_asked():
+    """`eaglet run` and `eaglet eval` end with the lossless verdict on how many prompts (or why it
+    was not checked), and, when the prompt set gave fewer than eval.num_prompts, why."""
+    from eaglet.config import load_config
+    from eaglet.pipeline import run_summary
+    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+
+    cfg = load_config(None, ["run.dir=/r", "eval.chain_tokens=3", "eval.num_prompts=8"])
+    held = {"held_out": 8, "duplicates": 2, "no_prompt": 0, "missing": 0}
+    stats = {"tau": 1.23, "num_prompts": 6, "acceptance_rate": [0.2, 0.1, 0.0], "lossless": True,
+             "lossless_mismatches": 0, "result": "heldout-chain3-greedy.json",
+             "prompt_count": prompt_count("heldout", 8, 6, SkippedPrompts(), held)}
+    text = run_summary(cfg, [{"stage": "eval", "stats": stats}])
+    assert "  prompts: 6 (8 asked; train.eval_fraction holds out 8 samples: 2 were duplicates of others)" in text
+    assert ("  lossless: yes, the speculative output equals the target's own greedy output on all 6 prompts"
+            in text.splitlines())
+    text = run_summary(cfg, [{"stage": "eval", "stats": {**stats, "lossless": False, "lossless_mismatches": 2,
+                                                           "prompt_count": prompt_count("heldout", 6, 6,
+                                                                                        SkippedPrompts(), held)}}])
+    assert "lossless: NO, 2 of 6 prompts differ from the target's own greedy output" in text
+    assert "prompts:" not in text  # every prompt asked for is there
+    sampled = load_config(None, ["run.dir=/r", "eval.temperature=0.7"])
+    text = run_summary(sampled, [{"stage": "eval", "stats": {**stats, "lossless": None}}])
+    assert "lossless: not checked (sampled decoding (eval.temperature > 0) has no token-for-token check)" in text

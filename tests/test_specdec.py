@@ -379,6 +379,26 @@ def test_eos_stops_both_decoders(target):
     assert base.tokens == full[: full.index(eos) + 1] == g.tokens
 
 
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_progress_hears_of_every_cycle_and_counts_the_tokens_the_output_keeps(target, settings):
+    """The progress callback (eval's bar) is called after the prefill and after every cycle, and
+    counts tokens as the output keeps them: a cycle that runs past max_new_tokens (the oracle
+    accepts 5 tokens a cycle, 47 is no multiple of 5) or past an EOS counts only what is kept."""
+    tr = TargetRunner(target, AUX)
+    greedy = plain_generate(tr, PROMPT, 60).tokens
+    oracle = make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)
+    for draft, eos in ((oracle, []), (oracle, [greedy[8]]), (make_draft(target, 300), [])):
+        calls: list[int] = []
+        g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings, eos, progress=calls.append)
+        assert len(calls) == 1 + g.verify_forwards and min(calls) >= 0
+        assert sum(calls) == len(g.tokens)
+    assert len(g.tokens) == settings.max_new_tokens  # the random draft ran to the end
+    for eos in ([], [greedy[8]]):
+        calls = []
+        b = plain_generate(tr, PROMPT, 30, eos_token_ids=eos, progress=calls.append)
+        assert calls == [1] * len(b.tokens)
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 
@@ -599,18 +619,90 @@ def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monke
         return g
 
     monkeypatch.setattr(evaluate, "speculative_generate", corrupt)
-    with pytest.raises(evaluate.LosslessError, match="prompt 0 .* at new token 4"):
+    with pytest.raises(evaluate.LosslessError, match=r"prompt 1 \(sample \d+\) at new token 4"):
         evaluate.run_eval(cfg, ctx)
     report = json.loads((ctx.out_dir / "eval.json").read_text())
     assert report["aggregate"]["lossless"] is False
     assert [m["position"] for m in report["aggregate"]["mismatches"]] == [4, 4, 4]
 
 
+class _Bars:
+    """A stand-in for tqdm that records every bar eval opens: its total, updates and postfixes."""
+
+    made: list[_Bars] = []
+
+    def __init__(self, total=0, desc="", **kwargs):
+        self.total, self.desc, self.updates, self.postfix, self.closed = total, desc, [], {}, False
+        _Bars.made.append(self)
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def reset(self, total=None):
+        self.updates, self.total = [], self.total if total is None else total
+
+    def set_postfix(self, postfix, refresh=True):
+        self.postfix = dict(postfix)
+
+    def close(self):
+        self.closed = True
+
+    @classmethod
+    def write(cls, line, file=None):
+        pass
+
+
+def test_eval_feeds_a_bar_as_it_decodes_in_every_phase(tmp_path, monkeypatch):
+    """The trained draft's decoding and the untrained reference each feed a bar as tokens are
+    committed: the updates sum to the tokens produced (speculative and plain; the reference's
+    continuations), the total ends equal to them (an EOS takes what it leaves undecoded off), and
+    the postfix ends at the last prompt."""
+    from eaglet.stages import evaluate
+
+    _Bars.made = []
+    monkeypatch.setattr(evaluate, "tqdm", _Bars)
+    cfg, ctx = _eval_setup(tmp_path)
+    cfg.eval.reference_prompts = 2
+    evaluate.run_eval(cfg, ctx)
+    report = json.loads((ctx.out_dir / "eval.json").read_text())
+    main, ref = _Bars.made
+    assert (main.desc, ref.desc) == ("eval", "eval, untrained draft") and main.closed and ref.closed
+    produced = sum(r["new_tokens"] + r["baseline_new_tokens"] for r in report["prompts"])
+    assert sum(main.updates) == produced == main.total
+    assert len(main.updates) > 2 * len(report["prompts"])  # as decoding goes, not once a prompt
+    assert main.postfix["prompt"] == "3/3" and main.postfix["lossless"] == "3/3"
+    k = cfg.eval.tree_depth
+    assert sum(ref.updates) == 2 * (cfg.eval.max_new_tokens + k) == ref.total  # 2 prompts' continuations
+    assert len(ref.updates) == cfg.eval.max_new_tokens + k and ref.postfix["prompt"] == "2/2"
+    # eval.json: the untrained draft's tau per prompt (the plot's bars beside the trained ones), the prompt count
+    assert [p["item"] for p in report["reference"]["prompts"]] == [r["item"] for r in report["prompts"][:2]]
+    assert all(p["tau"] >= 1 for p in report["reference"]["prompts"])
+    assert report["prompt_count"]["asked"] == report["prompt_count"]["used"] == 3
+
+
+def test_an_eos_takes_what_it_leaves_undecoded_off_the_bar(target, monkeypatch):
+    from eaglet.config import EvalSection
+    from eaglet.stages import evaluate
+
+    _Bars.made = []
+    monkeypatch.setattr(evaluate, "tqdm", _Bars)
+    tr = TargetRunner(target, AUX)
+    eos = plain_generate(tr, PROMPT, 20).tokens[5]
+    ecfg = EvalSection(method="chain", chain_tokens=3, max_new_tokens=20, device="cpu")
+    res = evaluate.evaluate_draft(target, None, make_draft(target, 300), AUX, [PROMPT, PROMPT[:-3]], ecfg,
+                                  eos_token_ids=[eos])
+    bar, = _Bars.made
+    produced = sum(r["new_tokens"] + r["baseline_new_tokens"] for r in res["prompts"])
+    assert produced < 2 * 2 * 20 and res["prompts"][0]["new_tokens"] <= 6  # the EOS stopped them early
+    assert sum(bar.updates) == produced == bar.total and bar.postfix["prompt"] == "2/2"
+
+
 def test_heldout_prompts_are_each_evaluated_once(tmp_path):
     """Conversations that open with the assistant's turn all cut to the same bare system
     prompt: the held-out set takes it once, then goes on to distinct prompts."""
     from eaglet.formats.prepared import PreparedData, PreparedWriter
-    from eaglet.stages.evaluate import heldout_prompts
+    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+    from eaglet.stages.evaluate import heldout_prompts, heldout_selection
 
     w = PreparedWriter(tmp_path, ["data.jsonl"])
     bare = [1, 5, 6, 7]  # the template's system prompt, then the assistant's turn at once
@@ -626,6 +718,12 @@ def test_heldout_prompts_are_each_evaluated_once(tmp_path):
     assert prompts.count(tuple(bare)) == 1
     every = heldout_prompts(data, data.sample_ids, 0.5, 0, 1000)  # all 20 held out
     assert sum(sid % 2 == 0 for sid, _ in every) == 1 and len(every) > 5
+    # the count of what was passed over, and why fewer than asked, as eval.json and the summary say it
+    got, counts = heldout_selection(data, data.sample_ids, 0.5, 0, 1000)
+    assert got == every and counts == {"held_out": 20, "duplicates": 20 - len(every), "no_prompt": 0, "missing": 0}
+    note = prompt_count("heldout", 1000, len(every), SkippedPrompts(), counts)["note"]
+    assert note == f"1000 asked; train.eval_fraction holds out 20 samples: {20 - len(every)} were duplicates of others"
+    assert prompt_count("heldout", len(every), len(every), SkippedPrompts(), counts)["note"] is None
 
 
 def test_timed_decoding_splits_the_seconds_by_phase_and_changes_nothing(target):
@@ -648,3 +746,19 @@ def test_the_demo_says_where_a_cycle_goes_when_decoding_is_slower():
     assert "a cycle takes 72 ms for 1.20 tokens, a plain target step 36 ms" in text
     assert "verifying 4 tokens takes 40 ms (1.1 plain steps" in text and "drafting 3 tokens" in text
     assert cost_lines({**ev, "speedup": 1.3}, 3, "x") == [] and cost_lines({"tau": 1.0, "speedup": 0.5}, 3, "x") == []
+
+
+def test_the_demo_summary_says_why_fewer_prompts_and_gives_the_lossless_verdict(capsys):
+    from eaglet.config import load_config
+    from eaglet.demo import _print_summary
+    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+
+    cfg = load_config(None, ["run.dir=/r", "eval.chain_tokens=3", "eval.reference_prompts=8"])
+    ev = {"tau": 1.23, "num_prompts": 6, "reference_tau": 1.0, "acceptance_rate": [0.2], "lossless": True,
+          "prompt_count": prompt_count("heldout", 8, 6, SkippedPrompts(),
+                                       {"held_out": 10, "duplicates": 4, "no_prompt": 0, "missing": 0})}
+    _print_summary(cfg, {"run_dir": "/r", "stages": {}, "eval": ev})
+    out = capsys.readouterr().out
+    assert ("tau (chain of 3, greedy, 6 held-out prompts; 8 asked; train.eval_fraction holds out 10 samples: 4 were "
+            "duplicates of others): trained 1.230, untrained 1.000 (on 6 of them)") in out
+    assert "lossless: yes, the speculative output equals the target's own greedy output on all 6 prompts" in out

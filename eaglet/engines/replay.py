@@ -48,7 +48,7 @@ decoding near ties, as any batch shape does (every draft is replayed against the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +75,13 @@ class TargetSide:
 
 @torch.no_grad()
 def continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, batch: int = 64,
-                  temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+                  temperature: float = 0.0, generator: torch.Generator | None = None,
+                  progress: Callable[[int], None] | None = None) -> list[list[int]]:
     """The target's continuation of each prompt, greedy, `n` tokens, not stopped at EOS:
     `batch` prompts at a time, left-padded, one forward per token with a KV cache.
-    temperature > 0: sampled from softmax(logits / temperature) instead (on the CPU, from `generator`)."""
+    temperature > 0: sampled from softmax(logits / temperature) instead (on the CPU, from `generator`).
+    progress: called with the batch's prompt count after each forward (the calls sum to n per
+    prompt; no device sync)."""
     kw = cache_kwarg(model)
     if "logits_to_keep" in forward_params(model):
         kw_extra = {"logits_to_keep": 1}  # the prefill's logits of every position would take B x width x V
@@ -106,6 +109,8 @@ def continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, ba
             else:
                 nxt = logits[:, -1].float().argmax(-1, keepdim=True)
             new.append(nxt)
+            if progress is not None:
+                progress(len(group))
             ids, pos = nxt, pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
         toks = torch.cat(new, dim=-1).tolist()
@@ -115,12 +120,14 @@ def continuations(model: nn.Module, prompts: Sequence[Sequence[int]], n: int, ba
 
 @torch.no_grad()
 def target_side(model: nn.Module, aux_layers: Sequence[int], prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                k: int, batch: int = 64, temperature: float = 0.0, seed: int = 0) -> TargetSide:
+                k: int, batch: int = 64, temperature: float = 0.0, seed: int = 0,
+                progress: Callable[[int], None] | None = None) -> TargetSide:
     """Greedy continuations of `prompts` and the target's captured states along them;
     temperature > 0: continuations sampled at that temperature (seeded), with each token's
-    probability under the target (`p_token`), which a sampled chain's replay needs."""
+    probability under the target (`p_token`), which a sampled chain's replay needs.
+    progress: `continuations`' (max_new_tokens + k tokens per prompt)."""
     gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
-    seqs = continuations(model, prompts, max_new_tokens + k, batch, temperature, gen)
+    seqs = continuations(model, prompts, max_new_tokens + k, batch, temperature, gen, progress)
     return side_of(model, aux_layers, prompts, seqs, max_new_tokens, k, temperature)
 
 

@@ -552,13 +552,32 @@ def _first_token(logits_V: Tensor, temperature: float, generator: torch.Generato
     return _sample(torch.softmax(logits_V.double() / temperature, -1).cpu(), generator)
 
 
+Progress = Callable[[int], None]  # called with the number of new tokens just committed
+
+
+def _kept(before: int, new: Sequence[int], max_new_tokens: int, eos: set[int]) -> int:
+    """How many of the tokens will be kept (`cut_at_eos`) once `new` follows `before` tokens
+    holding no EOS: the progress a cycle makes, counted without looking back."""
+    n = before
+    for t in new:
+        if n >= max_new_tokens:
+            break
+        n += 1
+        if t in eos:
+            break
+    return n
+
+
 def speculative_generate(
     target: TargetRunner, draft: DraftRunner, prompt: Sequence[int], s: SpecSettings,
     eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None, timed: bool = False,
+    progress: Progress | None = None,
 ) -> Generation:
     """Decode `prompt` speculatively; see the module docstring for the cycle. timed: also the
     seconds spent drafting and verifying (`Generation.phases`; on a GPU each phase then ends
-    with a device sync, which slows decoding a little)."""
+    with a device sync, which slows decoding a little). progress: called after the prefill and
+    after every cycle with the number of new tokens committed (counted as the output keeps them:
+    the calls sum to len(tokens)); it adds no device sync, as the accepted count is on the host."""
     if not prompt:
         raise ValueError("speculative decoding needs a non-empty prompt")
     eos = set(eos_token_ids)
@@ -571,6 +590,8 @@ def speculative_generate(
     assert aux is not None
     pending = _first_token(logits[-1], s.temperature, generator)
     tokens = [pending]
+    if progress is not None:
+        progress(1)
     hidden, dlogits = draft.extend(aux, list(prompt[1:]) + [pending], 0)
     Q = P  # rows committed to both caches; `pending` sits at position Q
     accepted: list[int] = []
@@ -611,6 +632,8 @@ def speculative_generate(
             keep_cache_rows(cache, torch.cat([torch.arange(Q), Q + torch.tensor(keep)]))
         new = [tree.tokens[i] for i in path] + [bonus]
         accepted.append(len(path))
+        if progress is not None:
+            progress(_kept(len(tokens), new, s.max_new_tokens, eos) - len(tokens))
         tokens += new
         lap("accept")
         hidden, dlogits = draft.extend(aux[keep], new, Q)
@@ -627,19 +650,24 @@ def speculative_generate(
 @torch.no_grad()
 def plain_generate(
     target: TargetRunner, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-    eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None,
+    eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None, progress: Progress | None = None,
 ) -> Generation:
-    """The baseline: one target forward per token with the same KV cache (no aux capture)."""
+    """The baseline: one target forward per token with the same KV cache (no aux capture).
+    progress: called with 1 for every new token (as speculative_generate's)."""
     eos = set(eos_token_ids)
     _sync(target.device)
     t0 = time.perf_counter()
     cache = new_cache()
     logits, _ = target.forward(cache, prompt, range(len(prompt)), capture=False, last_only=True)
     tokens = [_first_token(logits[-1], temperature, generator)]
+    if progress is not None:
+        progress(1)
     while not _finished(tokens, tokens[-1:], max_new_tokens, eos):
         pos = len(prompt) + len(tokens) - 1
         logits, _ = target.forward(cache, [tokens[-1]], [pos], capture=False, last_only=True)
         tokens.append(_first_token(logits[-1], temperature, generator))
+        if progress is not None:
+            progress(1)
     _sync(target.device)
     return Generation(cut_at_eos(tokens, max_new_tokens, eos), time.perf_counter() - t0)
 

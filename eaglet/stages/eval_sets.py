@@ -188,6 +188,34 @@ def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int,
     return file_items(spec, limit, fmt, multimodal)
 
 
+def _were(n: int, what: str, whats: str) -> str:
+    return f"1 was {what}" if n == 1 else f"{n} were {whats}"
+
+
+def prompt_count(spec: str, asked: int, used: int, skipped: SkippedPrompts,
+                 heldout: dict[str, int] | None = None) -> dict[str, Any]:
+    """How many prompts eval.num_prompts asked for (`asked`) and the set gave (`used`), with why
+    fewer in one phrase for the summaries (`note`; None when every one asked is there) and, for
+    heldout, the held-out samples passed over by why (evaluate.heldout_selection's counts)."""
+    out: dict[str, Any] = {"asked": asked, "used": used, **(heldout or {}), "note": None}
+    if used >= asked:
+        return out
+    if spec == HELDOUT and heldout is not None:
+        why = [_were(heldout.get("duplicates", 0), "a duplicate of another", "duplicates of others"),
+               _were(heldout.get("no_prompt", 0), "without a prompt before its first assistant turn",
+                     "without a prompt before their first assistant turn"),
+               _were(heldout.get("missing", 0), "not in the prepared data", "not in the prepared data")]
+        why = [w for w, n in zip(why, (heldout.get(k, 0) for k in ("duplicates", "no_prompt", "missing"))) if n]
+        out["note"] = f"{asked} asked; train.eval_fraction holds out {heldout['held_out']} samples" + (
+            ": " + ", ".join(why) if why else "")
+    elif spec == MT_BENCH:
+        out["note"] = f"{asked} asked; MT-bench has {used} questions"
+    else:
+        out["note"] = f"{asked} asked; {spec} has {used} usable records" + (
+            f" ({skipped.total} skipped: {skipped.counts_text()})" if skipped.total else "")
+    return out
+
+
 Decoder = Callable[[list[list[int]], list[EvalItem]], list[tuple[list[int], dict[str, Any]]]]
 
 

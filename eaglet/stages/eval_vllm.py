@@ -18,7 +18,8 @@ later turn asked after the engine's own answer) are decoded by vLLM, greedy, wit
    difference over eval.vllm_tolerance fails the stage (after the result is written) with the
    figures per draft position and the likely cause.
 
-The result goes to `<eval>/<setting>-vllm.json` next to the in-process one.
+The result goes to `<eval>/<setting>-vllm.json` next to the in-process one. A bar counts the
+prompts decoded over all these passes, naming the pass in its postfix.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from ..checks.vllm import VLLM_EVAL_FIX, vllm_eval_blockers
 from ..config import Config, EvalSection
+from ..distributed import dist_env
 from ..engines.specdec import first_difference
 from ..engines.vllm import installed_vllm_version
 from ..engines.vllm_specdec import SpecCounts, VllmDecoder
 from ..errors import InputError, VerificationError
+from ..utils import log
 from .context import StageContext
 from .eval_sets import run_rounds
 
@@ -71,10 +76,21 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
               "engine_args": dict(ecfg.vllm_engine_args)}
     tokenizer = inp.tokenizer
     text = lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    n_prompts = sum(it.turns for it in inp.items)
 
+    log(f"[eval] vLLM: starting an engine with the draft {folder} (k={k})")
     dec = VllmDecoder(draft=folder, k=k, **engine)
     dec.generate([inp.render([{"role": "user", "content": "Hello"}])], 8, 1)  # warm-up, not counted
     by_cat: dict[str, SpecCounts] = {}
+    # every prompt is decoded once for the acceptance, then with and without the draft at each batch size
+    bar = tqdm(total=n_prompts * (1 + 2 * len(sizes)), desc="eval, vLLM", unit="prompt", dynamic_ncols=True,
+               disable=not dist_env().is_main)
+
+    def generate(d: VllmDecoder, prompts: list[list[int]], batch: int, what: str):
+        bar.set_postfix_str(what, refresh=True)
+        out = d.generate(prompts, n_new, batch)
+        bar.update(len(prompts))
+        return out
 
     def decode(prompts: list[list[int]], items: list[Any]) -> list[tuple[list[int], dict[str, Any]]]:
         out: list[list[int] | None] = [None] * len(prompts)
@@ -82,23 +98,27 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
         for i, it in enumerate(items):
             groups.setdefault(it.category or "all", []).append(i)
         for cat, idx in groups.items():
-            toks, _, counts = dec.generate([prompts[i] for i in idx], n_new, big)
+            toks, _, counts = generate(dec, [prompts[i] for i in idx], big, f"acceptance, {cat}, batch {big}")
             by_cat[cat] = by_cat.get(cat, SpecCounts()) + counts
             for i, t in zip(idx, toks):
                 out[i] = t
         return [(t or [], {}) for t in out]
 
-    records = run_rounds(inp.items, inp.render, text, decode)
-    prompts = [r["prompt_token_ids"] for r in records]
-    runs: dict[str, tuple[list[list[int]], float, SpecCounts]] = {}
-    for b in sizes:
-        runs[f"draft_b{b}"] = dec.generate(prompts, n_new, b)
-    dec.close()
-    plain = VllmDecoder(**engine)
-    plain.generate([prompts[0]], 8, 1)
-    for b in sizes:
-        runs[f"plain_b{b}"] = plain.generate(prompts, n_new, b)
-    plain.close()
+    try:
+        records = run_rounds(inp.items, inp.render, text, decode)
+        prompts = [r["prompt_token_ids"] for r in records]
+        runs: dict[str, tuple[list[list[int]], float, SpecCounts]] = {}
+        for b in sizes:
+            runs[f"draft_b{b}"] = generate(dec, prompts, b, f"with the draft, batch {b}")
+        dec.close()
+        bar.set_postfix_str("starting an engine without the draft", refresh=True)
+        plain = VllmDecoder(**engine)
+        plain.generate([prompts[0]], 8, 1)
+        for b in sizes:
+            runs[f"plain_b{b}"] = generate(plain, prompts, b, f"without the draft, batch {b}")
+        plain.close()
+    finally:
+        bar.close()
 
     speed = {}
     for b in sizes:
@@ -115,7 +135,7 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
     result = {
         "engine": "vllm", "vllm_version": installed_vllm_version(), "draft": folder, "k": k,
         "max_new_tokens": n_new, "dtype": engine["dtype"], "num_prompts": len(records),
-        "skipped_prompts": inp.skipped.to_json(),
+        "skipped_prompts": inp.skipped.to_json(), "prompt_count": inp.prompt_count,
         "acceptance": acc, "acceptance_batch": sizes[0],
         "acceptance_by_batch": {f"batch_{b}": runs[f"draft_b{b}"][2].summary() for b in sizes},
         "speed": speed, "greedy_identity": identity,
