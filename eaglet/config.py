@@ -153,7 +153,9 @@ class PrepareSection:
     max_records: int | None = _f(None, "Read at most this many records per file (None: all). For quick runs.", _ge(1))
     num_workers: int = _f(0, "Worker processes for rendering and tokenizing (0: in process).", _ge(0), hashed=False)
     shard_samples: int = _f(50000, "Samples per prepared-data shard.", _ge(1))
-    report_examples: int = _f(20, "Bad records quoted by name in the report (all are counted).", _ge(0))
+    report_examples: int = _f(
+        0, "Skipped records also logged one line each, the first N (every one is counted in one line and listed "
+        "with its reason in prepare/skipped.jsonl whatever N is).", _ge(0), hashed=False)
     min_loss_tokens: int = _f(
         1, "A sample with fewer loss-masked tokens than this is skipped (reason 'no_assistant_tokens').", _ge(1))
 

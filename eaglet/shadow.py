@@ -4,9 +4,10 @@
 same layer kinds, MoE routing, attention kind and wrapper nesting; 64-wide, 8 layers,
 a few experts; the vocabulary is kept so the target's own tokenizer works), builds a random
 model from it, and runs prepare, extract (with its self-check), vocab, two train steps,
-export (which reloads every format) and eval, on a few of the user's records in a temporary
-run folder. Every external call eaglet makes for this
-family is reached in well under a minute on a CPU, before the real run loads its weights.
+export (which reloads every format) and eval, on a few of the user's records (16, at most
+2,048 tokens each: its first line names the cap where it cuts prepare.max_length) in a
+temporary run folder. Every external call eaglet makes for this family is reached in well
+under a minute on a CPU, before the real run loads its weights.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from .targets.load import TargetParts, model_from_config
 
 SHADOW_LAYERS = 8  # >= 8: the default layer ids [2, L//2, L-3] are distinct
 SHADOW_RECORDS = 16  # records read per data file
-SHADOW_MAX_LENGTH = 256
+# prepare.max_length's default, so a default config's records render as in the real run (a cap
+# of 256 cut ShareGPT records before their first reply). A SmolLM2 shadow on 16 ShareGPT records,
+# 2 busy cores: 14-16 s in all at 2048 (extract 7-8 s), 8 s at 256 (extract 1.3 s).
+SHADOW_MAX_LENGTH = 2048
 
 # Width keys set to min(value, small); each keeps the relation the model code needs
 # (heads x head_dim need not equal hidden in these families; head counts stay divisible).
@@ -153,8 +157,11 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
         notes.append(f"target.attn_implementation {t.attn_implementation!r} -> 'sdpa' (CPU)")
         t.attn_implementation = "sdpa"
     p = s.prepare
+    if p.max_length > SHADOW_MAX_LENGTH:  # first: a record skipped at this cap is the shadow's, not the config's
+        notes.insert(0, f"prepare.max_length {p.max_length} -> {SHADOW_MAX_LENGTH} (the shadow's cap: a record "
+                        "whose assistant turn starts later is skipped here, not in the real run)")
     p.max_records = min(p.max_records or SHADOW_RECORDS, SHADOW_RECORDS)
-    p.max_length, p.num_workers = min(p.max_length, SHADOW_MAX_LENGTH), 0
+    p.max_length, p.num_workers, p.report_examples = min(p.max_length, SHADOW_MAX_LENGTH), 0, 0
     e = s.extract
     if e.backend != "hf":
         notes.append(f"extract.backend {e.backend} -> hf (a tiny CPU model; the doctor checks vLLM's APIs itself)")
@@ -174,6 +181,9 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
     if tr.attn_impl == "flex":
         notes.append("train.attn_impl flex -> auto (CPU flex_attention has no backward)")
         tr.attn_impl = "auto"
+    # The real target's name, not the tiny one's temporary folder: the export checks the verifier
+    # the real export would name (and says nothing of a folder that is gone after the shadow).
+    s.export.verifier_name_or_path = cfg.export.verifier_name_or_path or cfg.target.path or None
     if tr.init_from:
         notes.append(f"train.init_from {tr.init_from} not used (its sizes are the real target's)")
         tr.init_from = None
@@ -230,7 +240,8 @@ def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: i
                        f"{type(e).__name__}: {str(e)[:600]}",
                        f"the real run would fail the same way in `eaglet {name}`")
                 return
-            report("ok", f"shadow: {name}", "completes", f"{time.time() - t1:.1f}s; {_summary(name, m['stats'])}", "")
+            report("ok", f"shadow: {name}", "completes",
+                   f"{time.time() - t1:.1f}s; {_summary(name, m['stats'], cfg, scfg)}", "")
         report("ok", "shadow: total", "under a minute on a CPU", f"{time.time() - t0:.1f}s", "")
     finally:
         torch.set_num_threads(threads)
@@ -238,9 +249,17 @@ def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: i
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _summary(stage: str, stats: dict[str, Any]) -> str:
+def _summary(stage: str, stats: dict[str, Any], cfg: Config, scfg: Config) -> str:
+    """A stage's line of the shadow run; prepare's skipped records with the shadow's own cap on
+    prepare.max_length where it cut the config's."""
     if stage == "prepare":
-        return f"{stats.get('samples')} samples, {stats.get('tokens')} tokens"
+        skipped, length = stats.get("skipped") or {}, scfg.prepare.max_length
+        cap = f"the shadow's cap, not the config's {cfg.prepare.max_length}" if cfg.prepare.max_length > length \
+            else "the config's"
+        return f"{stats.get('samples')} samples, {stats.get('tokens')} tokens" + (
+            f"; {sum(skipped.values())} of {stats.get('records')} records skipped "
+            f"({', '.join(f'{k}={v}' for k, v in sorted(skipped.items()))}) at prepare.max_length {length} ({cap})"
+            if skipped else "")
     if stage == "extract":
         sc = stats.get("selfcheck") or {}
         return f"{stats.get('samples')} samples, self-check top-1 {sc.get('top1_agreement', float('nan')):.2%}"

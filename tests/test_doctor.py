@@ -96,18 +96,37 @@ def test_template_without_assistant_tokens(tmp_path, assets):
 def test_bad_records_in_the_sampled_rows_are_named_not_a_fail(tmp_path, assets):
     """Before, a lone surrogate among the 8 sampled records failed the data check (and so prepare's
     preflight, exit 3) naming no row, and deep nesting raised RecursionError. They are bad records:
-    prepare skips them, so the doctor warns and names the first one's file and row."""
+    prepare skips them, so the doctor names the first one's file and row: an info line while they
+    are a few (prepare counts them; the preflight stays quiet), a warn once they are most."""
     lines = [json.dumps(r) for r in tiny.make_conversations(6, seed=5)]
     lines[1] = '{"conversations": [{"from": "human", "value": "a\\ud800"}, {"from": "gpt", "value": "b"}]}'
     lines[2] = '{"conversations": ' + "[" * 5000 + "]" * 5000 + "}"
     data = tmp_path / "bad.jsonl"
     data.write_text("\n".join(lines) + "\n")
     cfg = _cfg(tmp_path, assets, f"prepare.data=[{data}]")
-    (f,) = _bad(preflight(cfg, "prepare"))
-    assert (f.status, f.check) == ("warn", "loss mask bad.jsonl")
-    assert f.found.startswith("4 with ") and f.found.endswith(
+    assert _bad(preflight(cfg, "prepare")) == []
+    (f,) = [f for f in diagnose(cfg).findings if f.check == "loss mask bad.jsonl"]
+    assert f.status == "info" and f.found.startswith("4 with ") and (
         "skipped invalid_unicode=1, too_deeply_nested=1; e.g. bad.jsonl:line 2: invalid_unicode: a lone surrogate "
-        "\\ud800 (half of a UTF-16 pair, not a character) at conversations[0].value")
+        "\\ud800 (half of a UTF-16 pair, not a character) at conversations[0].value") in f.found
+    lines[3] = lines[4] = lines[1]  # 4 of 6 skipped: most of the sample
+    data.write_text("\n".join(lines) + "\n")
+    (f,) = _bad(preflight(cfg, "prepare"))
+    assert (f.status, f.check) == ("warn", "loss mask bad.jsonl") and f.found.startswith("2 with ")
+    assert "skipped invalid_unicode=3, too_deeply_nested=1" in f.found and "skipped.jsonl" in f.fix
+
+
+def test_a_default_config_with_a_local_target_has_no_export_verifier_warn(tmp_path, assets):
+    """The vLLM export names a local target by its path unless export.verifier_name_or_path is set:
+    that serves on this machine, so a default config gets an info line saying how to serve it
+    elsewhere, not a warn (it warned on every run with a local target)."""
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={assets['llama']}",
+                             "target.dtype=float32", f"prepare.data=[{assets['data']}]", "vocab.size=128"])
+    lines = []
+    assert run_doctor(cfg, out=lines.append) == 0
+    assert [ln for ln in lines if ln.startswith(("warn", "FAIL"))] == []
+    (line,) = [ln for ln in lines if " export verifier:" in ln]
+    assert line.startswith("info") and str(assets["llama"]) in line and "export.verifier_name_or_path" in line
 
 
 def test_tokenizer_larger_than_model_vocabulary(tmp_path, assets):
@@ -349,6 +368,29 @@ def test_preflight_stops_extract_before_loading_weights(tmp_path, assets, monkey
     assert cli.main(["extract", str(path)]) == 3  # a preflight FAIL is a clean error
     assert cli.main(["doctor", str(path)]) == 1
     assert cli.build_parser().parse_args(["run", str(path), "--skip-preflight"]).skip_preflight
+
+
+def test_the_shadow_names_its_own_cap_on_prepare_max_length(tmp_path, assets, monkeypatch, capsys):
+    """The shadow renders at most SHADOW_MAX_LENGTH tokens a record: its first line names that cap
+    where it cuts the config's prepare.max_length, and records it skips there are put down to the
+    shadow's cap, not the config's (it printed '0 assistant tokens after truncation' for a config
+    whose max_length held them)."""
+    from eaglet import shadow
+
+    monkeypatch.setattr(shadow, "SHADOW_MAX_LENGTH", 48)
+    records = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "a short reply"}]}
+               for q in ["hi", " ".join(["word"] * 80), "what is two plus two", "hello", " ".join(["word"] * 80), "ok"]]
+    data = tiny.write_jsonl(tmp_path / "long.jsonl", records)
+    cfg = _cfg(tmp_path, assets, f"prepare.data=[{data}]", "prepare.report_examples=5")
+    lines = []
+    assert run_doctor(cfg, out=lines.append, more=shadow_findings) == 0, "\n".join(lines)
+    (first,) = [ln for ln in lines if "shadow: tiny model:" in ln]
+    assert "shadow settings: prepare.max_length 2048 -> 48 (the shadow's cap: a record whose assistant turn " \
+           "starts later is skipped here, not in the real run)" in first
+    (prep,) = [ln for ln in lines if "shadow: prepare:" in ln]
+    assert prep.endswith("2 of 6 records skipped (no_assistant_tokens=2) at prepare.max_length 48 (the shadow's "
+                         "cap, not the config's 2048)"), prep
+    assert f"[prepare] skipped {data}:" not in capsys.readouterr().err  # no line a record in the shadow
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -355,7 +355,8 @@ def test_export_stage_on_a_tied_target_names_it_and_ends_with_the_serve_commands
     run_export_stage(tmp_path, "export.formats=[vllm]")  # no setting: the target's local path, with a note
     v = json.loads((export / "vllm" / "config.json").read_text())
     assert v["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
-    assert "set export.verifier_name_or_path" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "set export.verifier_name_or_path" in err and "warning" not in err  # it serves on this machine
 
 
 def test_export_stage_fails_on_an_export_its_engine_would_not_load(tmp_path, monkeypatch):

@@ -260,7 +260,22 @@ def test_every_bad_reason_counted_with_file_and_row(tmp_path, chatml_dir, capsys
     err = capsys.readouterr().err
     assert f"{data}:line 2: malformed_json" in err and f"{data}:line 3: not_a_conversation" in err
     assert f"{data}:line 5" not in err  # only report_examples=2 are quoted
-    assert "7 more skipped records" in err
+    assert f"[prepare] skipped 9 of 13 records ({', '.join(f'{r}=1' for r in sorted(expected))}), each listed with " \
+           f"its reason in {out / 'skipped.jsonl'}" in err.splitlines()
+
+
+def test_skipped_records_are_one_line_of_counts_by_reason_with_the_file(tmp_path, chatml_dir, capsys):
+    """By default the log gives the skipped records as one line of counts by reason naming
+    skipped.jsonl, which lists every one; no line a record (the demo opened with 20 of them)."""
+    data = write_mixed(tmp_path / "mixed.jsonl")
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data]))
+    counts = ", ".join(f"{r}={n}" for r, n in sorted(stats["skipped"].items()))
+    n = sum(stats["skipped"].values())
+    assert len(stats["skipped"]) > 1 and len(read_skipped(out)) == n
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if "skipped" in ln] == [
+        f"[prepare] {data}: 13 records -> {13 - n} samples, {n} skipped",
+        f"[prepare] skipped {n} of 13 records ({counts}), each listed with its reason in {out / 'skipped.jsonl'}"]
 
 
 def test_file_without_usable_record_raises(tmp_path, chatml_dir):
@@ -644,7 +659,7 @@ def test_lone_surrogates_and_deep_nesting_are_skipped_with_their_row(tmp_path, c
     else:
         path.write_text("[\n" + ",\n".join(lines) + "\n]\n")
         rows = list(range(len(lines)))
-    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [path]))
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [path], report_examples=8))  # each named in the log too
 
     bad = {row: reason for row, reason in zip(rows, reasons) if reason}
     assert stats["skipped"] == {"invalid_unicode": 4, "too_deeply_nested": 4}
@@ -727,7 +742,7 @@ def test_control_text_in_content_is_skipped_and_counted(tmp_path, chatml_dir, ch
     the record is skipped as control_text and named, the others are unchanged."""
     records = [good()] + [good(q=q, a=a) for q, a, _ in CONTROL]
     data = write_jsonl(tmp_path / "d.jsonl", records)
-    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data]))
+    stats, out = prepare(make_cfg(tmp_path, chatml_dir, [data], report_examples=1))  # the first named in the log
     skipped_rows = [i + 2 for i, (_, _, skip) in enumerate(CONTROL) if skip]
     assert stats["skipped"] == {"control_text": len(skipped_rows)}
     skipped = read_skipped(out)

@@ -142,12 +142,20 @@ def test_each_engine_reads_its_own_keys(tmp_path):
     assert any("'lm_head.weight'" in p and "no parameter" in p for p in problems), problems
 
 
-def test_doctor_warns_when_the_vllm_export_would_name_a_local_path(tmp_path):
+def test_doctor_notes_a_local_verifier_path_and_warns_only_where_speculators_cannot_load_it(tmp_path):
+    """A local target's path is what a default run's vLLM export names: an info line (it serves
+    on this machine), with how to name it for a server elsewhere. A warn only where the export
+    would be wrong to serve: a verifier folder speculators cannot load a draft against."""
     local = load_config(None, [f"target.path={tmp_path}"])
     p = Probe(local, None)
     check_export_verifier(p)
     (f,) = p.findings
-    assert f.status == "warn" and str(tmp_path) in f.found and "export.verifier_name_or_path" in f.line()
+    assert f.status == "warn" and "has no model.safetensors" in f.found  # an empty folder: no checkpoint
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
+    p = Probe(local, None)
+    check_export_verifier(p)
+    (f,) = p.findings
+    assert f.status == "info" and str(tmp_path) in f.found and "export.verifier_name_or_path" in f.found
     for overrides in (["export.verifier_name_or_path=org/target"], ["target.path=org/target"],
                       ["export.formats=[sglang]"]):
         p = Probe(load_config(None, [f"target.path={tmp_path}", *overrides]), None)

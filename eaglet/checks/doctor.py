@@ -33,6 +33,7 @@ from ..formats.buffer import buffer_folder, connector_itemsize, micro_batch_byte
 from ..formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
 from ..formats.datasets import check_data_file, iter_records, row_label
 from ..formats.prepared import PreparedData
+from ..formats.serving_engines import speculators_verifier_problem
 from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
 from ..targets.chat import (
     Settings,
@@ -49,7 +50,7 @@ from ..targets.families import (
     supported,
     text_config_from_dict,
 )
-from ..targets.load import TargetParts, build_meta_model, hub_kwargs, target_source
+from ..targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
 from ..utils import DTYPES, log
 from .contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .findings import Finding, Probe, Report
@@ -151,20 +152,29 @@ def check_paths(p: Probe) -> None:
 
 def check_export_verifier(p: Probe) -> None:
     """The target as the vLLM export names it (speculators_config.verifier.name_or_path), which
-    `vllm serve EXPORT` and speculators load: a local absolute path resolves on this machine only."""
+    `vllm serve EXPORT` and speculators load. A local path serves on this machine (and wherever
+    the same path holds the target): an info line, as the user chose no name. A warn only where
+    the export would be wrong to serve: a local verifier folder that speculators cannot load a
+    draft against (no safetensors checkpoint, as a GGUF target's folder; no embedding table)."""
     e = p.cfg.export
     if "vllm" not in e.formats:
         return
-    if e.verifier_name_or_path:  # set: the name the user means the server to use
-        p.add("ok", "export verifier", "the target as the serving machine names it", e.verifier_name_or_path)
+    verifier = e.verifier_name_or_path or p.cfg.target.path
+    folder = local_folder(verifier, p.cfg.target.revision) if verifier else None
+    problem = speculators_verifier_problem(folder) if folder is not None and folder.is_dir() else None
+    expected = "the target as the serving machine names it"
+    if problem:
+        p.add("warn", "export verifier", f"{expected}, a checkpoint the draft loads against", problem,
+              "set export.verifier_name_or_path to the target's hub id or a folder of its safetensors checkpoint "
+              "(on the server)")
+    elif e.verifier_name_or_path:  # set: the name the user means the server to use
+        p.add("ok", "export verifier", expected, e.verifier_name_or_path)
     elif Path(p.cfg.target.path).is_absolute():
-        p.add("warn", "export verifier", "the target as the serving machine names it (a hub id)",
-              f"the vLLM export would name the target by the local path {p.cfg.target.path}, which a server "
-              "elsewhere cannot resolve",
-              "set export.verifier_name_or_path to the target's hub id (or its path on the server)")
+        p.add("info", "export verifier", expected,
+              f"the local path {p.cfg.target.path} (target.path), which serves on this machine; to serve the "
+              "export elsewhere, set export.verifier_name_or_path to the target's hub id (or its path there)")
     else:
-        p.add("ok", "export verifier", "the target as the serving machine names it",
-              f"target.path {p.cfg.target.path or '(not set)'}")
+        p.add("ok", "export verifier", expected, f"target.path {p.cfg.target.path or '(not set)'}")
 
 
 def check_target_config(p: Probe) -> None:
@@ -385,9 +395,14 @@ def check_records(p: Probe) -> None:
             p.add(status, f"loss mask {path.name}", f"assistant tokens in the first {read} records",
                   f"none: every record skipped ({skipped or 'no records'}){example}", fix)
         elif reasons:
-            p.add("warn", f"loss mask {path.name}", f"assistant tokens in all of the first {read} records",
-                  f"{ok} with {loss} of {tokens} tokens masked; skipped {skipped}{example}",
-                  "prepare counts and lists skipped records in skipped.jsonl; check the reasons if many")
+            # Most of the sample skipped is worth a look before prepare runs; a few (a ShareGPT record
+            # whose assistant turn starts past prepare.max_length) prepare skips and counts itself.
+            most = 2 * (read - ok) > read
+            p.add("warn" if most else "info", f"loss mask {path.name}",
+                  f"assistant tokens in {'most' if most else 'all'} of the first {read} records",
+                  f"{ok} with {loss} of {tokens} tokens masked; skipped {skipped}{example}"
+                  + ("" if most else " (prepare skips such records and lists each in its skipped.jsonl)"),
+                  "check the reasons: prepare would skip most records, listing each in its skipped.jsonl")
         else:
             p.add("ok", f"loss mask {path.name}", f"assistant tokens in the first {read} records",
                   f"{loss} of {tokens} tokens are assistant tokens")

@@ -93,8 +93,9 @@ def target_architectures(cfg: Config, store: Path) -> list[str]:
 
 
 def _warn_about_the_verifier(cfg: Config, verifier: str, vllm: bool) -> None:
-    """Log what would stop the vLLM export loading elsewhere: a local verifier path (the doctor
-    warns too) or a local verifier checkpoint that speculators cannot take the embedding from."""
+    """A warning where the vLLM export would not load: a local verifier checkpoint that
+    speculators cannot take the embedding from (the doctor warns too). A local verifier path,
+    the default for a local target, serves on this machine: a note says how to serve elsewhere."""
     if not vllm:
         return
     folder = local_folder(verifier, cfg.target.revision)
@@ -102,8 +103,9 @@ def _warn_about_the_verifier(cfg: Config, verifier: str, vllm: bool) -> None:
     if problem:
         log(f"[export] warning: {problem}")
     if not cfg.export.verifier_name_or_path and Path(verifier).is_absolute():
-        log(f"[export] note: the vLLM export names the target by the local path {verifier}, which a server "
-            "elsewhere cannot resolve; set export.verifier_name_or_path to the name it loads the target by")
+        log(f"[export] the vLLM export names the target by its local path {verifier}, as the serve commands below "
+            "do, for this machine; to serve it elsewhere, set export.verifier_name_or_path to the target's hub id "
+            "(or its path there)")
 
 
 @torch.no_grad()

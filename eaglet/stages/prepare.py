@@ -6,7 +6,9 @@ Reads every file of `prepare.data` (see eaglet.formats.datasets), renders each c
 target's chat template and derives its loss mask (see eaglet.targets.chat), applies the
 `max_length` overflow rule and writes the samples with `PreparedWriter` into the stage
 folder. No record is silently lost: each one becomes a sample or a line of `skipped.jsonl`
-({"file", "row", "reason", "detail"}), so records == samples + sum(skipped) in the stats.
+({"file", "row", "reason", "detail"}), so records == samples + sum(skipped) in the stats; the
+log gives one line per file and one of the skipped records' counts by reason with the path of
+skipped.jsonl (`prepare.report_examples` also logs the first N skipped records one line each).
 A file that yields no sample at all (empty, blank lines only, or no usable record) is an
 error naming every such file with its counts by reason, once all files are read. Bad data
 never stops the stage, but a reason that is not the data's (`template_error`: the template
@@ -97,6 +99,13 @@ def _check_not_data(reason: str, bad: Counter, records: int, example: str) -> No
             fix="run `eaglet doctor CONFIG` to find the changed library API, or correct target.chat_template")
 
 
+def _log_skipped(skipped: Counter, records: int, path: Path) -> None:
+    """The one line of skipped records: their counts by reason and the file listing each."""
+    n = sum(skipped.values())
+    if n:
+        log(f"[prepare] skipped {n} of {records} records ({_counts(skipped)}), each listed with its reason in {path}")
+
+
 def _no_sample_error(empty: list[dict], skipped_path: Path) -> InputError:
     """The error naming every file that gave no sample, with its counts by reason."""
     parts = [f"{f['path']}: no records (the file is empty or holds only blank lines)" if not f["records"] else
@@ -144,16 +153,15 @@ def run_prepare(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                 tokens += len(out.input_ids)
                 loss_tokens += int(out.loss_mask.sum())
                 truncated += out.truncated
-            log(f"[prepare] {path}: {records} records -> {samples} samples; skipped: {_counts(file_skipped)}")
+            n = sum(file_skipped.values())
+            log(f"[prepare] {path}: {records} records -> {samples} samples" + (f", {n} skipped" if n else ""))
             files.append({"path": str(path), "records": records, "samples": samples, "skipped": dict(file_skipped)})
     empty = [f for f in files if f["samples"] == 0]
     if empty:
         raise _no_sample_error(empty, ctx.out_dir / SKIPPED)
     index = writer.close()
 
-    n_skipped = sum(skipped.values())
-    if n_skipped > reported:
-        log(f"[prepare] {n_skipped - reported} more skipped records are listed in {ctx.out_dir / SKIPPED}")
+    _log_skipped(skipped, read, ctx.out_dir / SKIPPED)
     return {
         "files": files,
         "records": sum(f["records"] for f in files),
