@@ -673,7 +673,7 @@ def test_eval_feeds_a_bar_as_it_decodes_in_every_phase(tmp_path, monkeypatch):
     assert main.postfix["prompt"] == "3/3" and main.postfix["lossless"] == "3/3"
     k = cfg.eval.tree_depth
     assert sum(ref.updates) == 2 * (cfg.eval.max_new_tokens + k) == ref.total  # 2 prompts' continuations
-    assert len(ref.updates) == cfg.eval.max_new_tokens + k and ref.postfix["prompt"] == "2/2"
+    assert len(ref.updates) == cfg.eval.max_new_tokens + k and ref.postfix["prompts"] == "1-2/2"
     # eval.json: the untrained draft's tau per prompt (the plot's bars beside the trained ones), the prompt count
     assert [p["item"] for p in report["reference"]["prompts"]] == [r["item"] for r in report["prompts"][:2]]
     assert all(p["tau"] >= 1 for p in report["reference"]["prompts"])

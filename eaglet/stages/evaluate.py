@@ -155,6 +155,11 @@ class _Bar:
         self.at = {"prompt": f"{i}/{self.prompts}", **({"decoding": what} if what else {})}
         self.show_postfix()
 
+    def batch(self, first: int, last: int, what: str) -> None:
+        """Prompts `first` to `last` (1-based) run together (replay's batches); `what`: which part."""
+        self.at = {"prompts": f"{first}-{last}/{self.prompts}", "decoding": what}
+        self.show_postfix()
+
     def ended(self, undecoded: int) -> None:
         """A decode ended `undecoded` tokens short of max_new_tokens (an EOS): the total drops by them."""
         if self.tqdm is not None and undecoded > 0:
@@ -366,10 +371,10 @@ class _Replaying(_Decoding):
     def decode(self, prompts: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
         s, bar = self.s, self.bar
         seed = self.seed * 1_000_003 + self.done  # this call's: a later call's prompts sample afresh
-        bar.prompt(self.done + len(prompts), "the target's continuations")
+        bar.batch(self.done + 1, self.done + len(prompts), "the target's continuations")
         side = target_side(self.runner.model, self.runner.aux_layers, prompts, s.max_new_tokens, s.num_positions,
                            temperature=s.temperature, seed=seed, progress=bar.update)
-        bar.prompt(self.done + len(prompts), "the draft's replay")
+        bar.batch(self.done + 1, self.done + len(prompts), "the draft's replay")
         if s.method == "tree":
             runs = replay_tree(self.drafter.draft, side, s.tree_top_k, s.tree_depth, s.tree_total_tokens, eos=self.eos)
         else:
@@ -615,10 +620,10 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
     columns = [c + [nan] * (len(rates) - len(c)) for c in columns]
     grouped(ax1, pos, columns, len(rates) <= 10, 1.0, missing="not reached")
     forwards = max(1, agg["verify_forwards"])
-    ax1.set_xticks(pos, [f"{p}\nreached {n / forwards:.0%}" if n else f"{p}\nnot reached"
-                         for p, n in zip(pos, agg["position_reached"])], fontsize=8)
+    ax1.set_xticks(pos, [f"{p}\n{n / forwards:.0%}" for p, n in zip(pos, agg["position_reached"])], fontsize=8)
     ax1.set_ylim(0, 1)
-    ax1.set_xlabel("draft position (with the share of the trained draft's verifications that reached it)", fontsize=9)
+    ax1.set_xlabel("draft position (under it: the share of the trained draft's verifications that reached it)",
+                   fontsize=9)
     ax1.set_ylabel("acceptance (accepted / reached)")
     ax1.set_title("acceptance per draft position")
 
@@ -650,7 +655,9 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
         else:
             ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax2.set_xlim(0.4, len(xs) + 0.6)
-        ax2.set_xlabel("prompt (numbered from 1, as eval's messages number them)")
+        covered = sum(not np.isnan(v) for v in columns[1]) if ref else len(recs)
+        ax2.set_xlabel("prompt (numbered from 1, as eval's messages number them)"
+                       + (f"\nthe untrained draft ran on the first {covered}" if covered < len(recs) else ""))
         what = "prompt"
     values = [v for c in columns for v in c if not np.isnan(v)]
     top = min(float(ceiling), max(values + [1.0]) * 1.2 + 0.1)
