@@ -189,7 +189,7 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
         tr.init_from = None
     ev = s.eval
     ev.num_prompts, ev.max_new_tokens, ev.device, ev.dtype = 1, 16, "cpu", "auto"
-    ev.reference_prompts = min(ev.reference_prompts, 1)
+    ev.reference_prompts = 0  # two steps train nothing: the untrained comparison would only warn that they did not
     if ev.vllm != "off":
         notes.append(f"eval.vllm {ev.vllm} -> off (the shadow run's eval is eaglet's own)")
         ev.vllm, ev.in_process = "off", True
