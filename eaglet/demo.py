@@ -75,8 +75,9 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log(f"[demo] converting {gguf.name} into {out} (once)")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the file's absolute path: transformers takes a bare name from the working directory when one is there
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf.resolve()))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf.resolve()), dtype=torch.float32)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -63,10 +63,10 @@ def test_an_older_conversion_is_converted_again(tied, monkeypatch):
                         lambda *a, **k: calls.append(k.get("gguf_file")) or model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
     gguf = root / "m.gguf"
-    assert demo.gguf_to_folder(gguf, old) == old and calls == ["m.gguf"]
+    assert demo.gguf_to_folder(gguf, old) == old and calls == [str(gguf.resolve())]  # never a bare name (below)
     assert json.loads((old / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     demo.gguf_to_folder(gguf, old)
-    assert calls == ["m.gguf"]  # up to date: not converted again
+    assert calls == [str(gguf.resolve())]  # up to date: not converted again
 
 
 
@@ -88,3 +88,20 @@ def test_the_demo_runs_with_the_cpu_preset_on_a_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = demo.demo_config(Path("/t"), Path("/d.json"), "/tmp/demo-run", [])
     assert cfg.run.preset is None and (cfg.train.ttt_steps, cfg.prepare.max_records) == (7, 20000)
+
+
+def test_a_gguf_file_is_read_from_the_target_folder_not_the_working_directory(tmp_path, monkeypatch):
+    """transformers loads a relative gguf_file from the working directory when a file of that name
+    is there, before it looks in the model folder: eaglet names the folder's own file, so a file of
+    the same name where eaglet runs is never loaded in its place (an absolute one is kept)."""
+    from eaglet.targets.load import hub_kwargs
+
+    folder, here = tmp_path / "model", tmp_path / "work"
+    folder.mkdir()
+    here.mkdir()
+    (folder / "m.gguf").write_bytes(b"the target's")
+    (here / "m.gguf").write_bytes(b"a decoy")
+    monkeypatch.chdir(here)
+    kw = hub_kwargs(TargetSection(path=str(folder), gguf_file="m.gguf"))
+    assert kw["gguf_file"] == str(folder.resolve() / "m.gguf")
+    assert hub_kwargs(TargetSection(path=str(folder), gguf_file=str(here / "m.gguf")))["gguf_file"] == str(here / "m.gguf")

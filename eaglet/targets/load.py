@@ -100,7 +100,11 @@ def hub_kwargs(tcfg: TargetSection) -> dict[str, Any]:
     if tcfg.revision:
         kwargs["revision"] = tcfg.revision
     if tcfg.gguf_file:
-        kwargs["gguf_file"] = tcfg.gguf_file
+        # transformers loads a relative gguf_file from the working directory when a file of that
+        # name is there, before it looks in the model folder: name the folder's own file
+        folder = Path(tcfg.path)
+        inside = not Path(tcfg.gguf_file).is_absolute() and folder.is_dir()
+        kwargs["gguf_file"] = str(folder.resolve() / tcfg.gguf_file) if inside else tcfg.gguf_file
     return kwargs
 
 
