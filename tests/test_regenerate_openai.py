@@ -554,11 +554,12 @@ def test_numbers_out_of_range_are_one_line_errors(tmp_path, target, serve, capsy
 def test_a_server_that_runs_another_model_is_refused_before_any_request(tmp_path, target, serve, capsys):
     data = _data(tmp_path, 2, max_turns=1)
     cfg = _cfg(target, data)
-    out = tmp_path / "o.jsonl"
+    out = tmp_path / "new" / "o.jsonl"
     other = serve(tokenize="other")  # another tokenizer's ids for the same text
     with pytest.raises(PreflightError, match=r"regenerate.url: the server at .* does not run target.path's tokenizer: "
                                              r"its model 'tiny' tokenizes a probe text into \d+ ids"):
         regen.run_regenerate(cfg, out, engine="openai", url=other.url)
+    assert not out.parent.exists()  # a refused command leaves no folder behind
     assert other.requests == 0 and other.tokenize_calls[0] == (
         "/tokenize", {"model": "tiny", "prompt": regen.PROBE_TEXT, "add_special_tokens": False})
     # SGLang's route: the same check.

@@ -468,6 +468,7 @@ def check_resume(out: Path, settings: dict[str, Any]) -> None:
         log(f"[warning] regenerate: {out} has records but no {path.name} (an older eaglet made it): the settings they "
             "were made with cannot be checked; this run's are recorded")
     if before != settings:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the output's folder, made once nothing refused the run
         atomic_write_json(path, settings)
 
 
@@ -494,7 +495,6 @@ def run_regenerate(cfg: Config, out: str | Path | None = None, preflight: bool =
     generate_batch, max_turns, kv_cache, shard = rc.generate_batch, rc.max_turns, rc.kv_cache, rc.shard
     rank, world = resolve_shard(shard)
     out = base_out = Path(rc.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_rows(out)  # over every file of this output, before this shard's own is named
     if world > 1:
         out = shard_path(out, rank, world)
