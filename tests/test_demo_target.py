@@ -83,7 +83,7 @@ def test_the_demo_runs_with_the_cpu_preset_on_a_cpu(monkeypatch):
     assert own and not own & set(preset)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = demo.demo_config(Path("/t"), Path("/d.json"), "/tmp/demo-run", [])
-    assert cfg.run.preset == "cpu" and cfg.prepare.max_records == 150
+    assert cfg.run.preset == "cpu" and cfg.prepare.max_records == 300
     assert {(s, k): getattr(getattr(cfg, s), k) for s, k in preset} == preset
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = demo.demo_config(Path("/t"), Path("/d.json"), "/tmp/demo-run", [])
