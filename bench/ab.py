@@ -11,7 +11,7 @@ each --seed, so the seeds move the draft's initialisation and data order and not
 variant that sets a key of a shared stage (`vocab.size=8192`) runs that stage, and those after
 it, in its own folder (W/runs/NAME-sSEED/) instead of sharing W/base's.
 
-Every draft is measured by replay (eaglet/engines/replay.py): tau of greedy chain decoding with
+Every draft is measured by replay (eaglet/engines/hf/replay.py): tau of greedy chain decoding with
 k = --k draft tokens, --max-new-tokens per prompt, exactly as decoding would give it, on --prompts
 distinct opening user turns of the records after --records (no draft trained on them). The
 target's side of the replay (greedy continuations and their states) is computed once and kept
@@ -43,10 +43,10 @@ start and imports, a few seconds); the time_of draft's own train_s is measured t
 equality is checked, not assumed.
 
 --decode tree:0 chain:1 tree:1 [--only NAME ...] decodes --decode-prompts prompts of each set with
-eaglet's decoder (eaglet/engines/specdec.py: a method and a temperature each; the training call's
+eaglet's decoder (eaglet/engines/hf/decode.py: a method and a temperature each; the training call's
 replay is of chains) for drafts trained already; one JSON per draft, set, method and temperature in
 W/decode/, which the report pairs with base's as it pairs the replays. `tree-replay:T` gives the
-tree by replay instead (eaglet/engines/replay.py's replay_tree: the decoder's own tree drafting,
+tree by replay instead (eaglet/engines/hf/replay.py's replay_tree: the decoder's own tree drafting,
 followed along the target's continuation, no target forward; the tree settings are eval's
 defaults): greedy at 0, and at T > 0 on
 continuations sampled at T (W/side*-tT/, seed 0), where the output token decides the tree's path.
@@ -55,7 +55,7 @@ different --variant or --seeds: W/base and the target sides are made under a loc
 
 --replay-temperature T: every draft is also replayed, chain of --k, on continuations sampled at T
 (the results' sets `heldout-tT`, `mt_bench-tT`): given each output token y, a step's draft token
-was accepted with chance min(1, q(y) / p(y)) (eaglet/engines/replay.py), drawn once (seed 0). The
+was accepted with chance min(1, q(y) / p(y)) (eaglet/engines/hf/replay.py), drawn once (seed 0). The
 sampled continuation is one per prompt, the same for every draft.
 """
 
@@ -79,12 +79,12 @@ from safetensors.torch import load_file, save_file
 from eaglet import pipeline
 from eaglet.config import EvalSection, TargetSection, load_config
 from eaglet.distributed import resolve_device
-from eaglet.engines.replay import TargetSide, replay_chain, replay_tree, target_side
-from eaglet.engines.specdec import acceptance_stats
+from eaglet.engines.hf.replay import TargetSide, replay_chain, replay_tree, target_side
+from eaglet.engines.hf.decode import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
 from eaglet.formats.store import StoreReader
-from eaglet.stages.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
+from eaglet.formats.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
 from eaglet.stages.evaluate import eos_ids, evaluate_draft, resolve_eval_dtype
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target

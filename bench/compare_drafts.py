@@ -22,7 +22,7 @@ import torch
 
 from eaglet.config import EvalSection, TargetSection
 from eaglet.formats.draft import load_final
-from eaglet.stages.eval_sets import opening_prompts
+from eaglet.formats.eval_sets import opening_prompts
 from eaglet.stages.evaluate import evaluate_draft
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target

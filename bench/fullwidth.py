@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eaglet import pipeline
-from eaglet.checks.doctor import run_doctor
+from eaglet.doctor import run_doctor
 from eaglet.config import load_config
 from eaglet.shadow import shadow_findings
 from eaglet.testing import tiny

@@ -37,7 +37,7 @@ import torch
 
 from eaglet.distributed import resolve_device
 from eaglet.formats.store import StoreReader, StoreWriter
-from eaglet.stages.train_data import Prefetch, epoch_plan, read_batch, send_batch
+from eaglet.training.data import Prefetch, epoch_plan, read_batch, send_batch
 from eaglet.utils import atomic_write_json
 
 N_AUX = 3

@@ -96,9 +96,9 @@ def cmd_heldout(args: argparse.Namespace) -> None:
     ShareGPT records minus every held-out one, so no draft trains on an eval conversation."""
     from eaglet.formats.datasets import RecordError, iter_records
     from eaglet.stages.evaluate import heldout_prompts
-    from eaglet.stages.online import split_source
+    from eaglet.engines.hf.online import split_source
     from eaglet.formats.prepared import PreparedData
-    from eaglet.stages.train_data import split_ids
+    from eaglet.training.data import split_ids
 
     cfg = _cfg(args, "original", _setup(args.work)["data"])
     up = {n: cfg.run_dir / n for n in pipeline.STAGE_NAMES}

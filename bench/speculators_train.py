@@ -104,7 +104,7 @@ from eaglet.draft.step import Batch, lr_lambda
 from eaglet.formats.store import TARGET_CONFIG, StoreReader, TargetHead, read_target_head
 from eaglet.formats.vocab import load_vocab
 from eaglet.stages.train import Trainer, build_draft
-from eaglet.stages.train_data import load_batch
+from eaglet.training.data import load_batch
 from eaglet.utils import atomic_write_json, log
 
 MASKS = ("eaglet", "speculators")
@@ -119,7 +119,7 @@ def open_states(run_dir: str | Path, cfg: Any) -> Any:
     online or streamed states when its extract stage ran with extract.mode: online), from
     eaglet's own `open_states`; `cfg`: the run config."""
     from eaglet.pipeline import STAGE_NAMES
-    from eaglet.stages.train_data import open_states as eaglet_open_states
+    from eaglet.training.data import open_states as eaglet_open_states
 
     run_dir = Path(run_dir)
     # this harness loads in an order of its own, so an online run's target computes in this process
@@ -479,7 +479,7 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
 
     run_dir = Path(run_dir)
     if states is None:  # the held-out split and the head need no target, even for an online run
-        from eaglet.stages.online import split_source
+        from eaglet.engines.hf.online import split_source
         from eaglet.pipeline import STAGE_NAMES
 
         store = StoreReader(run_dir / "extract", verify=False)

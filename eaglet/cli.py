@@ -24,7 +24,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .checks.doctor import run_doctor
+from .doctor import run_doctor
 from .config import PRESETS, RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
 from .distributed import dist_env, keep_group_at_exit

@@ -377,7 +377,7 @@ class EvalSection:
         False, "Measure tau by replay (the target's continuations, greedy or sampled at eval.temperature, decoded in "
         "batches; a chain then runs through the draft's TTT unroll, a tree through the decoder's tree drafting): the "
         "decoder's accepted counts (sampled: drawn as the decoder's are) without its target forwards, for A/Bs on "
-        "many prompts; no speed or lossless figures (eaglet/engines/replay.py).")
+        "many prompts; no speed or lossless figures (eaglet/engines/hf/replay.py).")
     baseline: bool = _f(True, "Also decode plainly with the target, for tokens/s and the lossless check.")
     lossless_check: bool = _f(True, "With greedy decoding, fail when any prompt's output differs from the target's own.")
     device: str = _f("auto", "Device for target and draft during eval.", DEVICE)

@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .checks.doctor import preflight as run_preflight
+from .doctor import preflight as run_preflight
 from .config import Config, TargetSection, unhashed_keys
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .errors import CorruptDataError, InputError, ResumeError
 from .formats.checked import listed, outputs_problem
 from .formats.datasets import check_data_files
 from .formats.draft import FINAL_DIR
-from .stages.context import StageContext
+from .context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
 
@@ -138,7 +138,7 @@ STAGES: list[Stage] = [
 ]
 STAGE_NAMES = [s.name for s in STAGES]
 # Stages that load a model or render templates: the doctor's cheap checks of their own
-# contracts run first (eaglet/checks/doctor.py `preflight`).
+# contracts run first (eaglet/doctor.py `preflight`).
 PREFLIGHT_STAGES = ("prepare", "extract", "train", "eval")
 
 
@@ -313,7 +313,7 @@ def _nothing_left_on_failure(cfg: Config) -> Iterator[None]:
 def run_stage(cfg: Config, name: str, force: bool = False, check_upstream: bool = True,
               preflight: bool = True, extend: bool = False) -> dict[str, Any]:
     """Run one stage (if it is not up to date) and return its manifest. `preflight`: run the
-    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/checks/doctor.py).
+    doctor's cheap checks first for the stages in PREFLIGHT_STAGES (see eaglet/doctor.py).
     Failing, it leaves no empty folder it made (`_nothing_left_on_failure`)."""
     with _nothing_left_on_failure(cfg):
         return _run_stage(cfg, name, force, check_upstream, preflight, extend)

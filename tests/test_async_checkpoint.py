@@ -1,4 +1,4 @@
-"""Checkpoints written behind the loop (train.ckpt_async, eaglet/stages/checkpoint_writer.py).
+"""Checkpoints written behind the loop (train.ckpt_async, eaglet/training/checkpoint_writer.py).
 
 Each is held to a run that writes its checkpoints in the loop (train.ckpt_async=false), fp32
 on the CPU, one thread: the same checkpoints bit for bit, also when the write is held back

@@ -29,7 +29,7 @@ from eaglet.draft.loss import step_mask, teacher_targets, ttt_loss
 from eaglet.draft.model import Eagle3Draft
 from eaglet.formats.store import StoreReader
 from eaglet.stages.train import Trainer, build_draft
-from eaglet.stages.train_data import load_batch
+from eaglet.training.data import load_batch
 from eaglet.formats.vocab import load_vocab
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import load_config
 from eaglet.checks.contracts import check_contracts
-from eaglet.checks.doctor import diagnose, preflight, run_doctor
+from eaglet.doctor import diagnose, preflight, run_doctor
 from eaglet.errors import InputError, PreflightError
 from eaglet.shadow import shadow_findings
 
@@ -171,7 +171,7 @@ def test_gpu_memory_too_small(tmp_path, assets, monkeypatch):
 
 def _host_free(monkeypatch, free):
     """No GPU, and `free` bytes of host memory available (the figure the machine would give)."""
-    from eaglet.checks import doctor
+    from eaglet import doctor
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(doctor, "host_free_bytes", lambda: free)
@@ -196,7 +196,7 @@ def test_host_memory_too_small_fails_on_the_cpu(tmp_path, assets, monkeypatch):
 
 def _needs(monkeypatch):
     """{what: bytes} of each memory plan the doctor holds to the free memory, as it computes them."""
-    from eaglet.checks import doctor
+    from eaglet import doctor
 
     needs, real = {}, doctor._memory_finding
 
@@ -275,7 +275,7 @@ def test_train_preflight_stops_a_plan_the_host_cannot_hold(tmp_path, assets, mon
 
 def test_host_free_memory_reads_meminfo_and_a_cgroup_limit(monkeypatch):
     """MemAvailable, capped by a container's cgroup limit less its use."""
-    from eaglet.checks import doctor
+    from eaglet import doctor
 
     files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   2048 kB\n"}
     real = doctor.Path.read_text
@@ -747,7 +747,7 @@ def test_engine_fed_plan_for_kimi_k25():
     import re
     from pathlib import Path
 
-    from eaglet.checks.doctor import diagnose
+    from eaglet.doctor import diagnose
     from eaglet.config import load_config
 
     path = Path(__file__).resolve().parent.parent / "examples" / "kimi-k25" / "eaglet.yaml"

@@ -31,7 +31,7 @@ def _metrics(drafts, accepted_per_pos, engines=1):
 
 
 def test_vllm_counters_give_mean_acceptance_length_and_both_per_position_rates():
-    from eaglet.engines.vllm_specdec import spec_counts
+    from eaglet.engines.vllm.decode import spec_counts
 
     before = spec_counts(_metrics(4, [2, 1, 0]))
     after = spec_counts(_metrics(14, [8, 4, 1]))
@@ -47,7 +47,7 @@ def test_vllm_counters_give_mean_acceptance_length_and_both_per_position_rates()
 
 
 def test_agreement_passes_within_the_tolerance_and_names_where_the_engines_part(tmp_path):
-    from eaglet.stages.eval_vllm import EngineAgreementError, agreement, check_agreement
+    from eaglet.engines.vllm.eval import EngineAgreementError, agreement, check_agreement
 
     eaglet = {"tau": 2.0, "acceptance_rate": [0.6, 0.5, 0.3]}
     close = agreement(eaglet, {"mean_acceptance_length": 2.08, "acceptance_rate": [0.62, 0.5, 0.3]}, 0.05,
@@ -75,7 +75,7 @@ def test_agreement_holds_to_the_configured_tolerance_on_both_sides(rel, ok, tmp_
     outside fails (a doubled tolerance, or a check of one side only, does not); another
     tolerance moves the bound with it."""
     from eaglet.config import EvalSection
-    from eaglet.stages.eval_vllm import EngineAgreementError, agreement, check_agreement
+    from eaglet.engines.vllm.eval import EngineAgreementError, agreement, check_agreement
 
     tol = EvalSection().vllm_tolerance
     assert tol == 0.05
@@ -97,7 +97,7 @@ def test_agreement_holds_to_the_configured_tolerance_on_both_sides(rel, ok, tmp_
 
 
 def test_identity_report_counts_equal_outputs_and_first_divergences():
-    from eaglet.stages.eval_vllm import identity_report
+    from eaglet.engines.vllm.eval import identity_report
 
     recs = [{"item": f"q{i}", "turn": 1} for i in range(3)]
     r = identity_report([[1, 2, 3], [1, 2], [5]], [[1, 2, 3], [1, 9], [5, 6]], recs)
@@ -107,7 +107,7 @@ def test_identity_report_counts_equal_outputs_and_first_divergences():
 
 def test_the_vllm_eval_runs_only_where_it_can():
     from eaglet.config import EvalSection
-    from eaglet.stages.eval_vllm import want_vllm
+    from eaglet.engines.vllm.eval import want_vllm
 
     assert want_vllm(EvalSection(vllm="auto")) is False  # no GPU here
     assert want_vllm(EvalSection(vllm="off")) is False
@@ -119,7 +119,7 @@ def test_the_vllm_eval_runs_only_where_it_can():
 
 
 def test_mt_bench_comes_from_the_pinned_wheel_with_its_80_questions():
-    from eaglet.stages.eval_sets import mt_bench_items
+    from eaglet.formats.eval_sets import mt_bench_items
 
     items = mt_bench_items()
     cats = {}
@@ -142,7 +142,7 @@ def test_a_broken_mt_bench_line_is_named(tmp_path):
 
 
 def test_a_conversations_file_asks_its_last_user_turn_after_its_context(tmp_path):
-    from eaglet.stages.eval_sets import file_items
+    from eaglet.formats.eval_sets import file_items
 
     path = write_jsonl(tmp_path / "convs.jsonl", [
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -177,7 +177,7 @@ def test_a_prompt_with_a_lone_surrogate_or_deep_nesting_is_skipped_and_counted_b
     """Such a prompt crashed eval in the tokenizer or the JSON decoder (exit 70), then stopped it
     (InputError); like every bad record of eval.prompts it is now skipped, counted by its reason
     and kept as an example (file, row), and the records around it are asked."""
-    from eaglet.stages.eval_sets import file_items
+    from eaglet.formats.eval_sets import file_items
 
     ok = '{"messages": [{"role": "user", "content": "fine"}]}'
     for reason in ("invalid_unicode", "too_deeply_nested"):
@@ -194,7 +194,7 @@ def test_a_prompt_with_a_lone_surrogate_or_deep_nesting_is_skipped_and_counted_b
 def test_every_unusable_record_of_eval_prompts_is_skipped_and_counted_and_num_prompts_counts_usable_ones(tmp_path):
     """Each reason once among the records, and eval.num_prompts (the limit) counts usable prompts
     only: 2 of them are the 1st and 9th records, and reading stops there."""
-    from eaglet.stages.eval_sets import SKIPPED_EXAMPLES, file_items, named_items
+    from eaglet.formats.eval_sets import SKIPPED_EXAMPLES, file_items, named_items
 
     ask = lambda q: json.dumps({"messages": [{"role": "user", "content": q}]})  # noqa: E731
     bad = _bad_prompts()
@@ -215,7 +215,7 @@ def test_every_unusable_record_of_eval_prompts_is_skipped_and_counted_and_num_pr
 
 def test_a_prompts_file_without_a_usable_record_is_one_line_with_the_counts(tmp_path):
     from eaglet.errors import ConfigError
-    from eaglet.stages.eval_sets import file_items
+    from eaglet.formats.eval_sets import file_items
 
     bad = _bad_prompts()
     path = tmp_path / "bad.jsonl"
@@ -240,11 +240,12 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
     WARNING line names the first skipped row, and the counts and examples are in the result JSON,
     the stage's stats (the manifest's) and the run summary; the vLLM eval (a stand-in engine)
     writes the same into its own result."""
-    from eaglet.engines.vllm_specdec import SpecCounts
+    from eaglet.engines.vllm.decode import SpecCounts
     from eaglet.formats.draft import FINAL_DIR, load_final
     from eaglet.formats.serving import export_draft
     from eaglet.pipeline import run_summary
-    from eaglet.stages import eval_vllm, evaluate
+    from eaglet.engines.vllm import eval as eval_vllm
+    from eaglet.stages import evaluate
 
     cfg, ctx = _eval_setup(tmp_path)
     cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 4, 0
@@ -301,7 +302,7 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
 
 
 def test_a_second_turn_is_asked_after_the_first_answer():
-    from eaglet.stages.eval_sets import EvalItem, run_rounds
+    from eaglet.formats.eval_sets import EvalItem, run_rounds
 
     items = [EvalItem("a", "x", asks=("q1", "q2")), EvalItem("b", "y", asks=("only",))]
     seen = []
@@ -357,11 +358,12 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     The run's export is the trained draft written as the export stage writes it (checksums.json
     too): vLLM gets it only once it is checked, and a damaged one is refused before any engine
     starts or the target loads."""
-    from eaglet.engines.vllm_specdec import SpecCounts
+    from eaglet.engines.vllm.decode import SpecCounts
     from eaglet.errors import CorruptDataError
     from eaglet.formats.draft import FINAL_DIR, load_final
     from eaglet.formats.serving import export_draft
-    from eaglet.stages import eval_vllm, evaluate
+    from eaglet.engines.vllm import eval as eval_vllm
+    from eaglet.stages import evaluate
 
     made = []
 
@@ -431,7 +433,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
 
 def test_the_doctor_says_whether_the_run_ends_with_the_vllm_eval():
     from eaglet.checks.findings import Probe
-    from eaglet.checks.vllm import check_vllm_eval
+    from eaglet.engines.vllm.checks import check_vllm_eval
     from eaglet.config import load_config
 
     def line(*sets):
@@ -446,7 +448,7 @@ def test_the_doctor_says_whether_the_run_ends_with_the_vllm_eval():
 
 
 def test_opening_prompts_take_distinct_first_questions_after_the_skipped_records(tmp_path):
-    from eaglet.stages.eval_sets import opening_prompts
+    from eaglet.formats.eval_sets import opening_prompts
 
     def conv(*turns):
         return {"conversations": [{"from": f, "value": v} for f, v in turns]}

@@ -312,7 +312,7 @@ def tied_target(root: Path) -> Eagle3Draft:
 
 def run_export_stage(root: Path, *overrides: str) -> dict:
     from eaglet.config import load_config
-    from eaglet.stages.context import StageContext
+    from eaglet.context import StageContext
     from eaglet.stages.export import run_export
 
     # float32: bf16 rounding of tiny_draft's large weights moves its logits by more than the stage allows

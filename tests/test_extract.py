@@ -11,7 +11,7 @@ import torch
 import eaglet.stages.extract as extract_mod
 from eaglet.config import Config
 from eaglet.stages.extract import pad_batch, plan_batches, run_extract
-from eaglet.stages.context import StageContext
+from eaglet.context import StageContext
 from eaglet.formats.prepared import PreparedData, PreparedWriter
 from eaglet.formats.store import INDEX, StoreReader
 from eaglet.targets.load import TargetParts, load_target

@@ -26,7 +26,7 @@ import torch
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import Config, load_config
-from eaglet.checks.doctor import run_doctor
+from eaglet.doctor import run_doctor
 from eaglet.shadow import shadow_findings
 from eaglet.stages.extract import capture, head_meta, pad_batch, save_target_head
 from eaglet.formats.store import HEAD_FILE

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglet.formats.store import FP8, FP8_MAX, StoreReader, StoreWriter, dequantize_states, quantize_states
-from eaglet.stages.train_data import load_batch
+from eaglet.training.data import load_batch
 
 H, N_AUX = 64, 3
 

@@ -14,8 +14,8 @@ import torch
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import TargetSection, load_config
-from eaglet.stages.online import AheadStates, OnlineStates, TargetStopped, online_ahead, split_source
-from eaglet.stages.train_data import open_states
+from eaglet.engines.hf.online import AheadStates, OnlineStates, TargetStopped, online_ahead, split_source
+from eaglet.training.data import open_states
 from eaglet.formats.store import StoreReader
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -228,7 +228,7 @@ def test_online_eval_uses_the_same_heldout_prompts(runs):
 
 
 def test_doctor_counts_the_target_in_trainings_memory_when_online(tmp_path):
-    from eaglet.checks.doctor import run_doctor
+    from eaglet.doctor import run_doctor
 
     target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(4, seed=3))

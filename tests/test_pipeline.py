@@ -295,7 +295,7 @@ def test_the_run_summary_gives_the_lossless_verdict_and_why_fewer_prompts_than_a
     was not checked), and, when the prompt set gave fewer than eval.num_prompts, why."""
     from eaglet.config import load_config
     from eaglet.pipeline import run_summary
-    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+    from eaglet.formats.eval_sets import SkippedPrompts, prompt_count
 
     cfg = load_config(None, ["run.dir=/r", "eval.chain_tokens=3", "eval.num_prompts=8"])
     held = {"held_out": 8, "duplicates": 2, "no_prompt": 0, "missing": 0}

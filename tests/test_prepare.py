@@ -16,7 +16,7 @@ from eaglet.config import Config, ConfigError
 from eaglet.errors import InputError
 from eaglet.formats.datasets import RecordError, iter_records, normalize_record, read_json_array, read_jsonl, read_parquet
 from eaglet.pipeline import read_manifest, run_stage
-from eaglet.stages.context import StageContext
+from eaglet.context import StageContext
 from eaglet.stages.prepare import run_prepare
 from eaglet.formats.prepared import PreparedData
 from eaglet.testing.tiny import CHATML_TEMPLATE, build_tokenizer, make_conversations, save_target, write_jsonl

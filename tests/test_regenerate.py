@@ -185,7 +185,7 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
     replies are the growing cache's."""
     from eaglet.stages.regenerate import batched_generate, static_cache_len
     from eaglet.targets.chat import generation_prompt
-    from eaglet.engines.specdec import cache_kwarg
+    from eaglet.engines.hf.decode import cache_kwarg
 
     model, tok = tiny.build_model(), tiny.build_tokenizer()
     tok.padding_side = "left"
@@ -225,7 +225,7 @@ def test_kv_bytes_per_token_matches_the_cache_transformers_fills(family):
     from transformers import DynamicCache
 
     from eaglet.stages.regenerate import auto_generate_batch, kv_bytes_per_token
-    from eaglet.engines.specdec import cache_kwarg
+    from eaglet.engines.hf.decode import cache_kwarg
 
     model = tiny.build_model(family)
     n = 7  # under the tiny configs' sliding windows (8): every layer keeps every token

@@ -382,7 +382,7 @@ def test_the_api_key_is_sent_and_written_nowhere(tmp_path, target, tok, serve, m
 
 
 def test_extract_server_engine_sends_the_key_and_quotes_no_header(serve, tok, monkeypatch):
-    from eaglet.engines.vllm import ServerEngine
+    from eaglet.engines.vllm.capture import ServerEngine
 
     monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
     srv = serve(key=KEY, reject={"dogs"})
@@ -478,7 +478,7 @@ def test_a_trickled_answer_ends_at_the_request_deadline(tmp_path, target, serve,
     """request_timeout bounds the whole request: an answer that trickles in a byte every 20 ms (each
     read well within the timeout, the whole answer several seconds) fails at the deadline. The
     vLLM server client (extract.vllm_server) keeps the same deadline."""
-    from eaglet.engines.vllm import ServerEngine
+    from eaglet.engines.vllm.capture import ServerEngine
 
     srv = serve(trickle=(0.02, trickle))
     data = _data(tmp_path, 2, max_turns=1)
@@ -620,7 +620,7 @@ def test_a_resume_with_other_settings_is_refused_also_after_a_kill(tmp_path, tar
 def test_the_key_never_follows_a_redirect_to_another_origin(tmp_path, target, serve, tok, monkeypatch):
     """A 302 to another host (here another port: another origin) is followed without the key; a
     redirect within the server's origin keeps it. Both clients: regenerate's and extract.vllm_server's."""
-    from eaglet.engines.vllm import ServerEngine
+    from eaglet.engines.vllm.capture import ServerEngine
 
     elsewhere = serve()  # takes no key: records what it is sent
     away = {"/v1/models": elsewhere.url + "/v1/models", "/v1/completions": elsewhere.url + "/v1/completions"}
@@ -643,7 +643,7 @@ def test_the_key_never_follows_a_redirect_to_another_origin(tmp_path, target, se
 
 
 def test_a_key_over_plain_http_to_another_host_is_warned_about(capsys, monkeypatch):
-    from eaglet.engines import vllm
+    from eaglet.engines.vllm import capture as vllm
 
     for url, warned in [("http://gpu-7.example:8000", True), ("http://10.1.2.3:8000/v1", True),
                         ("https://gpu-7.example:8000", False), ("http://localhost:8000", False),

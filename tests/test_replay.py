@@ -1,4 +1,4 @@
-"""Greedy chain acceptance by replay (eaglet.engines.replay) against the decoder itself.
+"""Greedy chain acceptance by replay (eaglet.engines.hf.replay) against the decoder itself.
 
 The reference is `speculative_generate`: for a draft trained until it agrees with the target
 part of the time, the replay's accepted count per verification and its new tokens must be the
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines import replay
-from eaglet.engines.replay import agreement_runs, continuations, reference_replay_tree, replay_chain, replay_tree, \
+from eaglet.engines.hf import replay
+from eaglet.engines.hf.replay import agreement_runs, continuations, reference_replay_tree, replay_chain, replay_tree, \
     side_of, target_side
-from eaglet.engines.specdec import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
+from eaglet.engines.hf.decode import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
 from eaglet.testing.tiny import build_model
 
@@ -184,7 +184,7 @@ def test_a_sampled_chains_chances_of_a_reduced_draft_vocabulary(reduced, sampled
     """At temperature 1 with a reduced draft vocabulary: each step's chance is min(1, q(y) / p(y)),
     q the draft's distribution placed on the target vocabulary through d2t as the decoder places it
     (`draft_q_on_target`), so a continuation's token outside the draft vocabulary has chance 0."""
-    from eaglet.engines.specdec import draft_q_on_target
+    from eaglet.engines.hf.decode import draft_q_on_target
 
     side, d = sampled_side, reduced
     d2t = d.draft_to_target(torch.arange(d.config.draft_vocab_size))
@@ -329,7 +329,7 @@ def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
     (asked after the replayed answer), with the replay's settings and no speed or lossless;
     for chains and greedy trees."""
     from eaglet.config import EvalSection
-    from eaglet.stages.eval_sets import EvalItem
+    from eaglet.formats.eval_sets import EvalItem
     from eaglet.stages.evaluate import evaluate_items, setting_key
     from eaglet.testing.tiny import build_tokenizer
 

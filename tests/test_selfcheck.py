@@ -17,7 +17,7 @@ from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import Config, load_config
 from eaglet.stages.extract import run_extract
-from eaglet.stages.context import StageContext
+from eaglet.context import StageContext
 from eaglet.formats.prepared import PreparedWriter
 from eaglet.checks.selfcheck import SelfCheckError, pick_samples
 from eaglet.errors import InputError

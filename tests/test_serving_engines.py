@@ -1,4 +1,4 @@
-"""The exports against the engines' loaders as eaglet/formats/serving_engines.py writes them down
+"""The exports against the engines' loaders as eaglet/formats/loaders.py writes them down
 (SGLang 0.5.23's LlamaForCausalLMEagle3, vLLM 0.25.0's Eagle3LlamaForCausalLM): every export
 eaglet writes loads whole; a renamed, extra or missing weight, a missing d2t, a missing config
 key or an fc of the wrong width each fail naming it. Also the doctor's line on the name the
@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_export import EXPORT_ARGS, tiny_draft
 
-from eaglet.checks.doctor import check_export_verifier
+from eaglet.doctor import check_export_verifier
 from eaglet.checks.findings import Probe
 from eaglet.config import load_config
 from eaglet.formats.serving import export_draft
-from eaglet.formats.serving_engines import sglang_problems, vllm_problems
+from eaglet.formats.loaders import sglang_problems, vllm_problems
 
 CHECK = {"vllm": vllm_problems, "sglang": sglang_problems}
 # eaglet's name of layer 0's down_proj in each format

@@ -1,4 +1,4 @@
-"""Speculative decoding (eaglet.engines.specdec) against references on tiny fp32 targets.
+"""Speculative decoding (eaglet.engines.hf.decode) against references on tiny fp32 targets.
 
 - acceptance bookkeeping on hand-built sequences;
 - tree masks / positions against an explicit ancestor walk; the draft's tree scores against
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.engines.specdec import (
+from eaglet.engines.hf.decode import (
     DraftRunner,
     SpecSettings,
     TargetRunner,
@@ -553,7 +553,7 @@ def _eval_setup(tmp_path):
     from safetensors.torch import save_file
 
     from eaglet.config import Config
-    from eaglet.stages.context import StageContext
+    from eaglet.context import StageContext
     from eaglet.formats.prepared import PreparedWriter
     from eaglet.testing.tiny import save_target
     from eaglet.formats.draft import DRAFT_CONFIG, FINAL_DIR
@@ -591,7 +591,7 @@ def _eval_setup(tmp_path):
 def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monkeypatch):
     from eaglet.stages import evaluate
     from eaglet.formats.prepared import PreparedData
-    from eaglet.stages.train_data import split_ids
+    from eaglet.training.data import split_ids
 
     cfg, ctx = _eval_setup(tmp_path)
     stats = evaluate.run_eval(cfg, ctx)
@@ -701,7 +701,7 @@ def test_heldout_prompts_are_each_evaluated_once(tmp_path):
     """Conversations that open with the assistant's turn all cut to the same bare system
     prompt: the held-out set takes it once, then goes on to distinct prompts."""
     from eaglet.formats.prepared import PreparedData, PreparedWriter
-    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+    from eaglet.formats.eval_sets import SkippedPrompts, prompt_count
     from eaglet.stages.evaluate import heldout_prompts, heldout_selection
 
     w = PreparedWriter(tmp_path, ["data.jsonl"])
@@ -751,7 +751,7 @@ def test_the_demo_says_where_a_cycle_goes_when_decoding_is_slower():
 def test_the_demo_summary_says_why_fewer_prompts_and_gives_the_lossless_verdict(capsys):
     from eaglet.config import load_config
     from eaglet.demo import _print_summary
-    from eaglet.stages.eval_sets import SkippedPrompts, prompt_count
+    from eaglet.formats.eval_sets import SkippedPrompts, prompt_count
 
     cfg = load_config(None, ["run.dir=/r", "eval.chain_tokens=3", "eval.reference_prompts=8"])
     ev = {"tau": 1.23, "num_prompts": 6, "reference_tau": 1.0, "acceptance_rate": [0.2], "lossless": True,

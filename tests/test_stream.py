@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM
 
 from eaglet import pipeline
 from eaglet.config import dump_config, load_config
-from eaglet.engines.vllm import EngineProcess
+from eaglet.engines.vllm.capture import EngineProcess
 from eaglet.errors import ConfigError, InputError
 from eaglet.formats.store import StoreReader
-from eaglet.stages import stream as stream_mod
+from eaglet.engines.vllm import stream as stream_mod
 from eaglet.testing import tiny
 from eaglet.testing.fake_vllm import FakeServer, FakeVLLM
 from eaglet.utils import child_context
@@ -220,7 +220,7 @@ def test_a_sample_the_engine_failed_on_reaches_training_with_its_loss_mask_clear
     """One sample comes back from the engine with other token ids: in the micro-batch training
     loads (load_batch) it keeps its place with zero states and no token of it counted; the
     others hold their prepared tokens and loss masks."""
-    from eaglet.stages.train_data import load_batch
+    from eaglet.training.data import load_batch
 
     _, _, model, _ = assets
     fake = _engine(model, tmp_path / "engine")

@@ -13,7 +13,7 @@ import torch
 from eaglet.errors import CorruptDataError
 from eaglet.formats.store import StoreReader
 from eaglet.stages.train import Trainer
-from eaglet.stages.train_data import epoch_plan, pack, split_ids
+from eaglet.training.data import epoch_plan, pack, split_ids
 
 
 def test_split_is_fixed_by_seed_disjoint_and_complete():
@@ -66,7 +66,7 @@ class _Samples:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (the pinned host path)"))])
 def test_load_batch_packs_documents_with_their_positions(device):
-    from eaglet.stages.train_data import load_batch
+    from eaglet.training.data import load_batch
 
     store = _Samples([5, 3, 9])
     b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device))  # sample 2 cut at 7
@@ -126,7 +126,7 @@ def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_g
     """Prefetch reads the planned micro-batches in order on its own thread, at most `depth`
     ahead; each take gives what load_batch reads; a load off the plan is read at once, in the
     caller's thread, and the plan goes on; a read's error is raised by its micro-batch's take."""
-    from eaglet.stages.train_data import Prefetch, load_batch, read_batch, send_batch
+    from eaglet.training.data import Prefetch, load_batch, read_batch, send_batch
 
     store = _Samples([5, 3, 9, 4, 6, 2, 7])
     plan = [[0, 1], [2], [3, 4, 5], [6], [1, 2]]
@@ -177,7 +177,7 @@ def test_prefetch_thread_takes_the_index_of_the_gpu_it_reads_for(monkeypatch):
     thread takes the device current where Prefetch is made. (A stand-in for CUDA's calls.)"""
     from torch.cuda._utils import _get_device_index
 
-    from eaglet.stages.train_data import Prefetch
+    from eaglet.training.data import Prefetch
 
     made_current = []
 
@@ -206,7 +206,8 @@ def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypa
     every load from the plan. (Reading ahead is for GPUs: here it is let run on the CPU.)"""
     from eaglet import pipeline
     from eaglet.config import load_config
-    from eaglet.stages import train, train_data
+    from eaglet.stages import train
+    from eaglet.training import data as train_data
     from eaglet.testing import tiny
 
     assert not train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cpu"))

@@ -33,13 +33,13 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.checks import selfcheck
-from eaglet.engines import vllm as ve
-from eaglet.stages import extract_vllm as vb
+from eaglet.engines.vllm import capture as ve
+from eaglet.engines.vllm import extract as vb
 from eaglet.targets import head as vh
 from eaglet.config import Config
-from eaglet.checks.doctor import diagnose
+from eaglet.doctor import diagnose
 from eaglet.stages.extract import run_extract
-from eaglet.stages.context import StageContext
+from eaglet.context import StageContext
 from eaglet.formats.prepared import PreparedWriter
 from eaglet.checks.selfcheck import SelfCheckError
 from eaglet.formats.store import INDEX, StoreReader
@@ -492,7 +492,7 @@ def test_vllm_device_line_needs_cuda(target):
     """The in-process engine's device: CUDA passes; vLLM's CPU build (and a CUDA build without a
     GPU, whose platform has no device) FAIL before any weight loads, naming the way out."""
     from eaglet.checks.findings import Probe
-    from eaglet.checks.vllm import vllm_platform
+    from eaglet.engines.vllm.checks import vllm_platform
 
     class CpuPlatform:
         device_type = "cpu"
@@ -522,7 +522,7 @@ def test_vllm_cpu_build_is_refused_before_loading(target):
     """With vLLM's real CPU build, the extract preflight (which the pipeline runs before the stage
     loads anything) stops on the 'vLLM device' line, not the engine after the model has loaded,
     in the connector's CUDA copy (where vllm-cpu 0.32's engine failed when run here)."""
-    from eaglet.checks.doctor import preflight
+    from eaglet.doctor import preflight
     from eaglet.errors import PreflightError
 
     findings = diagnose(_cfg(target), "extract").findings

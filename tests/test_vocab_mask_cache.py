@@ -1,4 +1,4 @@
-"""The out-of-vocabulary mask's verdicts kept per sample (eaglet.stages.train_data.VocabMaskCache): after a
+"""The out-of-vocabulary mask's verdicts kept per sample (eaglet.training.data.VocabMaskCache): after a
 sample's first teacher pass, the teacher runs over the draft columns only, and training is
 the same as when every pass computes the full-vocabulary argmax."""
 
@@ -8,7 +8,7 @@ import torch
 
 import eaglet.draft.step as step_mod
 from conftest import tiny_pipeline_upto_vocab, train_on_copy
-from eaglet.stages.train_data import VocabMaskCache
+from eaglet.training.data import VocabMaskCache
 from eaglet.draft.step import Batch
 
 

@@ -20,10 +20,10 @@ import typing
 from pathlib import Path
 
 from eaglet.testing import tiny
-from eaglet.engines import vllm as vllm_backend
+from eaglet.engines.vllm import capture as vllm_backend
 from eaglet.config import load_config
 from eaglet.checks.contracts import _HS
-from eaglet.checks.doctor import diagnose
+from eaglet.doctor import diagnose
 
 
 MISSING = object()

@@ -75,7 +75,7 @@ PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet
 VLLM_MIN = "0.25.0"
 VLLM_TESTED = "0.33.0"  # the vLLM the contract test (tests/test_vllm_contracts.py) runs against
 VLLM_FIX = (f"install the vLLM eaglet is tested with into its own venv: VLLM_VERSION={VLLM_TESTED} bash "
-            "scripts/vllm_venv.sh; or adapt eaglet/stages/extract_vllm.py to this vLLM")
+            "scripts/vllm_venv.sh; or adapt eaglet/engines/vllm/extract.py to this vLLM")
 _HS = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
@@ -134,7 +134,7 @@ CONTRACTS: list[Contract] = [
              "engines.hf.capture, specdec: the hook reads hidden_states as args[0] or kwargs['hidden_states']; "
              "the base model calls the layer with the state and its own keywords only",
              fix="the decoder layer's first parameter must be hidden_states and it may require nothing the base model "
-                 "does not pass: pin transformers, or adapt engines.hf.capture's hook for this model (eaglet/engines/hf.py)",
+                 "does not pass: pin transformers, or adapt engines.hf.capture's hook for this model (eaglet/engines/hf/capture.py)",
              stages=("extract", "eval"), passes=_LAYER_CALL),
     Contract("{base_model}.forward", "input_ids attention_mask use_cache",
              "engines.hf.capture: the base model runs without the LM head and without a KV cache", passes=""),
@@ -187,7 +187,7 @@ CONTRACTS: list[Contract] = [
     Contract("transformers:AutoConfig.for_model", "^model_type",
              "families.text_config_from_dict (train.build_draft): the target config rebuilt from extract's "
              "target_config.json", stages=("train",), passes=""),
-    # -- eval: speculative decoding with the target's KV cache (eaglet/engines/specdec.py)
+    # -- eval: speculative decoding with the target's KV cache (eaglet/engines/hf/decode.py)
     Contract("{causal_lm}.forward", "cache|past_key_values",
              "specdec: the target's KV-cache keyword (cache in transformers 5.24, past_key_values before)",
              stages=("eval",), passes="input_ids position_ids use_cache attention_mask logits_to_keep"),
@@ -206,7 +206,7 @@ CONTRACTS: list[Contract] = [
     Contract("transformers:ContinuousBatchingConfig", "num_blocks max_batch_tokens",
              "regenerate --engine continuous on a CPU: sizes the paged KV cache to the work", stages=("regenerate",),
              fix=_REGEN_FIX, passes="max_memory_percent", when=continuous_regenerate),
-    # -- extract with backend vllm (eaglet/stages/extract_vllm.py): vLLM's native hidden-state path
+    # -- extract with backend vllm (eaglet/engines/vllm/extract.py): vLLM's native hidden-state path
     *[Contract(where, params, why, fix=VLLM_FIX, stages=("extract-vllm",)) for where, params, why in [
         ("vllm.config.speculative:SpeculativeMethod", "+extract_hidden_states",
          "engines.vllm.speculative_config: the method that returns the states of the requested layer ids"),

@@ -1,6 +1,6 @@
 """What the checks find: one line each, and the facts they pass on.
 
-The doctor (eaglet/checks/doctor.py) and its vLLM checks (eaglet/checks/vllm.py) add a
+The doctor (eaglet/doctor.py) and its vLLM checks (eaglet/engines/vllm/checks.py) add a
 `Finding` per check to a `Probe`; a stage's preflight raises `PreflightError` with the FAIL
 lines, or, when every FAIL is the user's own input error (a folder not found), that error.
 """

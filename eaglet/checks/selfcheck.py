@@ -27,7 +27,7 @@ scale, which cosine cannot see). The teacher also fails when top-1 agreement is 
 `REF_MAX_TOKENS` tokens of each sample: earlier tokens do not depend on later ones.
 
 The vLLM backend cannot rerun the target here; its check (`logprob_agreement`, run by
-eaglet/stages/extract_vllm.py on the first samples, before the rest is extracted) compares the
+eaglet/engines/vllm/extract.py on the first samples, before the rest is extracted) compares the
 top token of the target's LM head on the stored final state with vLLM's own prompt logprobs.
 """
 

@@ -1,6 +1,6 @@
 """JSON over HTTP to a server eaglet does not run: the one place eaglet makes such a call (the
 OpenAI-compatible server of `regenerate --engine openai`, eaglet/engines/openai.py; the `vllm
-serve` of `extract.vllm_server`, eaglet/engines/vllm.py).
+serve` of `extract.vllm_server`, eaglet/engines/vllm/capture.py).
 
 `call_json(url, body, api_key, timeout)` sends one request (GET without a body, POST with one)
 and returns its JSON answer. Two promises the standard library's urlopen does not keep:

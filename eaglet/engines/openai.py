@@ -12,7 +12,7 @@ never a reply. `tokenize` asks the server's tokenizer for a text's ids (vLLM's /
 SGLang's /v1/tokenize), to check it runs the target.
 
 The HTTP itself (the deadline, the key kept to the server's origin across redirects, the
-warning for a key over plain http://) is eaglet/engines/httpjson.py's, which eaglet/engines/vllm.py
+warning for a key over plain http://) is eaglet/engines/httpjson.py's, which eaglet/engines/vllm/capture.py
 `ServerEngine` shares. The API key is read from the environment variable the config names
 (`api_key_from_env`) and sent as `Authorization: Bearer ...`; it is never logged, and a server's
 answer quoted in a reason is `redact`ed first. eaglet/stages/regenerate.py drives the client.

@@ -2,7 +2,7 @@
 
     <stream dir>/mb-r<rank>-<seq>.safetensors     one micro-batch, the seq-th this rank loads
 
-With `extract.mode: online` and `extract.backend: vllm` (eaglet/stages/stream.py) nothing of
+With `extract.mode: online` and `extract.backend: vllm` (eaglet/engines/vllm/stream.py) nothing of
 the states is stored but these files: the engine's side writes each micro-batch whole
 (a temporary file renamed into place), training's side reads it once and deletes it. Tensors
 (the samples' rows concatenated, as a store shard holds them): `aux` [N, n_aux*H] and

@@ -39,7 +39,7 @@ Formats
     attention_bias or num_aux != 3 are refused for this format (older SGLang releases skip the
     weights of these without a word; 0.5.23 reads fc_norm, norm_output and the state count,
     but names a later layer's input norm hidden_norm).
-Checked: eaglet/formats/serving_engines.py holds each engine's loader as data (pinned
+Checked: eaglet/formats/loaders.py holds each engine's loader as data (pinned
     releases) and the checks the export stage runs on both formats.
 Both: d2t/t2d are left out when the draft vocabulary is the whole target vocabulary (the maps
     are then the identity; speculators registers no such buffers then); embed_tokens is left

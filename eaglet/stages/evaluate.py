@@ -7,7 +7,7 @@ run.seed, over the same sample ids training split), the first `eval.num_prompts`
 each cut where its first assistant turn starts (the first loss-masked token), so a prompt
 ends with the chat template's generation prompt.
 
-For each prompt the target decodes speculatively with the draft (eaglet.engines.specdec: a chain or
+For each prompt the target decodes speculatively with the draft (eaglet.engines.hf.decode: a chain or
 the EAGLE-2 tree, greedy or sampled) and, for the baseline, plainly with the same KV cache.
 Reported per prompt and overall: tau (tokens per target verification forward), acceptance
 rate per draft position, tokens/s of both decoders and the speedup, and at T=0 the lossless
@@ -28,7 +28,7 @@ verification forward (many tokens at once) and plain decoding (one at a time) ro
 differently, so a near-tie can flip; mismatches are then reported, with the target's top-2
 logit gap at the first differing position, but do not fail the stage.
 
-`eval.replay` measures decoding by replay instead (eaglet/engines/replay.py): the same
+`eval.replay` measures decoding by replay instead (eaglet/engines/hf/replay.py): the same
 accepted counts from the target's batched greedy continuations and, for a chain, one draft
 unroll, for a tree the decoder's tree drafting without the target's forwards; for A/Bs over
 many prompts. At a temperature the continuations are sampled from the target and the draft's
@@ -58,7 +58,7 @@ from tqdm import tqdm
 from ..config import Config, EvalSection
 from ..distributed import dist_env, resolve_device
 from ..draft.model import Eagle3Draft
-from ..engines.specdec import (
+from ..engines.hf.decode import (
     DraftRunner,
     SpecSettings,
     TargetRunner,
@@ -68,22 +68,22 @@ from ..engines.specdec import (
     plain_generate,
     speculative_generate,
 )
-from ..engines.replay import replay_chain, replay_tree, target_side
+from ..engines.hf.replay import replay_chain, replay_tree, target_side
 from ..errors import InputError, VerificationError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.prepared import PreparedData
 from ..formats.serving import Loaded, draft_model, load_draft
-from ..formats.serving_engines import ENGINES, PROBLEMS
+from ..formats.loaders import ENGINES, PROBLEMS
 from ..targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from ..targets.families import default_layers, family_of
 from ..targets.load import TargetParts, load_target
 from ..utils import atomic_write_bytes, atomic_write_json, log
-from .context import StageContext
-from .eval_sets import (EvalItem, SkippedPrompts, by_category, named_items, no_heldout_error, prompt_count, run_rounds,
+from ..context import StageContext
+from ..formats.eval_sets import (EvalItem, SkippedPrompts, by_category, named_items, no_heldout_error, prompt_count, run_rounds,
                         set_name)
-from .eval_vllm import check_agreement, run_vllm_eval, vllm_stats, want_vllm
-from .online import split_source
-from .train_data import split_ids
+from ..engines.vllm.eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
+from ..engines.hf.online import split_source
+from ..training.data import split_ids
 
 EVAL_JSON = "eval.json"
 EVAL_PNG = "eval.png"
@@ -352,7 +352,7 @@ class _Decoding:
 
 
 class _Replaying(_Decoding):
-    """eval.replay: chains' or trees' accepted counts by replay (eaglet/engines/replay.py), all
+    """eval.replay: chains' or trees' accepted counts by replay (eaglet/engines/hf/replay.py), all
     prompts of a call at once; no plain decode, so no speed or lossless figures. At a
     temperature the continuations are sampled from the target (seeded by the eval's seed) and
     the draft's acceptances given them: a tree's exactly, a chain's drawn once."""
@@ -448,7 +448,7 @@ def evaluate_items(
     verbose: bool = True,
     desc: str = "eval",
 ) -> dict[str, Any]:
-    """evaluate_draft over eval items, turn by turn (eaglet/stages/eval_sets.py): a later turn is
+    """evaluate_draft over eval items, turn by turn (eaglet/formats/eval_sets.py): a later turn is
     asked after the target's own answers (the speculative output, which greedy decoding keeps
     equal to the target's). Adds "by_category" when the items have categories. verbose: a
     progress bar named `desc` over every turn's decoding (no summary line: the caller's)."""
@@ -771,7 +771,7 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
 def read_eval_draft(path: str, own: bool = False) -> Loaded:
     """eval.draft read (`load_draft`: checked against its checksums.json where eaglet wrote it,
     every weight finite) and holding what its engine's loader reads
-    (eaglet/formats/serving_engines.py), so that eval measures the draft the engine would serve;
+    (eaglet/formats/loaders.py), so that eval measures the draft the engine would serve;
     raises CorruptDataError or InputError naming the file and what is wrong. `own`: the run's own
     export (the vLLM eval's draft without eval.draft), read the same way."""
     loaded = load_draft(path, finite=True)

@@ -8,7 +8,7 @@ their checksums.json, and refused when a weight is not finite) and writes each f
 says what each holds).
 Every export is then read back through the same reader `train.init_from` uses and must give
 the trained draft's logits (within bf16 rounding for a bf16 export), and must hold exactly what
-its engine's loader reads (eaglet/formats/serving_engines.py: every weight matched to a
+its engine's loader reads (eaglet/formats/loaders.py: every weight matched to a
 parameter, none missing, every config key it reads), or the stage fails. It ends by logging
 each export's folder and the command that serves the target with it; the stage's result (its
 manifest's stats) holds them too: {format: {path, reload_max_logit_error, dtype, serve_command}}.
@@ -29,11 +29,11 @@ from ..config import Config
 from ..draft.model import Eagle3Draft
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
-from ..formats.serving_engines import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem
+from ..formats.loaders import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem
 from ..formats.store import StoreReader, read_target_config
 from ..targets.load import local_folder
 from ..utils import log
-from .context import StageContext
+from ..context import StageContext
 
 
 def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:

@@ -6,7 +6,7 @@ final normed state that the LM head reads (the teacher; logits = lm_head(final))
 
 How, and why this way (the tiny test targets stand in for 8B..1T targets on many GPUs):
 - The states are captured by hooks on the decoder layers in one forward of the base model,
-  without full-vocabulary logits (eaglet/engines/hf.py says how and why).
+  without full-vocabulary logits (eaglet/engines/hf/capture.py says how and why).
 - Samples are sorted longest first and packed into right-padded batches under a token
   budget; outputs map back to sample ids by their row in the batch.
 - Device-to-host copies go to pinned memory without blocking; a batch's rows are handed to
@@ -19,7 +19,7 @@ How, and why this way (the tiny test targets stand in for 8B..1T targets on many
   stores only those samples, so every sample goes through the batch an uninterrupted run
   gives it and the store is bit for bit that run's.
 
-With `extract.backend: vllm` the target runs in vLLM instead (eaglet/stages/extract_vllm.py) and
+With `extract.backend: vllm` the target runs in vLLM instead (eaglet/engines/vllm/extract.py) and
 the same store is written, with the final state before the final norm (`final_state: pre_norm`).
 
 Under torchrun (`torchrun --nproc-per-node 8 -m eaglet.cli extract CONFIG`) the ranks split
@@ -41,15 +41,15 @@ from tqdm import tqdm
 from ..checks.selfcheck import pick_samples, run_selfcheck
 from ..config import Config
 from ..distributed import all_gather_object, all_reduce_sum, barrier, broadcast_object, init_distributed
-from ..engines.hf import capture, nonfinite_rows, pad_batch, to_host
+from ..engines.hf.capture import capture, nonfinite_rows, pad_batch, to_host
 from ..formats.prepared import PreparedData
 from ..formats.store import (FP8, POST_NORM, StoreReader, StoreWriter, capture_dtype, finished_shards, quantize_states,
                              resume_folder, store_meta, write_index, write_target_head)
 from ..targets.families import resolve_layers
 from ..targets.load import TargetParts, load_target, norm_eps
 from ..utils import DTYPES, log
-from .context import StageContext
-from .extract_vllm import run_extract_vllm
+from ..context import StageContext
+from ..engines.vllm.extract import run_extract_vllm
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ from ..targets.chat import (Outcome, Settings, TemplateError, check_fast_tokeniz
 from ..config import Config, ConfigError, TargetSection
 from ..errors import InputError
 from ..formats.datasets import Row, check_data_files, iter_records, row_label
-from .context import StageContext
+from ..context import StageContext
 from ..formats.prepared import PreparedWriter
 from ..utils import log
 

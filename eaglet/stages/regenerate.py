@@ -64,10 +64,10 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
-from ..checks.doctor import preflight as run_preflight
+from ..doctor import preflight as run_preflight
 from ..config import Config, ConfigError, RegenerateSection
 from ..engines.openai import Failure, OpenAIClient, Reply, ServerError, api_key_from_env
-from ..engines.specdec import cache_kwarg
+from ..engines.hf.decode import cache_kwarg
 from ..errors import CorruptDataError, InputError, PreflightError, ResumeError
 from ..formats.datasets import (
     RecordError,

@@ -11,7 +11,7 @@ Everything a resume needs is in a checkpoint folder written atomically every
 `train.ckpt_every` steps: trainable weights, optimizer and scheduler state, the data
 position and the RNG states, with checksums (eaglet/formats/checkpoints.py). The loop waits
 for a copy of them in host memory only, and a thread writes it while training goes on
-(eaglet/stages/checkpoint_writer.py, train.ckpt_async); the run ends, or fails, only once
+(eaglet/training/checkpoint_writer.py, train.ckpt_async); the run ends, or fails, only once
 the last is on disk. A killed run
 started again continues from the newest intact checkpoint (a corrupt one is named and passed
 over) and produces the same losses as an uninterrupted run. Checkpoints carry a fingerprint
@@ -74,11 +74,11 @@ from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..formats.vocab import load_vocab
 from ..targets.families import text_config_from_dict
 from ..utils import atomic_write_text, log
-from .checkpoint_writer import CheckpointWriter, host_snapshot
-from .context import StageContext
-from .online import AheadStates, OnlineStates
-from .stream import StreamedStates
-from .train_data import (Prefetch, VocabMaskCache, epoch_plan, open_states, pack, read_batch, send_batch,
+from ..training.checkpoint_writer import CheckpointWriter, host_snapshot
+from ..context import StageContext
+from ..engines.hf.online import AheadStates, OnlineStates
+from ..engines.vllm.stream import StreamedStates
+from ..training.data import (Prefetch, VocabMaskCache, epoch_plan, open_states, pack, read_batch, send_batch,
                          split_ids)
 
 CKPT_DIR = "checkpoints"

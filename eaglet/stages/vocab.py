@@ -17,7 +17,7 @@ from ..formats.prepared import PreparedData
 from ..formats.vocab import save_vocab
 from ..targets.load import hub_kwargs, target_source
 from ..utils import log
-from .context import StageContext
+from ..context import StageContext
 
 
 def masked_token_counts(data: PreparedData, vocab_size: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..engines.vllm import Result, read_states, remove_states
+from ..engines.vllm.capture import Result, read_states, remove_states
 
 
 class FakeVLLM:

@@ -5,7 +5,7 @@ import sys, time, numpy as np, torch, tempfile, threading
 sys.path.insert(0, 'bench')
 from load_ahead import write_store
 from eaglet.formats.store import StoreReader
-from eaglet.stages.train_data import epoch_plan, read_batch
+from eaglet.training.data import epoch_plan, read_batch
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 folder = Path(tempfile.mkdtemp())

@@ -24,8 +24,8 @@ from ..draft.step import Batch, host_head_rows, send_head_rows
 from ..formats.buffer import buffer_folder
 from ..formats.store import StoreReader, dequantize_states, open_verified
 from ..utils import to_device
-from .online import AheadStates, OnlineStates, PreparedStates, is_online, online_ahead
-from .stream import StreamedStates
+from ..engines.hf.online import AheadStates, OnlineStates, PreparedStates, is_online, online_ahead
+from ..engines.vllm.stream import StreamedStates
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,9 +134,9 @@ def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: i
                 ) -> States:
     """What training reads: extract's store, every shard checked first (`open_verified`, a
     collective under torchrun), or, when extract ran online, states computed as training goes:
-    by the target beside the draft (backend hf, eaglet/stages/online.py: in a process of its own
+    by the target beside the draft (backend hf, eaglet/engines/hf/online.py: in a process of its own
     with extract.online_ahead) or streamed from the serving engine (backend vllm,
-    eaglet/stages/stream.py). `planned`: the reader hands over the micro-batches it will load, in
+    eaglet/engines/vllm/stream.py). `planned`: the reader hands over the micro-batches it will load, in
     order, before the first (`start`, as the Trainer does); a reader in an order of its own gets
     the target in its process (a stream needs the plan)."""
     store = open_verified(upstream["extract"])

@@ -6,7 +6,7 @@ state entering its layer into one [B, T, n_aux*H] buffer in the store dtype;
 `output_hidden_states` would keep every layer's state alive at once (61 layers x 7168 wide is
 gigabytes per batch). The final state is the base model's `last_hidden_state`, exactly the
 tensor the CausalLM feeds its LM head (the final norm applied). The extract stage
-(eaglet/stages/extract.py) and online states (eaglet/stages/online.py) both capture through
+(eaglet/stages/extract.py) and online states (eaglet/engines/hf/online.py) both capture through
 here; the self-check (eaglet/checks/selfcheck.py) compares the result with the model's own
 unbatched forward.
 """
@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..targets.load import TargetParts
+from ...targets.load import TargetParts
 
 
 def pad_batch(samples: Sequence[torch.Tensor | np.ndarray], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

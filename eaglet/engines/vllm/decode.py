@@ -13,7 +13,7 @@ The counters only grow, so a call's figures are the difference of two readings.
 
 vLLM's mean acceptance length is 1 + accepted / drafts: the draft tokens accepted per
 verification plus the target's own token, the quantity eaglet's in-process eval calls tau
-(eaglet/engines/specdec.py: the prefill is no verification in either). Its per-position
+(eaglet/engines/hf/decode.py: the prefill is no verification in either). Its per-position
 figure is accepted_i / drafts (how often position i was accepted at all); eaglet's is
 accepted_i / reached_i (how often it was accepted when the one before it was). Both are given.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .vllm import stop_llm
+from .capture import stop_llm
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"

@@ -35,15 +35,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import Config, TargetSection
-from ..distributed import resolve_device
-from ..errors import InputError
-from ..engines.hf import capture, nonfinite_rows, pad_batch
-from ..formats.prepared import PreparedData
-from ..formats.store import (FP8, StoreReader, TargetHead, capture_dtype, dequantize_states, quantize_states,
+from ...config import Config, TargetSection
+from ...distributed import resolve_device
+from ...errors import InputError
+from .capture import capture, nonfinite_rows, pad_batch
+from ...formats.prepared import PreparedData
+from ...formats.store import (FP8, StoreReader, TargetHead, capture_dtype, dequantize_states, quantize_states,
                              read_target_head)
-from ..targets.load import TargetParts, load_target
-from ..utils import child_context, pid_alive, to_device
+from ...targets.load import TargetParts, load_target
+from ...utils import child_context, pid_alive, to_device
 
 
 class PreparedStates:

@@ -23,7 +23,7 @@ run of the same config, and a run killed at any moment resumes from its checkpoi
 what a killed run left in the buffer is deleted and asked for again.
 
 The self-check runs on this rank's first samples before the first step, with vLLM's prompt
-logprobs, as it does for a store (eaglet/stages/extract_vllm.py). A sample the engine fails on
+logprobs, as it does for a store (eaglet/engines/vllm/extract.py). A sample the engine fails on
 (other token ids, states that are not finite or never written) keeps its place with its loss
 mask cleared and is counted (`set_aside`). When the engine falls behind, the trainer logs
 the time it waited and the engine's tokens/s against training's (`progress`).
@@ -46,14 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import Config
-from ..engines.vllm import EngineProcess, LocalEngine, ServerEngine, engine_args
-from ..errors import ConfigError, InputError
-from ..formats.buffer import clear_entries, connector_itemsize, micro_batch_bytes, read_entry, write_entry
-from ..formats.store import FP8, StoreReader, capture_dtype, quantize_states
-from ..utils import child_context, log, pid_alive
-from .extract_vllm import PROMPT_LOGPROBS, convert_result, judge_selfcheck
-from .online import PreparedStates
+from ...config import Config
+from .capture import EngineProcess, LocalEngine, ServerEngine, engine_args
+from ...errors import ConfigError, InputError
+from ...formats.buffer import clear_entries, connector_itemsize, micro_batch_bytes, read_entry, write_entry
+from ...formats.store import FP8, StoreReader, capture_dtype, quantize_states
+from ...utils import child_context, log, pid_alive
+from .extract import PROMPT_LOGPROBS, convert_result, judge_selfcheck
+from ..hf.online import PreparedStates
 
 # Processes turning connector files into entries while the engine computes the next round: in
 # threads, their many small torch calls contend for the GIL with a host-bound training loop

@@ -10,7 +10,7 @@ safetensors file under `shared_storage_path`, named in the request's
 Two engines run the prompts: `LocalEngine` (vllm.LLM in this process) and `ServerEngine`
 (a `vllm serve` the user runs, with the command `serve_command` prints); `EngineProcess`
 drives either from a child process. The extract stage
-(eaglet/stages/extract_vllm.py) drives them; the doctor (eaglet/checks/vllm.py) checks the
+(eaglet/engines/vllm/extract.py) drives them; the doctor (eaglet/engines/vllm/checks.py) checks the
 version, the engine arguments and every vLLM API used here (eaglet/checks/contracts.py).
 """
 
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..config import Config
-from ..errors import VerificationError
-from .httpjson import api_key_from_env, call_json, quote, warn_plain_http
+from ...config import Config
+from ...errors import VerificationError
+from ..httpjson import api_key_from_env, call_json, quote, warn_plain_http
 
 METHOD = "extract_hidden_states"
 CONNECTOR = "ExampleHiddenStatesConnector"

@@ -2,12 +2,12 @@
 
     eaglet eval CONFIG --set eval.vllm=on      # 'auto' (the default): when vLLM and a GPU are present
 
-After the in-process eval, the same prompts (eaglet/stages/eval_sets.py: the same set, each
+After the in-process eval, the same prompts (eaglet/formats/eval_sets.py: the same set, each
 later turn asked after the engine's own answer) are decoded by vLLM, greedy, with the export
 (`<run>/export/vllm`, or eval.draft) as its EAGLE-3 draft and k = eval.chain_tokens:
 
 1. acceptance: one pass per category (MT-bench) at the largest batch size, and one pass at
-   batch 1, read from vLLM's own counters (eaglet/engines/vllm_specdec.py);
+   batch 1, read from vLLM's own counters (eaglet/engines/vllm/decode.py);
 2. speed: output tokens/s with the draft and without it (a second engine on the target alone),
    at each of eval.vllm_batch_sizes (1 and 16);
 3. greedy identity: the outputs with and without the draft at the same batch size, and, as the
@@ -30,16 +30,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..checks.vllm import VLLM_EVAL_FIX, vllm_eval_blockers
-from ..config import Config, EvalSection
-from ..distributed import dist_env
-from ..engines.specdec import first_difference
-from ..engines.vllm import installed_vllm_version
-from ..engines.vllm_specdec import SpecCounts, VllmDecoder
-from ..errors import InputError, VerificationError
-from ..utils import log
-from .context import StageContext
-from .eval_sets import run_rounds
+from .checks import VLLM_EVAL_FIX, vllm_eval_blockers
+from ...config import Config, EvalSection
+from ...distributed import dist_env
+from ..hf.decode import first_difference
+from .capture import installed_vllm_version
+from .decode import SpecCounts, VllmDecoder
+from ...errors import InputError, VerificationError
+from ...utils import log
+from ...context import StageContext
+from ...formats.eval_sets import run_rounds
 
 MAX_DIVERGENCES = 10  # first divergences listed per comparison
 

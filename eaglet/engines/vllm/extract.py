@@ -4,7 +4,7 @@
                                    # (bash scripts/vllm_venv.sh), or with extract.vllm_server set
 
 vLLM computes the states through its own hidden-state path (its `extract_hidden_states`
-method and hidden-states connector: eaglet/engines/vllm.py), in process or in a server.
+method and hidden-states connector: eaglet/engines/vllm/capture.py), in process or in a server.
 
 eaglet asks for its captured layer ids plus L (= num_hidden_layers). vLLM's id i is the state
 entering decoder layer i (hidden_states + residual: the HF output_hidden_states[i]
@@ -45,18 +45,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..checks.selfcheck import TIE_NATS, SelfCheckError, logprob_agreement, pick_samples
-from ..config import Config
-from ..distributed import run_on_main
-from ..engines.vllm import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
+from ...checks.selfcheck import TIE_NATS, SelfCheckError, logprob_agreement, pick_samples
+from ...config import Config
+from ...distributed import run_on_main
+from .capture import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_args, installed_vllm_version,
                             to_sample, vllm_layer_ids)
-from ..formats.prepared import PreparedData
-from ..formats.store import (PRE_NORM, StoreCheck, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
+from ...formats.prepared import PreparedData
+from ...formats.store import (PRE_NORM, StoreCheck, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
                              write_target_head)
-from ..targets.families import resolve_layers
-from ..targets.head import CheckpointHead, read_checkpoint_head
-from ..utils import DTYPES, log
-from .context import StageContext
+from ...targets.families import resolve_layers
+from ...targets.head import CheckpointHead, read_checkpoint_head
+from ...utils import DTYPES, log
+from ...context import StageContext
 
 PROMPT_LOGPROBS = 5  # top tokens vLLM returns per prompt position in the self-check
 
@@ -158,7 +158,7 @@ def _open_store(cfg: Config, ctx: StageContext) -> tuple[CheckpointHead, list[in
 def _stream_store(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     """extract.mode online: a store without states that describes them (layers, vLLM's layer
     ids, dtype, the pre-norm final state) beside the target's head and config; training's
-    stream (eaglet/stages/stream.py) asks the engine for each micro-batch's states and runs
+    stream (eaglet/engines/vllm/stream.py) asks the engine for each micro-batch's states and runs
     the self-check on its first samples. No engine starts here."""
     head, layers, ids, meta, _, writer = _open_store(cfg, ctx)
     index = write_index(ctx.out_dir, meta, writer.close(index=False), [], cfg.extract.fsync)

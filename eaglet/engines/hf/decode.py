@@ -60,9 +60,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..draft.model import Eagle3Draft
-from ..draft.attention import KVCache
-from ..targets.load import TargetParts
+from ...draft.model import Eagle3Draft
+from ...draft.attention import KVCache
+from ...targets.load import TargetParts
 
 # ---- transformers API detection -------------------------------------------------------------
 

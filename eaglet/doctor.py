@@ -25,17 +25,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..distributed import resolve_device
-from ..draft.model import DraftConfig, Eagle3Draft
-from ..errors import ConfigError, EagletError, PreflightError
-from ..formats.buffer import buffer_folder, connector_itemsize, micro_batch_bytes
-from ..formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
-from ..formats.datasets import check_data_file, iter_records, row_label
-from ..formats.prepared import PreparedData
-from ..formats.serving_engines import speculators_verifier_problem
-from ..formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
-from ..targets.chat import (
+from .config import Config
+from .distributed import resolve_device
+from .draft.model import DraftConfig, Eagle3Draft
+from .errors import ConfigError, EagletError, PreflightError
+from .formats.buffer import buffer_folder, connector_itemsize, micro_batch_bytes
+from .formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
+from .formats.datasets import check_data_file, iter_records, row_label
+from .formats.prepared import PreparedData
+from .formats.loaders import speculators_verifier_problem
+from .formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
+from .targets.chat import (
     Settings,
     check_fast_tokenizer,
     load_tokenizer,
@@ -43,19 +43,19 @@ from ..targets.chat import (
     process_record,
     resolve_chat_template,
 )
-from ..targets.families import (
+from .targets.families import (
     ADD_FAMILY,
     UnsupportedFamily,
     resolve_layers,
     supported,
     text_config_from_dict,
 )
-from ..targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
-from ..utils import DTYPES, log
-from .contracts import CONTRACTS, check_contracts, describe, select_contracts
-from .findings import Finding, Probe, Report
-from .selfcheck import REF_MAX_TOKENS
-from .vllm import check_vllm, check_vllm_eval
+from .targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
+from .utils import DTYPES, log
+from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
+from .checks.findings import Finding, Probe, Report
+from .checks.selfcheck import REF_MAX_TOKENS
+from .engines.vllm.checks import check_vllm, check_vllm_eval
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"

@@ -1,4 +1,4 @@
-"""The doctor's checks for `extract.backend: vllm` (eaglet/stages/extract_vllm.py, eaglet/engines/vllm.py).
+"""The doctor's checks for `extract.backend: vllm` (eaglet/engines/vllm/extract.py, eaglet/engines/vllm/capture.py).
 
 Run by `eaglet doctor` and the extract preflight (doctor.CHECKS), before the API contracts:
 the vLLM version (installed here, or serving at extract.vllm_server) against the oldest one the
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from packaging.version import Version
 
-from ..engines import vllm as engine
-from .contracts import VLLM_MIN, VLLM_TESTED
-from .findings import Probe
+from . import capture as engine
+from ...checks.contracts import VLLM_MIN, VLLM_TESTED
+from ...checks.findings import Probe
 
 
 def check_vllm(p: Probe) -> None:

@@ -13,7 +13,7 @@
 
 Each prompt is an `EvalItem`. `run_rounds` decodes every item's first turn, then every second
 turn with the answers of the first in the conversation, and so on, with any decoder: the
-in-process eval (eaglet/stages/evaluate.py) and the vLLM eval (eaglet/stages/eval_vllm.py)
+in-process eval (eaglet/stages/evaluate.py) and the vLLM eval (eaglet/engines/vllm/eval.py)
 use it alike, so both ask the same questions the same way.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError
-from ..formats.datasets import (
+from .datasets import (
     RecordError,
     iter_records,
     mt_bench_questions,
@@ -159,7 +159,7 @@ def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto",
 
 def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputError:
     """Why eval.prompts heldout has no prompt: of `samples` in the training split, `held` held
-    out by train.eval_fraction (the split of eaglet/stages/train_data.py `split_ids`, which holds
+    out by train.eval_fraction (the split of eaglet/training/data.py `split_ids`, which holds
     one out from two samples on), none with a prompt before its first assistant turn."""
     other = "or set eval.prompts to mt_bench or a file of conversations"
     if eval_fraction <= 0:
