@@ -198,7 +198,7 @@ class ExtractSection:
     stream_client_process: bool = _f(
         True, "mode online, backend vllm: drive the engine (vLLM's client loop, or the HTTP requests to "
         "extract.vllm_server) from a child process, whose Python does not contend with the training loop for the "
-        "GIL; false: from a thread of the trainer (see docs/streaming.md for both, measured).", hashed=False)
+        "GIL; false: from a thread of the trainer (docs/streaming.md compares the two).", hashed=False)
     stream_dir: str | None = _f(
         None, "mode online, backend vllm: the buffer's folder (local disk or a RAM disk such as /dev/shm/eaglet); "
         "default <run.dir>/train/stream. Emptied when training ends; what a killed run left is deleted on restart.",
@@ -220,8 +220,8 @@ class ExtractSection:
     max_batch_size: int = _f(64, "Most samples in one forward batch.", _ge(1))
     shard_mb: float = _f(
         256.0, "Target size of one store shard in MiB. What is still unwritten when the last forward ends is "
-        "written after it; smaller shards spread that over the writer threads (on an H200, 256 against 1024 "
-        "cut it from 1.6 s to 0.5 s).", _gt(0))
+        "written after it; smaller shards spread that over the writer threads (docs/performance.md has figures).",
+        _gt(0))
     store_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = _f(
         "bfloat16", "Dtype of the stored hidden states. float8_e4m3fn: half of bfloat16's bytes, each token's state "
         "scaled by its largest magnitude (one float32 scale per token and state), quantized on the GPU in "
@@ -267,9 +267,8 @@ class TrainSection:
         "frozen embedding and teacher head sharded); 'none': one process. auto: ddp with several ranks, else none."
     )
     lr: float | Literal["auto"] = _f(
-        "auto", "Peak learning rate (AdamW). auto: 0.6912 / the draft's hidden size, which is 1.2e-3 at width 576 "
-        "(SmolLM2-135M, where it beat 3e-4 by 9-10% in tau: docs/quality.md), 1.7e-4 at 4096 and 9.6e-5 at 7168; "
-        "the widths above 576 are not measured.", _gt(0))
+        "auto", "Peak learning rate (AdamW). auto: 0.6912 / the draft's hidden size (1.2e-3 at width 576, 1.7e-4 at "
+        "4096, 9.6e-5 at 7168); set a number to tune it (docs/quality.md has the learning-rate A/B).", _gt(0))
     betas: list[float] = _f([0.9, 0.95], "AdamW betas (beta1, beta2).", Range(0, 1, hi_open=True, items=2))
     weight_decay: float = _f(0.0, "AdamW weight decay.", _ge(0))
     warmup_steps: int = _f(50, "Linear warmup steps, then cosine decay to min_lr_ratio * lr.", _ge(0))
@@ -407,7 +406,7 @@ class RegenerateSection:
     engine: Literal["auto", "generate", "continuous", "openai"] = _f(
         "auto", "'generate': padded batches; 'continuous': transformers' continuous batching (generate_batch, paged KV "
         "cache); 'openai': an OpenAI-compatible server you run (vLLM, SGLang) at `url`, the target's weights never "
-        "load here; auto: generate (the faster of the two transformers engines, measured on an H200).")
+        "load here; auto: generate.")
     batch_size: int | None = _f(
         None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous; "
         "16 x concurrency with openai).", Range(1, 2**20))
@@ -417,8 +416,8 @@ class RegenerateSection:
     kv_cache: Literal["auto", "static", "dynamic"] = _f(
         "auto", "engine generate: 'static' preallocates, per call, the smallest of a few doubling sizes that holds its "
         "prompts + max_new_tokens (at most prepare.max_length + max_new_tokens positions per prompt), so that "
-        "transformers compiles the decoding step once per size on a GPU; auto: dynamic (the faster on an H200 in "
-        "bench/regen_throughput.py).")
+        "transformers compiles the decoding step once per size on a GPU; auto: dynamic (docs/performance.md "
+        "compares the two).")
     max_new_tokens: int = _f(
         512, "Longest generated turn; a reply cut there is kept (the target's own text) and counted "
         "(cut_at_max_new_tokens).", Range(1, 2**20))
