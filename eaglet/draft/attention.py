@@ -60,8 +60,8 @@ _FLEX_RETURNS_AUX = "return_aux" in inspect.signature(flex_attention).parameters
 # Every size symbolic from the first compile. A packed micro-batch's length changes at every step,
 # and the BlockMask carries it as plain ints (its seq_lengths) that fix the length dims even when
 # they are marked dynamic; torch.compile's default compiles the first length, then all again at
-# the second (a second compile in the training's second step, 18.6 s at DeepSeek-V3 width on an
-# H200). The kernel's head dim is specialised by the lowering all the same.
+# the second (a second compile in the training's second step: docs/performance.md has its
+# cost). The kernel's head dim is specialised by the lowering all the same.
 FLEX_OPTIONS: dict[str, Any] = {"dynamic": True}
 
 

@@ -6,8 +6,8 @@ the plain path that buffer is made and zeroed per unroll, cast to fp32 into the 
 .grad, its norm read for the clipping, and torch's fused AdamW reads the fp32 gradient; the
 next unroll casts the weights again. Per weight and step that is, besides AdamW itself, a
 bf16 -> fp32 copy of the gradient, a zero fill, an fp32 norm read and an fp32 -> bf16 cast, all
-memory-bound and as large as the weights (about 2.6 ms a step at the Llama-3.1-8B draft dims on
-an H200, with AdamW's own 4 ms).
+memory-bound and as large as the weights (docs/performance.md, `e8o`, measures what this
+path saves).
 
 `attach_unroll_copies` gives each trainable linear a persistent bf16 copy and accumulator
 (`casts.UnrollCopy`), and `UnrollAdamW` updates those weights in one compiled kernel each that
