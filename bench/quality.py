@@ -95,7 +95,7 @@ def cmd_heldout(args: argparse.Namespace) -> None:
     """prompts.json (the eval prompts, the same for every draft) and regen-input.jsonl: the
     ShareGPT records minus every held-out one, so no draft trains on an eval conversation."""
     from eaglet.formats.datasets import RecordError, iter_records
-    from eaglet.stages.evaluate import heldout_prompts
+    from eaglet.evaluation.inputs import heldout_prompts
     from eaglet.engines.hf.online import split_source
     from eaglet.formats.prepared import PreparedData
     from eaglet.training.data import split_ids
@@ -151,7 +151,7 @@ def _prompts(work: Path) -> list[list[int]]:
 
 def _load(work: Path, which: str):
     """(draft, aux layer ids) of one of the benchmark's drafts."""
-    from eaglet.stages.evaluate import untrained_like
+    from eaglet.evaluation.inprocess import untrained_like
     from eaglet.formats.store import StoreReader
     from eaglet.formats.draft import FINAL_DIR, load_final
 
@@ -171,7 +171,7 @@ def _load(work: Path, which: str):
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from eaglet.targets.chat import load_tokenizer
-    from eaglet.stages.evaluate import evaluate_draft
+    from eaglet.evaluation.inprocess import evaluate_draft
     from eaglet.targets.load import load_target
 
     cfg = _cfg(args, "original", _setup(args.work)["data"],

@@ -10,8 +10,8 @@ PACKAGE = REPO / "eaglet"
 # Each module's layer, by its first part under eaglet/: a module imports from its own part and
 # the layers below only.
 FLOORS = {"errors": -1, "config": 0, "distributed": 0, "utils": 0, "context": 0, "draft": 1, "formats": 2,
-          "targets": 3, "checks": 4, "engines": 5, "testing": 6, "training": 6, "doctor": 7, "stages": 8,
-          "pipeline": 9, "shadow": 10, "demo": 10, "cli": 11}
+          "targets": 3, "checks": 4, "engines": 5, "testing": 6, "training": 6, "doctor": 7, "evaluation": 7,
+          "stages": 8, "pipeline": 9, "shadow": 10, "demo": 10, "cli": 11}
 
 
 def _module(path: Path) -> str:

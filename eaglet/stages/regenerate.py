@@ -78,7 +78,7 @@ from ..formats.datasets import (
 from ..targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from ..targets.load import load_target
 from ..utils import atomic_write_json, log
-from .evaluate import eos_ids
+from ..targets.load import eos_ids
 
 
 def shard_path(out: str | Path, rank: int, world: int) -> Path:
