@@ -138,7 +138,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
 def cmd_regen(args: argparse.Namespace) -> None:
     """Prepare, extract (online), vocab, train and export on the regenerated conversations;
     every one trains (the eval prompts come from prompts.json)."""
-    from eaglet.stages.regenerate import output_files
+    from eaglet.regeneration.output import output_files
 
     files = output_files(args.work / "regenerated.jsonl")  # and the shards, when GPUs split the work
     cfg = _cfg(args, "regen", ",".join(map(str, files)), ["train.eval_fraction=0.0", "prepare.max_records=null"])
@@ -243,7 +243,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         if pm.is_file():
             s = json.loads(pm.read_text())["stats"]
             out[f"prepare_{name}"] = {k: s.get(k) for k in ("records", "samples", "tokens", "loss_tokens", "skipped")}
-    from eaglet.stages.regenerate import output_files
+    from eaglet.regeneration.output import output_files
 
     files = output_files(w / "regenerated.jsonl")
     if files:
