@@ -85,9 +85,10 @@ from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
 from eaglet.formats.store import StoreReader
 from eaglet.formats.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
-from eaglet.stages.evaluate import eos_ids, evaluate_draft, resolve_eval_dtype
+from eaglet.evaluation.inprocess import evaluate_draft
+from eaglet.evaluation.inputs import resolve_eval_dtype
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
-from eaglet.targets.load import load_target
+from eaglet.targets.load import eos_ids, load_target
 from eaglet.utils import atomic_write_json, log
 
 COMMON = [  # quality.sh's training settings (bench/quality.py), without its export and eval ones

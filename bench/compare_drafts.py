@@ -23,7 +23,7 @@ import torch
 from eaglet.config import EvalSection, TargetSection
 from eaglet.formats.draft import load_final
 from eaglet.formats.eval_sets import opening_prompts
-from eaglet.stages.evaluate import evaluate_draft
+from eaglet.evaluation.inprocess import evaluate_draft
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log

@@ -95,7 +95,7 @@ def cmd_heldout(args: argparse.Namespace) -> None:
     """prompts.json (the eval prompts, the same for every draft) and regen-input.jsonl: the
     ShareGPT records minus every held-out one, so no draft trains on an eval conversation."""
     from eaglet.formats.datasets import RecordError, iter_records
-    from eaglet.stages.evaluate import heldout_prompts
+    from eaglet.evaluation.inputs import heldout_prompts
     from eaglet.engines.hf.online import split_source
     from eaglet.formats.prepared import PreparedData
     from eaglet.training.data import split_ids
@@ -138,7 +138,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
 def cmd_regen(args: argparse.Namespace) -> None:
     """Prepare, extract (online), vocab, train and export on the regenerated conversations;
     every one trains (the eval prompts come from prompts.json)."""
-    from eaglet.stages.regenerate import output_files
+    from eaglet.regeneration.output import output_files
 
     files = output_files(args.work / "regenerated.jsonl")  # and the shards, when GPUs split the work
     cfg = _cfg(args, "regen", ",".join(map(str, files)), ["train.eval_fraction=0.0", "prepare.max_records=null"])
@@ -151,7 +151,7 @@ def _prompts(work: Path) -> list[list[int]]:
 
 def _load(work: Path, which: str):
     """(draft, aux layer ids) of one of the benchmark's drafts."""
-    from eaglet.stages.evaluate import untrained_like
+    from eaglet.evaluation.inprocess import untrained_like
     from eaglet.formats.store import StoreReader
     from eaglet.formats.draft import FINAL_DIR, load_final
 
@@ -171,7 +171,7 @@ def _load(work: Path, which: str):
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from eaglet.targets.chat import load_tokenizer
-    from eaglet.stages.evaluate import evaluate_draft
+    from eaglet.evaluation.inprocess import evaluate_draft
     from eaglet.targets.load import load_target
 
     cfg = _cfg(args, "original", _setup(args.work)["data"],
@@ -243,7 +243,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         if pm.is_file():
             s = json.loads(pm.read_text())["stats"]
             out[f"prepare_{name}"] = {k: s.get(k) for k in ("records", "samples", "tokens", "loss_tokens", "skipped")}
-    from eaglet.stages.regenerate import output_files
+    from eaglet.regeneration.output import output_files
 
     files = output_files(w / "regenerated.jsonl")
     if files:

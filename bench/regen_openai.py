@@ -29,7 +29,8 @@ from pathlib import Path
 
 from eaglet.config import load_config
 from eaglet.engines.openai import api_key_from_env, wait_for_server
-from eaglet.stages.regenerate import manifest_path, run_regenerate
+from eaglet.regeneration.output import manifest_path
+from eaglet.stages.regenerate import run_regenerate
 from eaglet.utils import atomic_write_json, log
 
 

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from eaglet.config import load_config
+from eaglet.engines.hf.generate import batched_generate, static_cache_len
 from eaglet.formats.datasets import RecordError, normalize_record
-from eaglet.stages.regenerate import batched_generate, source_records, static_cache_len
+from eaglet.regeneration.rounds import source_records
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 from eaglet.utils import atomic_write_json, log

@@ -472,7 +472,8 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
     """eaglet's evaluate_draft of the draft in `draft_dir` (any format load_draft reads) on the
     run's held-out prompts, with cfg.eval's settings (chain or tree, temperature, ...)."""
     from eaglet.targets.chat import load_tokenizer
-    from eaglet.stages.evaluate import evaluate_draft, heldout_prompts, resolve_eval_dtype
+    from eaglet.evaluation.inprocess import evaluate_draft
+    from eaglet.evaluation.inputs import heldout_prompts, resolve_eval_dtype
     from eaglet.formats.prepared import PreparedData
     from eaglet.formats.serving import load_draft_model
     from eaglet.targets.load import load_target

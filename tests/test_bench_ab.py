@@ -49,7 +49,8 @@ def fit_to_side(draft, side, k: int, steps: int, lr: float = 0.02):
 def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     from eaglet.config import EvalSection, TargetSection
     from eaglet.formats.draft import FINAL_DIR, load_final
-    from eaglet.stages.evaluate import eos_ids, evaluate_draft
+    from eaglet.evaluation.inprocess import evaluate_draft
+    from eaglet.targets.load import eos_ids
     from eaglet.targets.chat import load_tokenizer
     from eaglet.targets.load import load_target
     from eaglet.testing import tiny

@@ -495,7 +495,7 @@ def test_render_jinja_template_renamed_stops_prepare(tmp_path, assets, monkeypat
 
 
 def test_cache_keyword_renamed_stops_eval_before_the_target_loads(tmp_path, assets, monkeypatch):
-    import eaglet.stages.evaluate as evaluate_mod
+    import eaglet.evaluation.inputs as inputs_mod
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, kv_cache=None, use_cache=None,
@@ -504,7 +504,7 @@ def test_cache_keyword_renamed_stops_eval_before_the_target_loads(tmp_path, asse
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
     loads = []
-    monkeypatch.setattr(evaluate_mod, "load_target", lambda t: loads.append(t) or (_ for _ in ()).throw(SystemExit))
+    monkeypatch.setattr(inputs_mod, "load_target", lambda t: loads.append(t) or (_ for _ in ()).throw(SystemExit))
     with pytest.raises(PreflightError, match=r"(?s)preflight of `eval`.*LlamaForCausalLM.forward.*cache or past_key_values"):
         pipeline.run_stage(_cfg(tmp_path, assets), "eval", check_upstream=False)
     assert loads == []

@@ -245,6 +245,7 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
     from eaglet.formats.serving import export_draft
     from eaglet.pipeline import run_summary
     from eaglet.engines.vllm import eval as eval_vllm
+    from eaglet.evaluation import inputs
     from eaglet.stages import evaluate
 
     cfg, ctx = _eval_setup(tmp_path)
@@ -287,7 +288,7 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
 
     monkeypatch.setattr(eval_vllm, "VllmDecoder", StandIn)
     monkeypatch.setattr(evaluate, "want_vllm", lambda ecfg: True)
-    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(inputs, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
     cfg.eval.draft = str(export_draft(draft, tmp_path / "exported", "vllm", aux_layer_ids=aux, verifier_name_or_path="t",
                                       verifier_architectures=[], num_speculative_tokens=2, include_embed=False,
@@ -363,6 +364,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     from eaglet.formats.draft import FINAL_DIR, load_final
     from eaglet.formats.serving import export_draft
     from eaglet.engines.vllm import eval as eval_vllm
+    from eaglet.evaluation import inputs
     from eaglet.stages import evaluate
 
     made = []
@@ -403,7 +405,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     assert v["agreement"]["ok"] is False and (ctx.out_dir / "eval.png").is_file()
 
     cfg.eval.in_process = False  # the vLLM eval alone: no target loaded, no agreement to check
-    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(inputs, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     stats = evaluate.run_eval(cfg, ctx)
     assert stats["vllm"]["mean_acceptance_length"] == pytest.approx(1.5) and stats["vllm"]["agreement_ok"] is None
 
@@ -474,7 +476,7 @@ def test_eval_without_a_held_out_prompt_says_so_before_the_target_loads(tmp_path
     (it ended in exit 70). train.eval_fraction 0 is named as the cause where it is."""
     from eaglet import pipeline
     from eaglet.config import load_config
-    from eaglet.stages import evaluate
+    from eaglet.evaluation import inputs
     from eaglet.testing import tiny
 
     target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
@@ -487,7 +489,7 @@ def test_eval_without_a_held_out_prompt_says_so_before_the_target_loads(tmp_path
     def never(*a, **k):
         raise AssertionError("the target loaded")
 
-    monkeypatch.setattr(evaluate, "load_target", never)
+    monkeypatch.setattr(inputs, "load_target", never)
     with pytest.raises(InputError) as e:
         pipeline.run_all(load_config(None, base), preflight=False)
     assert e.value.exit_code == 4 and e.value.line() == (
@@ -502,7 +504,7 @@ def test_eval_without_a_held_out_prompt_says_so_before_the_target_loads(tmp_path
 def test_the_trained_draft_is_held_to_the_untrained_one_on_the_same_prompts():
     """against_untrained: the trained draft's tau on the prompts the reference decoded (their
     first turn only), not over every prompt; no better means trained tau <= untrained tau."""
-    from eaglet.stages.evaluate import against_untrained
+    from eaglet.evaluation.results import against_untrained
 
     def rec(item, accepted, turn=1):
         return {"item": item, "turn": turn, "accepted_per_forward": accepted}
@@ -523,11 +525,12 @@ def test_eval_warns_when_the_trained_draft_is_no_better_than_an_untrained_one(tm
     import copy
 
     from eaglet.pipeline import run_summary
+    from eaglet.evaluation import inprocess
     from eaglet.stages import evaluate
 
     cfg, ctx = _eval_setup(tmp_path)
     cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 8, 2
-    monkeypatch.setattr(evaluate, "untrained_like", lambda trained, seed: copy.deepcopy(trained))
+    monkeypatch.setattr(inprocess, "untrained_like", lambda trained, seed: copy.deepcopy(trained))
     stats = evaluate.run_eval(cfg, ctx)
     ref = json.loads((ctx.out_dir / "eval.json").read_text())["reference"]
     assert ref["trained_no_better"] is True and ref["trained_tau"] == ref["tau"]
@@ -557,7 +560,7 @@ def test_the_plot_shows_trained_and_untrained_side_by_side_on_honest_axes():
     messages number them, and the speedup says what it is."""
     from matplotlib.colors import to_hex
 
-    from eaglet.stages.evaluate import TRAINED, UNTRAINED, eval_figure
+    from eaglet.evaluation.plot import TRAINED, UNTRAINED, eval_figure
 
     fig = eval_figure(_plotted_result())
     acc, tau = fig.axes

@@ -22,7 +22,7 @@ from eaglet.formats.prepared import PreparedData
 from eaglet.formats.serving import load_draft
 from eaglet.formats.store import StoreReader, read_target_config
 from eaglet.formats.vocab import load_vocab
-from eaglet.stages.evaluate import read_eval_draft
+from eaglet.evaluation.inputs import read_eval_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,8 @@ PACKAGE = REPO / "eaglet"
 # Each module's layer, by its first part under eaglet/: a module imports from its own part and
 # the layers below only.
 FLOORS = {"errors": -1, "config": 0, "distributed": 0, "utils": 0, "context": 0, "draft": 1, "formats": 2,
-          "targets": 3, "checks": 4, "engines": 5, "testing": 6, "training": 6, "doctor": 7, "stages": 8,
-          "pipeline": 9, "shadow": 10, "demo": 10, "cli": 11}
+          "targets": 3, "checks": 4, "engines": 5, "testing": 6, "training": 6, "doctor": 7, "evaluation": 7,
+          "regeneration": 7, "stages": 8, "pipeline": 9, "shadow": 10, "demo": 10, "cli": 11}
 
 
 def _module(path: Path) -> str:
@@ -141,3 +141,17 @@ def test_eaglet_modules_are_imported_at_the_top():
                     if not any((rel, n) in allowed for n in names):
                         bad.append(f"{rel}:{node.lineno} imports {names} inside {fn.name}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_eval_and_regenerate_stages_hold_their_entry_points_and_small_modules_the_rest():
+    """stages/ holds the stage entry points only (issue 44): stages/evaluate.py and
+    stages/regenerate.py stay short, and the machinery they call (eaglet/evaluation/,
+    eaglet/regeneration/, eaglet/engines/hf/generate.py) sits in modules of ~300 lines at most."""
+    limits = {"eaglet/stages/evaluate.py": 200, "eaglet/stages/regenerate.py": 200, "eaglet/engines/hf/generate.py": 300}
+    for folder in ("evaluation", "regeneration"):
+        modules = sorted((PACKAGE / folder).glob("*.py"))
+        assert len(modules) > 1, folder
+        limits.update({str(p.relative_to(REPO)): 300 for p in modules})
+    over = [f"{path}: {n} lines, over {limit}" for path, limit in limits.items()
+            if (n := len((REPO / path).read_text().splitlines())) > limit]
+    assert not over, "\n".join(over)

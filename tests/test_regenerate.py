@@ -97,6 +97,7 @@ def test_continuous_engine_gives_the_padded_engines_replies_and_stops_at_max_len
 def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monkeypatch):
     """A kill mid-chunk keeps every conversation already finished: each is written in the
     round where its last reply was generated, and a rerun redoes only the others."""
+    from eaglet.engines.hf import generate
     from eaglet.stages import regenerate as regen
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
@@ -107,7 +108,7 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
     cfg = load_config(None, [f"target.path={target}", "target.dtype=float32", "target.device=cpu",
                              f"prepare.data=[{data}]"])
     out = tmp_path / "out.jsonl"
-    real, calls = regen.padded_generate, []
+    real, calls = generate.padded_generate, []
 
     def dies_in_round_two(*args, **kwargs):
         calls.append(1)
@@ -115,14 +116,14 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
             raise KeyboardInterrupt  # a kill during the second round
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(regen, "padded_generate", dies_in_round_two)
+    monkeypatch.setattr(generate, "padded_generate", dies_in_round_two)
     try:
         regen.run_regenerate(cfg, out, batch_size=6, max_new_tokens=3, engine="generate")
     except KeyboardInterrupt:
         pass
     first = [json.loads(ln)["source"]["row"] for ln in out.read_text().splitlines()]
     assert sorted(first) == [1, 4]  # the one-reply conversations, finished in round one
-    monkeypatch.setattr(regen, "padded_generate", real)
+    monkeypatch.setattr(generate, "padded_generate", real)
     stats = regen.run_regenerate(cfg, out, batch_size=6, max_new_tokens=3, engine="generate")
     assert stats["resumed"] == 2 and stats["written"] == 4
     rows = [json.loads(ln)["source"]["row"] for ln in out.read_text().splitlines()]
@@ -130,7 +131,7 @@ def test_finished_conversations_are_written_before_the_chunk_ends(tmp_path, monk
 
     # --max-turns 1: one round; every conversation ends after its first (regenerated) reply.
     calls.clear()
-    monkeypatch.setattr(regen, "padded_generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(generate, "padded_generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     one = tmp_path / "one.jsonl"
     stats = regen.run_regenerate(cfg, one, batch_size=6, max_new_tokens=3, engine="generate", max_turns=1)
     assert len(calls) == 1 and stats["cut_at_max_turns"] == 4 and stats["replies"] == 6
@@ -164,7 +165,7 @@ def test_static_cache_len_is_one_of_a_few_doubling_sizes_up_to_the_limit():
     over every width (so few compiled decoding steps), never past the limit, which refuses more."""
     import math
 
-    from eaglet.stages.regenerate import static_cache_len
+    from eaglet.engines.hf.generate import static_cache_len
 
     for new_tokens, limit in ((256, 2048 + 256), (6, 160 + 6), (512, 4096)):
         sizes = set()
@@ -183,7 +184,7 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
     """Prompts of very different lengths, two per call: each call's static cache is sized to its
     own prompts (transformers alone would keep the first, longest call's size for all), and the
     replies are the growing cache's."""
-    from eaglet.stages.regenerate import batched_generate, static_cache_len
+    from eaglet.engines.hf.generate import batched_generate, static_cache_len
     from eaglet.targets.chat import generation_prompt
     from eaglet.engines.hf.decode import cache_kwarg
 
@@ -211,7 +212,7 @@ def test_calls_of_different_widths_get_their_own_static_cache_and_the_dynamic_ca
 
 
 def test_static_cache_too_short_is_refused():
-    from eaglet.stages.regenerate import padded_generate
+    from eaglet.engines.hf.generate import padded_generate
 
     model = tiny.build_model()
     tok = tiny.build_tokenizer()
@@ -224,7 +225,7 @@ def test_kv_bytes_per_token_matches_the_cache_transformers_fills(family):
     """The batch sizing's estimate against the bytes a real forward leaves in its cache."""
     from transformers import DynamicCache
 
-    from eaglet.stages.regenerate import auto_generate_batch, kv_bytes_per_token
+    from eaglet.engines.hf.generate import auto_generate_batch, kv_bytes_per_token
     from eaglet.engines.hf.decode import cache_kwarg
 
     model = tiny.build_model(family)
@@ -245,7 +246,7 @@ def test_regen_throughput_bench_counts_the_reply_tokens(tmp_path):
 
     from conftest import run_script
 
-    from eaglet.stages.regenerate import batched_generate
+    from eaglet.engines.hf.generate import batched_generate
 
     bench = Path(__file__).parent.parent / "bench" / "regen_throughput.py"
     target = tiny.save_target(tmp_path / "target", template="chatml")
@@ -277,7 +278,8 @@ def test_shards_split_the_records_and_resume_across_a_changed_split(tmp_path, mo
     """Two shards (as two GPUs would run them) write every record once between them, with the
     replies of one unsharded run; a rerun with another split, or none, redoes nothing, and a
     shard stopped early is finished by a rerun under a different split."""
-    from eaglet.stages.regenerate import output_files, resolve_shard, run_regenerate, shard_path
+    from eaglet.regeneration.output import output_files, resolve_shard, shard_path
+    from eaglet.stages.regenerate import run_regenerate
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
     data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(7, seed=3, max_turns=2))
@@ -335,7 +337,9 @@ def test_replies_cut_at_max_new_tokens_are_counted_and_a_changed_resume_refused(
     as the server engine's finish_reason 'length'), from the generated rows themselves: an EOS at
     the last place is a finished reply. A rerun into the same output with another temperature or
     max_new_tokens is refused (exit 6) before the weights load."""
+    from eaglet.engines.hf import generate
     from eaglet.errors import ResumeError
+    from eaglet.regeneration.output import manifest_path
     from eaglet.stages import regenerate as regen
 
     target = tiny.save_target(tmp_path / "target", template="chatml")
@@ -348,14 +352,14 @@ def test_replies_cut_at_max_new_tokens_are_counted_and_a_changed_resume_refused(
     def fake(model, tokenizer, prompts, max_new_tokens, temperature, static_len=None):
         lengths.extend(len(p) for p in prompts)
         eos = tokenizer.eos_token_id
-        return [regen._reply(tokenizer, [eos if t == "eos" else t for t in rows[len(p) % 3]], {eos}) for p in prompts]
+        return [generate.reply_text(tokenizer, [eos if t == "eos" else t for t in rows[len(p) % 3]], {eos}) for p in prompts]
 
-    monkeypatch.setattr(regen, "padded_generate", fake)
+    monkeypatch.setattr(generate, "padded_generate", fake)
     out = tmp_path / "out.jsonl"
     stats = regen.run_regenerate(cfg, out, max_new_tokens=5, engine="generate", generate_batch=4)
     assert stats["replies"] == len(lengths) == 8 and {n % 3 for n in lengths} == {0, 1, 2}
     assert stats["cut_at_max_new_tokens"] == sum(n % 3 == 0 for n in lengths)
-    assert json.loads(regen.manifest_path(out).read_text())["cut_at_max_new_tokens"] == stats["cut_at_max_new_tokens"]
+    assert json.loads(manifest_path(out).read_text())["cut_at_max_new_tokens"] == stats["cut_at_max_new_tokens"]
 
     monkeypatch.setattr(regen, "load_target", lambda t: pytest.fail("the weights loaded before the refusal"))
     for changed in ({"temperature": 0.7}, {"max_new_tokens": 6}):

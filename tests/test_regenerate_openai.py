@@ -17,8 +17,9 @@ from eaglet import cli
 from eaglet.config import ConfigError, dump_config, load_config
 from eaglet.engines import openai as oa
 from eaglet.errors import InputError, PreflightError, ResumeError
+from eaglet.regeneration import output, server
 from eaglet.stages import regenerate as regen
-from eaglet.targets.chat import Settings, process_record
+from eaglet.targets.chat import Settings, generation_prompt, process_record
 from eaglet.testing import tiny
 
 KEY = "sk-test-Zq81secret"
@@ -266,7 +267,7 @@ def test_records_are_the_servers_replies_and_prepare_masks_exactly_them(tmp_path
         msgs = rec["messages"]
         for i, m in enumerate(msgs):
             if m["role"] == "assistant":
-                ids = regen.generation_prompt(tok, template, msgs[:i])
+                ids = generation_prompt(tok, template, msgs[:i])
                 assert m["content"] == srv.reply_for(ids) and EOS not in m["content"]
                 want_prompts.append(ids)
     assert sorted(b["prompt"] for _, b in srv.bodies) == sorted(want_prompts)
@@ -282,7 +283,7 @@ def test_records_are_the_servers_replies_and_prepare_masks_exactly_them(tmp_path
     # Accounting: the broken row skipped, nothing failed; the tokens are the server's usage.
     assert (stats["written"], stats["failed"], stats["skipped"], stats["records"]) == (6, 0, 1, 7)
     assert stats["new_tokens"] == sum(srv.tokens(srv.reply_for(b["prompt"])) for _, b in srv.bodies) > 0
-    manifest = json.loads(regen.manifest_path(out).read_text())
+    manifest = json.loads(output.manifest_path(out).read_text())
     assert manifest["written"] + manifest["failed"] + manifest["skipped"] == manifest["input"] == 7
     assert manifest["model"] == "tiny" and manifest["regenerate"]["engine"] == "openai"
     assert 1 < srv.max_in_flight <= 2  # concurrency 2: in parallel, never more
@@ -313,14 +314,14 @@ def test_a_rerun_after_the_server_failed_finishes_without_duplicates(tmp_path, t
     srv = serve(fail_after=5)  # then HTTP 500 for good: each later request is tried 1 + RETRIES times
     s1 = regen.run_regenerate(cfg, out, engine="openai", url=srv.url, concurrency=2, max_new_tokens=4, batch_size=4)
     assert s1["failed"] > 0 and s1["written"] + s1["failed"] + s1["skipped"] == s1["records"] == 9
-    failed = [r for r in _lines(str(out) + ".skipped.jsonl") if r["reason"] == regen.REQUEST_FAILED]
+    failed = [r for r in _lines(str(out) + ".skipped.jsonl") if r["reason"] == output.REQUEST_FAILED]
     assert len(failed) == s1["failed"]
     assert all(r["source"]["file"] == str(data) and "HTTP 500" in r["detail"]
                and f"{1 + oa.RETRIES} attempts" in r["detail"]
                for r in failed)
     assert srv.requests == srv.answered + s1["failed"] * (1 + oa.RETRIES) and srv.answered >= 5
     assert "requests failed (first: " in capsys.readouterr().err
-    m1 = json.loads(regen.manifest_path(out).read_text())
+    m1 = json.loads(output.manifest_path(out).read_text())
     assert (m1["written"], m1["failed"], m1["skipped"]) == (s1["written"], s1["failed"], 1)
 
     srv2 = serve(flaky=True)  # every request's first attempt gets 503: retried, all answered
@@ -329,7 +330,7 @@ def test_a_rerun_after_the_server_failed_finishes_without_duplicates(tmp_path, t
     assert srv2.requests == 2 * s2["replies"]
     rows = [r["source"]["row"] for r in _lines(out)]
     assert sorted(rows) == list(range(1, 9))  # each once
-    m2 = json.loads(regen.manifest_path(out).read_text())  # this run's own figures
+    m2 = json.loads(output.manifest_path(out).read_text())  # this run's own figures
     n = s1["failed"]
     assert (m2["input"], m2["written"], m2["failed"], m2["resumed"]) == (n, n, 0, 9 - n)
     whole = tmp_path / "whole.jsonl"
@@ -418,9 +419,9 @@ def test_thinking_kept_or_dropped_in_both_apis(tmp_path, target, tok, serve):
     assert all(c.startswith("<think>\nLet me see the question.\n</think>\n\nAnswer ")
                for r in contents["chat", False] for c in r)
     # The template's generation prompt may open the block itself: the reply starts inside it.
-    assert regen.strip_thinking("I think so.\n</think>\n\nYes.") == "Yes."
-    assert regen.strip_thinking("<think>cut by max_new_tokens") == "<think>cut by max_new_tokens"
-    assert regen.strip_thinking("Plain <think>x</think> reply") == "Plain <think>x</think> reply"
+    assert server.strip_thinking("I think so.\n</think>\n\nYes.") == "Yes."
+    assert server.strip_thinking("<think>cut by max_new_tokens") == "<think>cut by max_new_tokens"
+    assert server.strip_thinking("Plain <think>x</think> reply") == "Plain <think>x</think> reply"
 
 
 def test_bad_settings_are_one_line_errors_naming_the_setting(tmp_path, target, serve, capsys):
@@ -506,9 +507,9 @@ def test_a_reply_that_is_not_text_is_counted_and_never_stored(tmp_path, target, 
     assert not out.is_file() or out.read_text() == ""
     failed = _lines(str(out) + ".skipped.jsonl")
     route = "/v1/completions" if api == "completions" else "/v1/chat/completions"
-    assert len(failed) == 3 and all(r["reason"] == regen.REQUEST_FAILED and r["detail"].startswith(
+    assert len(failed) == 3 and all(r["reason"] == output.REQUEST_FAILED and r["detail"].startswith(
         f"{route}: bad reply: {why}: ") for r in failed)
-    assert json.loads(regen.manifest_path(out).read_text())["bad_replies"] == 3
+    assert json.loads(output.manifest_path(out).read_text())["bad_replies"] == 3
     # A reply that is all reasoning (content null, cut inside its thinking) is a reply.
     assert oa.OpenAIClient("http://127.0.0.1:1", "chat").reply(
         {"choices": [{"message": {"content": None, "reasoning_content": "Hm"}, "finish_reason": "length"}]}
@@ -522,7 +523,7 @@ def test_replies_cut_at_max_new_tokens_are_kept_and_counted(tmp_path, target, se
     stats = regen.run_regenerate(_cfg(target, data), out, engine="openai", url=srv.url, max_new_tokens=9)
     cut = [b["prompt"] for _, b in srv.bodies if len(b["prompt"]) % 2 == 0]
     assert 0 < len(cut) < len(srv.bodies) == stats["replies"]
-    assert stats["cut_at_max_new_tokens"] == len(cut) == json.loads(regen.manifest_path(out).read_text())[
+    assert stats["cut_at_max_new_tokens"] == len(cut) == json.loads(output.manifest_path(out).read_text())[
         "cut_at_max_new_tokens"]
     kept = [m["content"] for r in _lines(out) for m in r["messages"] if m["role"] == "assistant"]
     assert sorted(kept) == sorted(srv.reply_for(b["prompt"]) for _, b in srv.bodies)  # every reply kept
@@ -561,7 +562,7 @@ def test_a_server_that_runs_another_model_is_refused_before_any_request(tmp_path
         regen.run_regenerate(cfg, out, engine="openai", url=other.url)
     assert not out.parent.exists()  # a refused command leaves no folder behind
     assert other.requests == 0 and other.tokenize_calls[0] == (
-        "/tokenize", {"model": "tiny", "prompt": regen.PROBE_TEXT, "add_special_tokens": False})
+        "/tokenize", {"model": "tiny", "prompt": server.PROBE_TEXT, "add_special_tokens": False})
     # SGLang's route: the same check.
     sglang = serve(tokenize="sglang", models=("an-alias",))
     assert regen.run_regenerate(cfg, out, engine="openai", url=sglang.url)["written"] == 2
@@ -591,7 +592,7 @@ def test_a_resume_with_other_settings_is_refused_also_after_a_kill(tmp_path, tar
     first = serve(fail_after=3)
     s1 = regen.run_regenerate(cfg, out, engine="openai", url=first.url, max_new_tokens=8, concurrency=1)
     assert s1["written"] == 3 and s1["failed"] == 3
-    regen.manifest_path(out).unlink()  # as a kill leaves it
+    output.manifest_path(out).unlink()  # as a kill leaves it
     other = serve(models=("tiny-2",))  # the same tokenizer, another model
     for change, key in [({"temperature": 0.9}, "regenerate.temperature=0.0"),
                         ({"max_new_tokens": 16}, "regenerate.max_new_tokens=8"),

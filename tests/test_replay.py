@@ -330,7 +330,8 @@ def test_the_eval_stage_replays_turn_by_turn_as_it_decodes(target, setup):
     for chains and greedy trees."""
     from eaglet.config import EvalSection
     from eaglet.formats.eval_sets import EvalItem
-    from eaglet.stages.evaluate import evaluate_items, setting_key
+    from eaglet.evaluation.inprocess import evaluate_items
+    from eaglet.evaluation.results import setting_key
     from eaglet.testing.tiny import build_tokenizer
 
     _, draft = setup

@@ -589,6 +589,7 @@ def _eval_setup(tmp_path):
 
 
 def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monkeypatch):
+    from eaglet.evaluation import decoding
     from eaglet.stages import evaluate
     from eaglet.formats.prepared import PreparedData
     from eaglet.training.data import split_ids
@@ -611,14 +612,14 @@ def test_run_eval_writes_report_and_fails_on_a_lossless_mismatch(tmp_path, monke
     assert agg["verify_forwards"] == sum(r["verify_forwards"] for r in report["prompts"])
     assert len(agg["acceptance_rate"]) == 3 and agg["tau_ceiling"] == 4
 
-    real = evaluate.speculative_generate
+    real = decoding.speculative_generate
 
     def corrupt(*args, **kwargs):  # a decoder that gets token 4 wrong
         g = real(*args, **kwargs)
         g.tokens[4] = (g.tokens[4] + 1) % 512
         return g
 
-    monkeypatch.setattr(evaluate, "speculative_generate", corrupt)
+    monkeypatch.setattr(decoding, "speculative_generate", corrupt)
     with pytest.raises(evaluate.LosslessError, match=r"prompt 1 \(sample \d+\) at new token 4"):
         evaluate.run_eval(cfg, ctx)
     report = json.loads((ctx.out_dir / "eval.json").read_text())
@@ -657,10 +658,11 @@ def test_eval_feeds_a_bar_as_it_decodes_in_every_phase(tmp_path, monkeypatch):
     committed: the updates sum to the tokens produced (speculative and plain; the reference's
     continuations), the total ends equal to them (an EOS takes what it leaves undecoded off), and
     the postfix ends at the last prompt."""
+    from eaglet.evaluation import progress
     from eaglet.stages import evaluate
 
     _Bars.made = []
-    monkeypatch.setattr(evaluate, "tqdm", _Bars)
+    monkeypatch.setattr(progress, "tqdm", _Bars)
     cfg, ctx = _eval_setup(tmp_path)
     cfg.eval.reference_prompts = 2
     evaluate.run_eval(cfg, ctx)
@@ -682,15 +684,15 @@ def test_eval_feeds_a_bar_as_it_decodes_in_every_phase(tmp_path, monkeypatch):
 
 def test_an_eos_takes_what_it_leaves_undecoded_off_the_bar(target, monkeypatch):
     from eaglet.config import EvalSection
-    from eaglet.stages import evaluate
+    from eaglet.evaluation import inprocess, progress
 
     _Bars.made = []
-    monkeypatch.setattr(evaluate, "tqdm", _Bars)
+    monkeypatch.setattr(progress, "tqdm", _Bars)
     tr = TargetRunner(target, AUX)
     eos = plain_generate(tr, PROMPT, 20).tokens[5]
     ecfg = EvalSection(method="chain", chain_tokens=3, max_new_tokens=20, device="cpu")
-    res = evaluate.evaluate_draft(target, None, make_draft(target, 300), AUX, [PROMPT, PROMPT[:-3]], ecfg,
-                                  eos_token_ids=[eos])
+    res = inprocess.evaluate_draft(target, None, make_draft(target, 300), AUX, [PROMPT, PROMPT[:-3]], ecfg,
+                                   eos_token_ids=[eos])
     bar, = _Bars.made
     produced = sum(r["new_tokens"] + r["baseline_new_tokens"] for r in res["prompts"])
     assert produced < 2 * 2 * 20 and res["prompts"][0]["new_tokens"] <= 6  # the EOS stopped them early
@@ -702,7 +704,7 @@ def test_heldout_prompts_are_each_evaluated_once(tmp_path):
     prompt: the held-out set takes it once, then goes on to distinct prompts."""
     from eaglet.formats.prepared import PreparedData, PreparedWriter
     from eaglet.formats.eval_sets import SkippedPrompts, prompt_count
-    from eaglet.stages.evaluate import heldout_prompts, heldout_selection
+    from eaglet.evaluation.inputs import heldout_prompts, heldout_selection
 
     w = PreparedWriter(tmp_path, ["data.jsonl"])
     bare = [1, 5, 6, 7]  # the template's system prompt, then the assistant's turn at once

@@ -95,7 +95,7 @@ def chunked_training(cfg: Config) -> bool:
 
 
 def continuous_regenerate(cfg: Config) -> bool:
-    """regenerate.engine continuous ('auto' is the padded engine: stages.regenerate.resolve_engine)."""
+    """regenerate.engine continuous ('auto' is the padded engine: engines.hf.generate.resolve_engine)."""
     return cfg.regenerate.engine == "continuous"
 
 
@@ -105,7 +105,7 @@ def padded_regenerate(cfg: Config) -> bool:
 
 
 def static_cache_regenerate(cfg: Config) -> bool:
-    """The padded engine with a static KV cache ('auto' is dynamic: stages.regenerate.resolve_kv_cache)."""
+    """The padded engine with a static KV cache ('auto' is dynamic: engines.hf.generate.resolve_kv_cache)."""
     return padded_regenerate(cfg) and cfg.regenerate.kv_cache == "static"
 
 
@@ -193,7 +193,7 @@ CONTRACTS: list[Contract] = [
              stages=("eval",), passes="input_ids position_ids use_cache attention_mask logits_to_keep"),
     Contract("transformers:DynamicCache", "", "specdec: the target's KV cache, made empty", stages=("eval",),
              passes=""),
-    # -- regenerate (eaglet/stages/regenerate.py): the padded engine, or continuous batching
+    # -- regenerate (eaglet/engines/hf/generate.py): the padded engine, or continuous batching
     Contract("transformers:GenerationMixin.generate", "input_ids? attention_mask? max_new_tokens? pad_token_id?",
              "regenerate's padded engine: model.generate on left-padded prompts", stages=("regenerate",),
              passes="do_sample temperature top_p top_k cache past_key_values", when=padded_regenerate),

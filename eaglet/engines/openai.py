@@ -15,7 +15,7 @@ The HTTP itself (the deadline, the key kept to the server's origin across redire
 warning for a key over plain http://) is eaglet/engines/httpjson.py's, which eaglet/engines/vllm/capture.py
 `ServerEngine` shares. The API key is read from the environment variable the config names
 (`api_key_from_env`) and sent as `Authorization: Bearer ...`; it is never logged, and a server's
-answer quoted in a reason is `redact`ed first. eaglet/stages/regenerate.py drives the client.
+answer quoted in a reason is `redact`ed first. eaglet/regeneration/ drives the client.
 """
 
 from __future__ import annotations

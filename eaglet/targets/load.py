@@ -247,3 +247,16 @@ def norm_eps(norm: nn.Module) -> float:
         if hasattr(norm, name):
             return float(getattr(norm, name))
     return 1e-6
+
+
+def eos_ids(target: nn.Module, tokenizer: Any = None) -> list[int]:
+    """End-of-sequence ids: the generation config's (int or list) and the tokenizer's."""
+    ids: set[int] = set()
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids |= {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+

@@ -15,7 +15,7 @@ from pathlib import Path
 from eaglet.config import EvalSection, TargetSection
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.eval_sets import mt_bench_items
-from eaglet.stages.evaluate import evaluate_draft
+from eaglet.evaluation.inprocess import evaluate_draft
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
 from eaglet.targets.load import load_target
 
