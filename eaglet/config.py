@@ -406,7 +406,7 @@ class RegenerateSection:
     engine: Literal["auto", "generate", "continuous", "openai"] = _f(
         "auto", "'generate': padded batches; 'continuous': transformers' continuous batching (generate_batch, paged KV "
         "cache); 'openai': an OpenAI-compatible server you run (vLLM, SGLang) at `url`, the target's weights never "
-        "load here; auto: generate.")
+        "load here; auto: generate (docs/performance.md says why).")
     batch_size: int | None = _f(
         None, "Conversations regenerated together, round by round (default: 4 x generate_batch; 1024 with continuous; "
         "16 x concurrency with openai).", Range(1, 2**20))
