@@ -146,8 +146,8 @@ def _hold_back(monkeypatch, step: int, until: int) -> dict[int, int]:
         at_write[s] = len(taken)
         return real_write(folder, s, *args)
 
-    monkeypatch.setattr(train_stage, "optimizer_step", stepping)
-    monkeypatch.setattr(train_stage, "save_checkpoint", held_back)
+    monkeypatch.setattr(loop, "optimizer_step", stepping)
+    monkeypatch.setattr(loop, "save_checkpoint", held_back)
     return at_write
 
 
@@ -220,8 +220,8 @@ def test_an_interrupted_run_waits_for_the_write_in_flight(runs, tmp_path, monkey
             assert released.wait(timeout=300)
         return real_write(folder, step, *args)
 
-    monkeypatch.setattr(train_stage, "optimizer_step", interrupted)
-    monkeypatch.setattr(train_stage, "save_checkpoint", held_back)
+    monkeypatch.setattr(loop, "optimizer_step", interrupted)
+    monkeypatch.setattr(loop, "save_checkpoint", held_back)
     run = tmp_path / "run"
     shutil.copytree(tmp / "run", run)
     with pytest.raises(KeyboardInterrupt):

@@ -207,6 +207,8 @@ def test_checkpoint_written_before_checksums_resumes_with_a_warning(clean, tmp_p
     run = killed_copy(ref, tmp_path / "run", after=6)
     six = _ckpts(run) / "step-0000006"
     (six / ck.CHECKSUM_FILE).unlink()
+    state = json.loads((six / ck.STATE_FILE).read_text())
+    (six / ck.STATE_FILE).write_text(json.dumps({k: v for k, v in state.items() if k != "format"}))
     stats = _train(run, base)
     err = capfd.readouterr().err
     assert "[train] warning: checkpoint step-0000006 has no checksums (an older eaglet wrote it)" in err
