@@ -149,8 +149,8 @@ def freeze_survivors() -> None:
     """Collect the garbage, then move every object that survives out of the collector's reach
     (gc.freeze). The first steps leave hundreds of thousands of long-lived objects (compiled
     graphs, guards, kernels); each full collection walks all of them, on the host, in the
-    middle of a step: one took 392 ms at the 8B bench shape on the H200 (a 63 ms step),
-    the GPU idle meanwhile, and under torchrun every rank waits for the one that collects.
+    middle of a step, the GPU idle meanwhile (docs/performance.md, "Host time"), and under
+    torchrun every rank waits for the one that collects.
     Later collections then walk only what was made since. The trainer calls this after the
     1st, 2nd, 4th, 8th, ... step it runs and after each evaluation (where new graphs appear),
     at the same points on every rank."""

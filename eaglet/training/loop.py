@@ -107,7 +107,7 @@ class Trainer:
         Compiled, the forwards run with autograd on, as training's do, and nothing of their
         graph is kept (`LossTotals` detaches): torch.compile's graphs are guarded on the grad
         mode, so a no-grad evaluation would compile every piece again, forward only
-        (docs/performance.md, "The run's end cost 30 s"). Eager, and under fsdp (whose forward
+        (docs/performance.md measured what that cost). Eager, and under fsdp (whose forward
         with autograd on sets up its backward's resharding), they run without autograd."""
         if len(self.plan.eval_ids) == 0:
             return None
