@@ -103,7 +103,8 @@ from eaglet.draft.loss import step_mask, teacher_targets
 from eaglet.draft.step import Batch, lr_lambda
 from eaglet.formats.store import TARGET_CONFIG, StoreReader, TargetHead, read_target_head
 from eaglet.formats.vocab import load_vocab
-from eaglet.stages.train import Trainer, build_draft
+from eaglet.training.build import build_draft
+from eaglet.training.loop import Trainer
 from eaglet.training.data import load_batch
 from eaglet.utils import atomic_write_json, log
 
@@ -306,9 +307,10 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     attn_impl = "simple_flex_attention" if dev.type == "cuda" else "eager"
     model = build_speculators_draft(cfg, states, d2t, t2d, head_cpu, init, attn_impl, eaglet_draft).to(dev)
     plan_cfg = replace(cfg, train=replace(tc, max_steps=steps if steps is not None else tc.max_steps, device="cpu"))
-    plan = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)  # takes over head_cpu's tensors
-    total_steps, peak = plan.total_steps, plan.opt.defaults["lr"]  # train.lr as eaglet's optimizer resolved it
-    del plan.model, plan.opt, plan.sched, eaglet_draft
+    trainer = Trainer(plan_cfg, states, eaglet_draft, head_cpu, out_dir)  # takes over head_cpu's tensors
+    plan, peak = trainer.plan, trainer.opt.defaults["lr"]  # train.lr as eaglet's optimizer resolved it
+    total_steps = plan.total_steps
+    del trainer, eaglet_draft
     head = states.target_head(dev)
     pad_to = math.ceil(tc.max_tokens / FLEX_BLOCK) * FLEX_BLOCK if attn_impl == "simple_flex_attention" else None
     use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and dev.type == "cuda")

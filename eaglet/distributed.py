@@ -6,7 +6,7 @@
 
 Without torchrun every function here is a no-op over one rank (rank 0 of 1), so a plain
 `eaglet train` runs the same code. How the stages split their work over the ranks is said
-where they do it (eaglet/pipeline.py, eaglet/stages/extract.py, eaglet/stages/train.py); how
+where they do it (eaglet/pipeline.py, eaglet/stages/extract.py, eaglet/training/loop.py); how
 the draft is wrapped for DDP or FSDP2, in eaglet/draft/parallelize.py.
 """
 

@@ -29,7 +29,7 @@ from conftest import killed_copy, tiny_pipeline_upto_vocab, train_on_copy
 from eaglet import pipeline
 from eaglet.config import load_config
 from eaglet.formats import checkpoints as ck
-from eaglet.stages import train as train_stage
+from eaglet.training import loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async_ckpt")
     base = tiny_pipeline_upto_vocab(tmp, 20, 7, BASE)
     threads, out = {}, {}
-    real = train_stage.save_checkpoint
+    real = loop.save_checkpoint
     for name in ("on", "off"):
         seen = threads[name] = []
 
@@ -55,11 +55,11 @@ def runs(tmp_path_factory):
             seen.append((step, threading.current_thread().name))
             return real(folder, step, *args)
 
-        train_stage.save_checkpoint = recording
+        loop.save_checkpoint = recording
         try:
             out[name], _ = train_on_copy(tmp, base, name, f"train.ckpt_async={'true' if name == 'on' else 'false'}")
         finally:
-            train_stage.save_checkpoint = real
+            loop.save_checkpoint = real
     return tmp, base, out, threads
 
 
@@ -130,7 +130,7 @@ def test_behind_the_loop_writes_what_the_loop_writes(runs):
 def _hold_back(monkeypatch, step: int, until: int) -> dict[int, int]:
     """Make checkpoint `step`'s write wait until the loop has taken `until` optimizer steps;
     returns {checkpoint step: optimizer steps taken when its write ran}, filled as they run."""
-    real_write, real_step = train_stage.save_checkpoint, train_stage.optimizer_step
+    real_write, real_step = loop.save_checkpoint, loop.optimizer_step
     taken, released, at_write = [], threading.Event(), {}
 
     def stepping(*args, **kw):
@@ -146,8 +146,8 @@ def _hold_back(monkeypatch, step: int, until: int) -> dict[int, int]:
         at_write[s] = len(taken)
         return real_write(folder, s, *args)
 
-    monkeypatch.setattr(train_stage, "optimizer_step", stepping)
-    monkeypatch.setattr(train_stage, "save_checkpoint", held_back)
+    monkeypatch.setattr(loop, "optimizer_step", stepping)
+    monkeypatch.setattr(loop, "save_checkpoint", held_back)
     return at_write
 
 
@@ -205,7 +205,7 @@ def test_an_interrupted_run_waits_for_the_write_in_flight(runs, tmp_path, monkey
     """Ctrl-C at step 5 while the write of step 4 is still held back: the run raises the
     KeyboardInterrupt only once checkpoint 4 is whole on disk."""
     tmp, base, out, _ = runs
-    real_write, real_step = train_stage.save_checkpoint, train_stage.optimizer_step
+    real_write, real_step = loop.save_checkpoint, loop.optimizer_step
     taken, released = [], threading.Event()
 
     def interrupted(*args, **kw):
@@ -220,8 +220,8 @@ def test_an_interrupted_run_waits_for_the_write_in_flight(runs, tmp_path, monkey
             assert released.wait(timeout=300)
         return real_write(folder, step, *args)
 
-    monkeypatch.setattr(train_stage, "optimizer_step", interrupted)
-    monkeypatch.setattr(train_stage, "save_checkpoint", held_back)
+    monkeypatch.setattr(loop, "optimizer_step", interrupted)
+    monkeypatch.setattr(loop, "save_checkpoint", held_back)
     run = tmp_path / "run"
     shutil.copytree(tmp / "run", run)
     with pytest.raises(KeyboardInterrupt):

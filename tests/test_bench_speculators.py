@@ -28,7 +28,8 @@ from eaglet.formats.store import HEAD_FILE
 from eaglet.draft.loss import step_mask, teacher_targets, ttt_loss
 from eaglet.draft.model import Eagle3Draft
 from eaglet.formats.store import StoreReader
-from eaglet.stages.train import Trainer, build_draft
+from eaglet.training.build import build_draft
+from eaglet.training.loop import Trainer
 from eaglet.training.data import load_batch
 from eaglet.formats.vocab import load_vocab
 
@@ -74,7 +75,7 @@ def spec_run(tmp_path_factory):
     # The Trainer takes over the head it is given (it frees the tensors): give it its own.
     trainer = Trainer(cfg, store, build_draft(cfg, store, d2t, t2d, head), store.target_head(torch.device("cpu")),
                       root / "eaglet")
-    micro = trainer.micro_batches(0, 0)
+    micro = trainer.plan.micro_batches(0, 0)
     plan = [next(micro)[2] for _ in range(cfg.train.grad_accum)]
 
     # bench/speculators_train.py in .venv-speculators: train, evaluate, and probe its forward on the

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from eaglet import cli
 from eaglet import pipeline
 from eaglet.testing import tiny
-from eaglet.stages import train
+from eaglet.training.build import build_draft
 from eaglet.config import load_config
 from eaglet.formats.serving import load_draft
 from eaglet.formats.store import StoreReader
@@ -69,7 +69,7 @@ def test_training_starts_from_an_exported_checkpoint(finished_run, fmt):
     store = StoreReader(root / "run" / "extract")
     d2t, t2d = load_vocab(root / "run" / "vocab")
     head = store.target_head(torch.device("cpu"))
-    model = train.build_draft(cfg, store, d2t, t2d, head)
+    model = build_draft(cfg, store, d2t, t2d, head)
     _, state, _ = load_draft(export)
     for k, v in state.items():
         assert torch.equal(model.state_dict()[k], v.to(model.state_dict()[k].dtype)), k

@@ -1151,14 +1151,14 @@ def test_compiled_training_keeps_its_compile_cache_in_the_setting_or_eaglets_cac
 def test_the_trainer_says_when_compiling_goes_on_or_gives_up(capfd):
     """After the first logging interval, graphs still made get a line naming the step and
     TORCH_LOGS; a function given up on gets one at any step; the warm-up's graphs none."""
-    from eaglet.stages.train import _say_if_compiling
+    from eaglet.training.metrics import say_if_compiling
 
-    _say_if_compiling(1, 40, 0, warmed=False, show=True)
-    _say_if_compiling(9, 0, 0, warmed=True, show=True)
-    _say_if_compiling(9, 2, 1, warmed=True, show=False)  # not the main rank
+    say_if_compiling(1, 40, 0, warmed=False, show=True)
+    say_if_compiling(9, 0, 0, warmed=True, show=True)
+    say_if_compiling(9, 2, 1, warmed=True, show=False)  # not the main rank
     assert capfd.readouterr().err == ""
-    _say_if_compiling(7, 3, 0, warmed=True, show=True)
-    _say_if_compiling(2, 5, 1, warmed=False, show=True)
+    say_if_compiling(7, 3, 0, warmed=True, show=True)
+    say_if_compiling(2, 5, 1, warmed=False, show=True)
     err = capfd.readouterr().err.splitlines()
     assert err[0].startswith("[train] step 7: torch.compile made 3 more graph(s)") and "TORCH_LOGS" in err[0]
     assert err[1].startswith("[train] step 2: torch.compile reached its recompile limit for 1 function(s)")

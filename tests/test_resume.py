@@ -29,7 +29,7 @@ from eaglet.draft.model import DraftConfig
 from eaglet.draft.step import extend_schedule, lr_lambda
 from eaglet.errors import ConfigError, CorruptDataError, DivergedError, ResumeError
 from eaglet.formats import checkpoints as ck
-from eaglet.stages import train
+from eaglet.training import loop, resume
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,16 +208,10 @@ def test_checkpoint_written_before_checksums_resumes_with_a_warning(clean, tmp_p
     six = _ckpts(run) / "step-0000006"
     (six / ck.CHECKSUM_FILE).unlink()
     state = json.loads((six / ck.STATE_FILE).read_text())
-    fp = state["fingerprint"]
-    old_fp = {k: v for k, v in fp.items() if k.startswith(("model.", "vocab.", "data.store", "data.samples"))}
-    old_fp.update({"data.max_tokens": fp["train.max_tokens"], "data.eval_fraction": fp["train.eval_fraction"],
-                   "data.seed": fp["run.seed"], "data.grad_accum": 1})
-    old = {k: v for k, v in state.items() if k not in ("format", "settings", "schedule", "total_steps")}
-    (six / ck.STATE_FILE).write_text(json.dumps({**old, "fingerprint": old_fp}))
+    (six / ck.STATE_FILE).write_text(json.dumps({k: v for k, v in state.items() if k != "format"}))
     stats = _train(run, base)
     err = capfd.readouterr().err
     assert "[train] warning: checkpoint step-0000006 has no checksums (an older eaglet wrote it)" in err
-    assert "[train] warning: checkpoint step-0000006 records only the model, data and vocabulary" in err
     assert stats["resumed"]["from_step"] == 6 and stats["resumed"]["verified"] is False
     _same_weights(run, ref)
 
@@ -250,8 +244,8 @@ def test_changed_trajectory_settings_are_refused_naming_each(clean, tmp_path):
 
 # ---- which settings a resume may change: every train.* key, from the config ------------------------
 
-# The train.* settings a resume may change, as reviewed (eaglet/stages/train.py RESUME_SAFE_KEYS
-# says why each leaves the trajectory as it was). Held here rather than read from train.py, so that
+# The train.* settings a resume may change, as reviewed (eaglet/training/resume.py RESUME_SAFE_KEYS
+# says why each leaves the trajectory as it was). Held here rather than read from resume.py, so that
 # a key moved into RESUME_SAFE_KEYS by mistake fails: every other key of TrainSection, including
 # one added later, must be refused.
 REVIEWED_SAFE_KEYS = {"log_every", "eval_every", "eval_max_samples", "ckpt_every", "keep_last", "tensorboard",
@@ -302,26 +296,26 @@ class _Store:
 
 
 def _fingerprint(*overrides: str) -> dict:
-    """train.py's fingerprint of a run with `overrides` over the defaults (a fixed model, store and
+    """resume.py's fingerprint of a run with `overrides` over the defaults (a fixed model, store and
     vocabulary, on the CPU), as a checkpoint records it; no training."""
     model = types.SimpleNamespace(config=DraftConfig(
         hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, vocab_size=256, draft_vocab_size=128))
     cfg = load_config(None, list(overrides))
-    return train.fingerprint(model, _Store(), torch.arange(128), cfg, 1, torch.device("cpu"))
+    return resume.run_fingerprint(model, _Store(), torch.arange(128), cfg, 1, torch.device("cpu"))
 
 
 def test_the_safe_keys_are_the_reviewed_ones():
-    assert set(train.RESUME_SAFE_KEYS) == REVIEWED_SAFE_KEYS
+    assert set(resume.RESUME_SAFE_KEYS) == REVIEWED_SAFE_KEYS
     assert REVIEWED_SAFE_KEYS <= set(TRAIN_KEYS)  # no stale name
 
 
 @pytest.mark.parametrize("key", [k for k in TRAIN_KEYS if k not in REVIEWED_SAFE_KEYS])
 def test_every_trajectory_setting_is_refused_on_resume(key):
     """Each train.* key but the reviewed safe ones, changed to another valid value, makes the
-    checkpoint's fingerprint differ on that key (so _pick refuses the resume, naming it)."""
+    checkpoint's fingerprint differ on that key (so choose_checkpoint refuses the resume, naming it)."""
     value = _changed_value(key)
-    diff = train.fingerprint_diff(_fingerprint(), _fingerprint(f"train.{key}={json.dumps(value)}"))
+    diff = resume.fingerprint_diff(_fingerprint(), _fingerprint(f"train.{key}={json.dumps(value)}"))
     name = FINGERPRINT_NAME.get(key, f"train.{key}")
     assert name in diff, f"train.{key} -> {value!r} is not in the fingerprint: a resume with it would be taken"
     assert set(diff) == {name}
@@ -331,15 +325,15 @@ def test_every_trajectory_setting_is_refused_on_resume(key):
 def test_every_safe_setting_is_accepted_on_resume_and_recorded(key):
     value = _changed_value(key)
     over = f"train.{key}={json.dumps(value)}"
-    assert train.fingerprint_diff(_fingerprint(), _fingerprint(over)) == {}
-    before, after = train.resume_settings(load_config(None, [])), train.resume_settings(load_config(None, [over]))
+    assert resume.fingerprint_diff(_fingerprint(), _fingerprint(over)) == {}
+    before, after = resume.resume_settings(load_config(None, [])), resume.resume_settings(load_config(None, [over]))
     assert {k for k in before if before[k] != after[k]} == {f"train.{key}"}  # the resume names the change
 
 
 def test_precision_is_compared_as_resolved():
     """On the CPU auto is fp32: auto -> fp32 is the same run, auto -> bf16 another."""
-    assert train.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=fp32")) == {}
-    assert train.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=bf16")) == {
+    assert resume.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=fp32")) == {}
+    assert resume.fingerprint_diff(_fingerprint(), _fingerprint("train.precision=bf16")) == {
         "train.precision": ("fp32", "bf16")}
 
 
@@ -449,16 +443,15 @@ def test_extended_schedule():
     assert [g(s) for s in range(30)] == [f(s) for s in range(30)] and g(30) < f(29)
 
 
-def test_a_checkpoint_from_before_the_quality_levers_resumes_under_their_defaults():
-    """train.accept_loss, accept_weight and state_noise joined the fingerprint later: a
-    checkpoint without them was trained with their defaults, so only a changed one is refused."""
-    from eaglet.stages.train import fingerprint_diff
-
+def test_a_key_only_one_fingerprint_has_differs():
+    """A key the checkpoint's fingerprint lacks (or only it has) is a difference, whatever the
+    other side's value: no default stands in for a missing key."""
     saved = {"train.lr": 1e-4, "train.gamma": 0.8}
-    now = {**saved, "train.accept_loss": "none", "train.accept_weight": 1.0, "train.state_noise": 0.0}
-    assert fingerprint_diff(saved, now) == {}
-    assert fingerprint_diff(saved, {**now, "train.state_noise": 0.05}) == {"train.state_noise": (0.0, 0.05)}
-    assert fingerprint_diff(saved, {**now, "train.bogus": 1}) == {"train.bogus": (None, 1)}
+    now = {**saved, "train.state_noise": 0.0}
+    assert resume.fingerprint_diff(saved, saved) == {}
+    assert resume.fingerprint_diff(saved, now) == {"train.state_noise": (None, 0.0)}
+    assert resume.fingerprint_diff(now, saved) == {"train.state_noise": (0.0, None)}
+    assert resume.fingerprint_diff(saved, {**saved, "train.gamma": 0.5}) == {"train.gamma": (0.8, 0.5)}
 
 
 def test_each_quality_lever_alone_changes_the_draft(clean):
@@ -556,7 +549,7 @@ def test_a_non_finite_weight_is_never_checkpointed(clean, tmp_path, monkeypatch,
     generous train.max_skipped_steps): the checkpoint of step 4 is refused (DivergedError), so the
     newest checkpoint is step 2's, finite, and there is no final/."""
     tmp, base, _ = clean
-    real = train.optimizer_step
+    real = loop.optimizer_step
     taken = []
 
     def overflowing(par, *args, **kw):
@@ -567,7 +560,7 @@ def test_a_non_finite_weight_is_never_checkpointed(clean, tmp_path, monkeypatch,
                 next(p for p in par.draft.parameters() if p.requires_grad).view(-1)[0] = float("inf")
         return lr
 
-    monkeypatch.setattr(train, "optimizer_step", overflowing)
+    monkeypatch.setattr(loop, "optimizer_step", overflowing)
     with pytest.raises(DivergedError, match=r"a trained weight is not finite at step 4, so no checkpoint of it is "
                                             r"written; likely cause: the updates overflowed the weights"):
         train_on_copy(tmp, base, tmp_path / "inf", "train.max_skipped_steps=100", f"train.log_every={log_every}")

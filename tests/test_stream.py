@@ -528,11 +528,11 @@ def test_two_gloo_ranks_read_their_own_shares(assets, tmp_path):
 def test_the_behind_line_gives_the_engine_rate_against_what_training_could_take(capsys):
     """Training waited 6 s of 10 and so ran at 40 tokens/s: alone it would take 100 tokens/s in
     its 4 busy seconds, which the line sets against the engine's 70. A wait within 5% is silent."""
-    from eaglet.stages.train import _say_if_behind
+    from eaglet.training.metrics import say_if_behind
 
     rec = {"step": 3, "stream_wait_s": 6.0, "engine_tokens_per_s": 70.0, "tokens_per_s": 40.0}
-    _say_if_behind(rec, 10.0, True)
-    _say_if_behind({**rec, "stream_wait_s": 0.4}, 10.0, True)
+    say_if_behind(rec, 10.0, True)
+    say_if_behind({**rec, "stream_wait_s": 0.4}, 10.0, True)
     out = capsys.readouterr()
     lines = [x for x in (out.out + out.err).splitlines() if "is behind" in x]
     assert len(lines) == 1, lines

@@ -12,7 +12,7 @@ import torch
 
 from eaglet.errors import CorruptDataError
 from eaglet.formats.store import StoreReader
-from eaglet.stages.train import Trainer
+from eaglet.training.plan import StepPlan
 from eaglet.training.data import epoch_plan, pack, split_ids
 
 
@@ -40,8 +40,8 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
     counts = [len(epoch_plan(ids, lengths, 512, 0, e)) for e in range(6)]
     assert len(set(counts)) > 1
     fake = SimpleNamespace(train_ids=ids, lengths=lengths, cfg=SimpleNamespace(run=SimpleNamespace(seed=0), train=SimpleNamespace(seed=None)),
-                           tc=SimpleNamespace(max_tokens=512, grad_accum=1), steps_per_epoch=max(counts), micro_per_step=1)
-    stream = list(islice(Trainer.micro_batches(fake, 0, 0), sum(counts)))
+                           train_cfg=SimpleNamespace(max_tokens=512, grad_accum=1), steps_per_epoch=max(counts), micro_per_step=1)
+    stream = list(islice(StepPlan.micro_batches(fake, 0, 0), sum(counts)))
     seen = [(e, i) for e, i, _ in stream]
     assert len(seen) == len(set(seen)) == sum(counts)
     for e, i, batch in stream:
@@ -206,14 +206,15 @@ def test_training_reads_ahead_the_micro_batches_it_then_loads(tmp_path, monkeypa
     every load from the plan. (Reading ahead is for GPUs: here it is let run on the CPU.)"""
     from eaglet import pipeline
     from eaglet.config import load_config
-    from eaglet.stages import train
+    from eaglet.training import loop
     from eaglet.training import data as train_data
     from eaglet.testing import tiny
 
-    assert not train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cpu"))
-    assert train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cuda"))
-    assert not train.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=0), torch.device("cuda"))
-    monkeypatch.setattr(train, "reads_ahead", lambda store, tc, device: isinstance(store, StoreReader) and tc.prefetch > 0)
+    assert not loop.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cpu"))
+    assert loop.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=2), torch.device("cuda"))
+    assert not loop.reads_ahead(object.__new__(StoreReader), SimpleNamespace(prefetch=0), torch.device("cuda"))
+    monkeypatch.setattr(loop, "reads_ahead",
+                        lambda store, train_cfg, device: isinstance(store, StoreReader) and train_cfg.prefetch > 0)
 
     off_plan = []
     close = train_data.Prefetch.close

@@ -27,7 +27,7 @@ trainable weights and the `optimizer.state_dict()` layout, written once by rank 
 FSDP2 they are gathered to rank 0's CPU with torch.distributed.checkpoint's state-dict API
 and loaded back with it (rank 0 reads, the others receive shards). This suits drafts of up
 to a few billion parameters; a resume on another world size then works whenever the number
-of micro-batches per optimizer step is the same (see eaglet/stages/train.py).
+of micro-batches per optimizer step is the same (see eaglet/training/plan.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """One training step of the draft: the teacher, the TTT forward and loss, the backward, the
 optimizer step.
 
-    micro_batch(par, batch, tc, autocast, sync)     # forward + backward of one micro-batch
-    optimizer_step(par, opt, sched, tc, skipped)     # clip, step (skipped: a non-finite gradient), schedule, zero
+    micro_batch(parallel, batch, train_cfg, autocast, sync)   # forward + backward of one micro-batch
+    optimizer_step(parallel, opt, sched, train_cfg, skipped)  # clip, step (skipped: non-finite), schedule, zero
 
-The trainer (eaglet/stages/train.py) runs these over the epoch plan; the benchmarks
+The trainer (eaglet/training/loop.py) runs these over the epoch plan; the benchmarks
 (bench/train_throughput.py, bench/scaling.py) run them over synthetic batches. A `Batch` is one
 packed micro-batch on the device; `TeacherHead` is the target's LM head as a frozen module
-(so that parallelize can shard it); `Sums` gathers a logging interval's metrics without a
+(so that parallelize can shard it); `LossTotals` gathers a logging interval's metrics without a
 host sync until they are printed.
 """
 
@@ -121,26 +121,27 @@ def noisy_states(aux_BTA: Tensor, num_aux: int, scale: float) -> Tensor:
     return (parts + torch.randn_like(parts) * (scale * rms)).to(aux_BTA.dtype).flatten(-2)
 
 
-def forward_loss(par: Parallel, module: nn.Module, b: Batch, tc: TrainSection, autocast: torch.autocast,
+def forward_loss(parallel: Parallel, module: nn.Module, b: Batch, train_cfg: TrainSection, autocast: torch.autocast,
                  training: bool = False) -> TTTLoss:
     """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
     wrapper, or the bare draft for evaluation) and its loss. training: add train.state_noise."""
-    teacher, in_vocab = par.teacher(b.final, par.draft.t2d, par.draft.d2t, in_vocab=b.in_vocab)
-    aux = noisy_states(b.aux, par.draft.config.num_aux, tc.state_noise) if training and tc.state_noise > 0 else b.aux
+    teacher, in_vocab = parallel.teacher(b.final, parallel.draft.t2d, parallel.draft.d2t, in_vocab=b.in_vocab)
+    noise = train_cfg.state_noise
+    aux = noisy_states(b.aux, parallel.draft.config.num_aux, noise) if training and noise > 0 else b.aux
     with autocast:
-        steps = module(aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=tc.ttt_steps, attn_impl=tc.attn_impl,
-                       head_rows=b.head_rows, active_rows=b.active_rows)
-        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, tc.gamma, compiled=par.compiled,
-                        head_rows=b.head_rows, accept_loss=tc.accept_loss, accept_weight=tc.accept_weight)
+        steps = module(aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=train_cfg.ttt_steps,
+                       attn_impl=train_cfg.attn_impl, head_rows=b.head_rows, active_rows=b.active_rows)
+        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, train_cfg.gamma, compiled=parallel.compiled,
+                        head_rows=b.head_rows, accept_loss=train_cfg.accept_loss, accept_weight=train_cfg.accept_weight)
 
 
-def micro_batch(par: Parallel, b: Batch, tc: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
+def micro_batch(parallel: Parallel, b: Batch, train_cfg: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
     """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
     across ranks only when `sync` (the step's last micro-batch)."""
-    with par.grad_sync(sync):
-        out = forward_loss(par, par.module, b, tc, autocast, training=True)
-        (out.total / tc.grad_accum).backward()
-    par.reshard_frozen()
+    with parallel.grad_sync(sync):
+        out = forward_loss(parallel, parallel.module, b, train_cfg, autocast, training=True)
+        (out.total / train_cfg.grad_accum).backward()
+    parallel.reshard_frozen()
     return out
 
 
@@ -148,8 +149,8 @@ def freeze_survivors() -> None:
     """Collect the garbage, then move every object that survives out of the collector's reach
     (gc.freeze). The first steps leave hundreds of thousands of long-lived objects (compiled
     graphs, guards, kernels); each full collection walks all of them, on the host, in the
-    middle of a step: one took 392 ms at the 8B bench shape on the H200 (a 63 ms step),
-    the GPU idle meanwhile, and under torchrun every rank waits for the one that collects.
+    middle of a step, the GPU idle meanwhile (docs/performance.md, "Host time"), and under
+    torchrun every rank waits for the one that collects.
     Later collections then walk only what was made since. The trainer calls this after the
     1st, 2nd, 4th, 8th, ... step it runs and after each evaluation (where new graphs appear),
     at the same points on every rank."""
@@ -229,28 +230,28 @@ class SkippedSteps:
 AUTO_LR_WIDTH = 1.2e-3 * 576  # train.lr auto: the peak rate times the width, fixed where it was measured
 
 
-def peak_lr(tc: TrainSection, hidden_size: int) -> float:
+def peak_lr(train_cfg: TrainSection, hidden_size: int) -> float:
     """train.lr as a number: auto is AUTO_LR_WIDTH / the draft's hidden size (1/width, as Adam's
     step on a wider layer moves its output more)."""
-    return AUTO_LR_WIDTH / hidden_size if tc.lr == "auto" else float(tc.lr)
+    return AUTO_LR_WIDTH / hidden_size if train_cfg.lr == "auto" else float(train_cfg.lr)
 
 
-def build_optimizer(model: Eagle3Draft, tc: TrainSection, strategy: str, device: torch.device, bf16: bool,
+def build_optimizer(model: Eagle3Draft, train_cfg: TrainSection, strategy: str, device: torch.device, bf16: bool,
                     compiled: bool) -> torch.optim.Optimizer:
     """AdamW over the draft's trainable parameters (on the device, before any forward). One
     process, one micro-batch a step, bf16 and `train.unroll_optimizer`: UnrollAdamW, which reads
     the unroll's bf16 gradient accumulators and writes its bf16 weight copies (eaglet/draft/optim.py);
     otherwise torch's, fused on the GPU."""
     params = [p for p in model.parameters() if p.requires_grad]
-    adamw: dict[str, Any] = dict(lr=peak_lr(tc, model.config.hidden_size), betas=tuple(tc.betas),
-                                 weight_decay=tc.weight_decay)
-    if tc.unroll_optimizer and strategy == "none" and bf16 and tc.grad_accum == 1:
+    adamw: dict[str, Any] = dict(lr=peak_lr(train_cfg, model.config.hidden_size), betas=tuple(train_cfg.betas),
+                                 weight_decay=train_cfg.weight_decay)
+    if train_cfg.unroll_optimizer and strategy == "none" and bf16 and train_cfg.grad_accum == 1:
         return UnrollAdamW(params, attach_unroll_copies(unroll_linears(model)), compile=compiled, **adamw)
     return torch.optim.AdamW(params, fused=device.type == "cuda", **adamw)
 
 
-def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                   tc: TrainSection, clip_in_step: bool = True, skipped: SkippedSteps | None = None) -> float:
+def optimizer_step(parallel: Parallel, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                   train_cfg: TrainSection, clip_in_step: bool = True, skipped: SkippedSteps | None = None) -> float:
     """Clip, step, advance the schedule, zero the gradients; returns the learning rate used.
 
     With a fused optimizer (the GPU's AdamW) the clipping rides in the step: the fused kernel
@@ -267,17 +268,17 @@ def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim
     (build_optimizer), where reading the flag waits for nothing."""
     lr = sched.get_last_lr()[0]
     more = opt.accumulated_grads() if isinstance(opt, UnrollAdamW) else None  # gradients outside .grad
-    if more is not None and tc.grad_clip > 0 and not clip_in_step:
+    if more is not None and train_cfg.grad_clip > 0 and not clip_in_step:
         raise ValueError("UnrollAdamW clips in its step (its gradients are not .grad, which clip_grad_norm_ reads)")
     fused = bool(opt.defaults.get("fused"))
     norm = None
-    if tc.grad_clip > 0 and clip_in_step and fused and par.strategy != "fsdp":
-        norm = grad_norm(par.draft.parameters(), more)
-        opt.grad_scale = clip_divisor(par.draft.parameters(), tc.grad_clip, norm=norm)
-    elif tc.grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(par.draft.parameters(), tc.grad_clip)
+    if train_cfg.grad_clip > 0 and clip_in_step and fused and parallel.strategy != "fsdp":
+        norm = grad_norm(parallel.draft.parameters(), more)
+        opt.grad_scale = clip_divisor(parallel.draft.parameters(), train_cfg.grad_clip, norm=norm)
+    elif train_cfg.grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(parallel.draft.parameters(), train_cfg.grad_clip)
     elif skipped is not None:
-        norm = grad_norm(par.draft.parameters(), more)
+        norm = grad_norm(parallel.draft.parameters(), more)
     found = skipped.flag(norm) if skipped is not None else None
     stepped = True
     try:
@@ -299,15 +300,15 @@ def optimizer_step(par: Parallel, opt: torch.optim.Optimizer, sched: torch.optim
     return lr
 
 
-def all_finite(par: Parallel) -> bool:
+def all_finite(parallel: Parallel) -> bool:
     """Whether every trained weight is finite, on every rank (its shards under fsdp; one
     all-reduce and one sync: the trainer asks before a checkpoint)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in par.draft.parameters() if p.requires_grad]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in parallel.draft.parameters() if p.requires_grad]
     bad = torch.stack([~torch.isfinite(p.detach()).all() for p in local]).sum().reshape(1)
     return int(all_reduce_sum(bad)) == 0
 
 
-def lr_lambda(tc: TrainSection, total_steps: int, segments: list[dict[str, Any]] | None = None):
+def lr_lambda(train_cfg: TrainSection, total_steps: int, segments: list[dict[str, Any]] | None = None):
     """The learning rate of step `step` (0-based) as a fraction of `train.lr`: linear warmup over
     `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`.
 
@@ -318,11 +319,11 @@ def lr_lambda(tc: TrainSection, total_steps: int, segments: list[dict[str, Any]]
     to min_lr_ratio at T: the steps already run keep their rate, and the rate never rises again.
     A segment without from_ratio (an extension before the warmup ended) is the first kind for T."""
     def base(step: int, total: int) -> float:
-        if step < tc.warmup_steps:
-            return (step + 1) / tc.warmup_steps
-        span = max(total - tc.warmup_steps, 1)
-        progress = min((step - tc.warmup_steps) / span, 1.0)
-        return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < train_cfg.warmup_steps:
+            return (step + 1) / train_cfg.warmup_steps
+        span = max(total - train_cfg.warmup_steps, 1)
+        progress = min((step - train_cfg.warmup_steps) / span, 1.0)
+        return train_cfg.min_lr_ratio + (1 - train_cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     segs = segments or [{"start": 0, "total": total_steps}]
 
@@ -332,20 +333,21 @@ def lr_lambda(tc: TrainSection, total_steps: int, segments: list[dict[str, Any]]
             return base(step, seg["total"])
         before = seg["start"] - 1  # the step whose rate the segment starts from
         progress = min((step - before) / max(seg["total"] - before, 1), 1.0)
-        return tc.min_lr_ratio + (seg["from_ratio"] - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        floor = train_cfg.min_lr_ratio
+        return floor + (seg["from_ratio"] - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
 
-def extend_schedule(tc: TrainSection, segments: list[dict[str, Any]], step: int, total_steps: int
+def extend_schedule(train_cfg: TrainSection, segments: list[dict[str, Any]], step: int, total_steps: int
                     ) -> list[dict[str, Any]]:
     """`segments` (see lr_lambda) lengthened at `step` (the steps run so far) to `total_steps`."""
-    if step <= tc.warmup_steps:  # the decay has not begun: the schedule of the new total, as a fresh run has
+    if step <= train_cfg.warmup_steps:  # the decay has not begun: the schedule of the new total, as a fresh run has
         return [*segments, {"start": step, "total": total_steps}]
-    ratio = lr_lambda(tc, segments[-1]["total"], segments)(step - 1)
+    ratio = lr_lambda(train_cfg, segments[-1]["total"], segments)(step - 1)
     return [*segments, {"start": step, "total": total_steps, "from_ratio": ratio}]
 
 
-class Sums:
+class LossTotals:
     """Per-step metric sums over micro-batches, kept as tensors (no host sync until `metrics`)."""
 
     def __init__(self) -> None:

@@ -5,9 +5,9 @@
     writer.submit(folder, partial(save_checkpoint, ..., *snap, ...))                 # returns at once
     writer.wait()                                                                    # before final/
 
-At the width of a DeepSeek-V3 draft a checkpoint (fp32 weights and AdamW's two moments) is
-10.8 GiB, and writing and checksumming it stops the loop for about 30 s. Here the loop waits
-only for a host copy of the step's state; one thread writes it with `save_checkpoint`
+A checkpoint holds fp32 weights and AdamW's two moments, so at a large draft's width writing
+and checksumming it in the loop stops training for a long while (docs/performance.md,
+"Checkpoints"). Here the loop waits only for a host copy of the step's state; one thread writes it with `save_checkpoint`
 unchanged (eaglet/formats/checkpoints.py owns the format), one write at a time, so the host
 holds at most one snapshot. A write that failed is raised at the next `submit` or `wait`,
 naming its folder; a kill mid-write leaves a `.tmp-step-*` folder, which resume passes over.
