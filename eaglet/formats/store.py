@@ -817,11 +817,10 @@ class StoreReader:
         if not (self.folder / INDEX).is_file() and not checked.lists(INDEX):  # an extraction not finished
             raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
         index = checked.json(INDEX)  # size and sha256 first
-        meta = index.get("meta") if isinstance(index, dict) else None  # another format's index may lack one
-        check_version(meta.get(VERSION_KEY) if isinstance(meta, dict) else None, STORE_VERSION, "the store",
-                      self.folder, fix=AFRESH)
         try:
             self.meta: dict[str, Any] = dict(index["meta"])
+            # the version before anything else of it is read (FormatVersionError is none of those caught)
+            check_version(self.meta.get(VERSION_KEY), STORE_VERSION, "the store", self.folder, fix=AFRESH)
             self.layers: list[int] = [int(i) for i in self.meta["layers"]]
             self.hidden_size = int(self.meta["hidden_size"])
             self.dtype = DTYPES[self.meta["dtype"]]
