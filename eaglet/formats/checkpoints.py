@@ -192,26 +192,39 @@ def _first_nonfinite(obj: Any, where: str = "") -> str | None:
     return None
 
 
+def _readable_state(folder: Path) -> dict[str, Any] | None:
+    """state.json of checkpoint `folder`, or None where it cannot be read as a JSON object."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _check_version(folder: Path, state: dict[str, Any] | None) -> None:
+    """FormatVersionError unless `state` (None: unreadable, left to the damage checks) is of CHECKPOINT_VERSION."""
+    if state is not None:
+        check_version(state.get(VERSION_KEY), CHECKPOINT_VERSION, "the checkpoint", folder,
+                      fix=f"start training afresh with `eaglet train CONFIG --force` (or remove {folder.parent})")
+
+
 def read_checkpoint(folder: Path, device: torch.device | str | None = None, check: bool = True) -> Checkpoint:
     """Checkpoint `folder`: its state, and with `device` its weights and optimizer state there.
     `check`: verify the checksums and that every weight and optimizer value is finite first (the
     rank that picked the checkpoint does; the others read what it checked). Raises
     CorruptCheckpointError naming the file and what is wrong, FormatVersionError for a checkpoint
-    of another format version (state.json is read first: what another version wrote is not
-    checked as this one's)."""
-    try:
-        state = json.loads((folder / STATE_FILE).read_text())
-        found = state.get(VERSION_KEY)
-    except (OSError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
-    check_version(found, CHECKPOINT_VERSION, "the checkpoint", folder,
-                  fix=f"start training afresh with `eaglet train CONFIG --force` (or remove {folder.parent})")
+    of another format version (also where its files do not pass this version's checks: what
+    another eaglet wrote is refused as such, not as damaged)."""
     if check:
-        verify(folder)
-    try:
-        int(state["step"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
+        try:
+            verify(folder)
+        except CorruptCheckpointError:
+            _check_version(folder, _readable_state(folder))
+            raise
+    state = _readable_state(folder)
+    if state is None or not isinstance(state.get("step"), int):
+        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable")
+    _check_version(folder, state)
     ckpt = Checkpoint(folder, state, check)
     if device is None:
         return ckpt
