@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save
 
+from ..errors import CorruptDataError
 from .checked import CHECKSUMS, CheckedFolder, write_file, write_sums
-from .version import KEY as VERSION_KEY, PREPARED_VERSION, check_version
+from .version import KEY as VERSION_KEY, PREPARED_VERSION, check_version, recorded_version
 
 INDEX = "index.json"
 REBUILD = "rebuild it with `eaglet prepare CONFIG --force`"
@@ -121,7 +122,12 @@ class PreparedData:
         if not (self.folder / INDEX).is_file() and not (self.folder / CHECKSUMS).is_file():
             raise FileNotFoundError(f"no prepared data in {self.folder} (missing {INDEX}); run `eaglet prepare` first")
         self._checked = CheckedFolder(self.folder, REBUILD)
-        self.index = self._checked.json(INDEX)
+        try:
+            self.index = self._checked.json(INDEX)
+        except CorruptDataError:  # another eaglet's index is refused as such, not as damaged
+            check_version(recorded_version(self.folder / INDEX), PREPARED_VERSION, "the prepared data", self.folder,
+                          fix=AFRESH)
+            raise
         found = self.index.get(VERSION_KEY) if isinstance(self.index, dict) else None
         check_version(found, PREPARED_VERSION, "the prepared data", self.folder, fix=AFRESH)
         try:

@@ -87,7 +87,7 @@ from tqdm import tqdm
 
 from ..distributed import all_gather_object, barrier, dist_env, run_on_main
 from ..errors import CorruptDataError
-from .version import KEY as VERSION_KEY, STORE_VERSION, check_version
+from .version import KEY as VERSION_KEY, STORE_VERSION, check_version, recorded_version
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
 from .checked import CHECKSUMS, CheckedFolder, digest, read_sums, size_problem, update_sums, write_file, write_sums
 
@@ -816,7 +816,12 @@ class StoreReader:
         checked = CheckedFolder(self.folder, REPAIR)
         if not (self.folder / INDEX).is_file() and not checked.lists(INDEX):  # an extraction not finished
             raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
-        index = checked.json(INDEX)  # size and sha256 first
+        try:
+            index = checked.json(INDEX)  # size and sha256 first
+        except CorruptDataError:  # another eaglet's index is refused as such, not as damaged
+            check_version(recorded_version(self.folder / INDEX, "meta"), STORE_VERSION, "the store", self.folder,
+                          fix=AFRESH)
+            raise
         try:
             self.meta: dict[str, Any] = dict(index["meta"])
             # the version before anything else of it is read (FormatVersionError is none of those caught)

@@ -14,11 +14,14 @@ that knows one layout per format is one a change can reason about. Raise a forma
 a change makes its existing outputs unreadable or wrong to read as they are (a tensor renamed or
 laid out otherwise, a file's meaning changed); a key added that readers do not need leaves it.
 The formats are versioned apart so that a new checkpoint layout does not discard a store that
-took hours to extract.
+took hours to extract. The version is checked where the output is read, after its checksums; an
+output that fails them is looked at for its version too (`recorded_version`), so that another
+eaglet's output is refused as such, not reported as damaged.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +32,28 @@ MANIFEST_VERSION = 1
 STORE_VERSION = 1
 CHECKPOINT_VERSION = 1
 PREPARED_VERSION = 1
+UNREADABLE = object()  # `recorded_version` of a file that cannot say: left to the damage checks
 
 
 def check_version(found: Any, want: int, what: str, folder: str | Path, fix: str) -> None:
     """Raise FormatVersionError unless `found` (a description's KEY value, None where it has none)
     is `want`. `what` names the output ("the store"), `folder` where it is, `fix` the command that
-    writes it afresh."""
-    if found == want:
+    writes it afresh. UNREADABLE passes (the file's damage is reported by its format)."""
+    if found is UNREADABLE or found == want:
         return
     was = "has no format version (written before eaglet's formats had one)" if found is None \
         else f"is format version {found}"
     raise FormatVersionError(f"{what} in {folder} {was}; this eaglet reads version {want} and converts no other",
                              fix=fix)
+
+
+def recorded_version(path: str | Path, *keys: str) -> Any:
+    """The KEY value of JSON file `path` (inside the objects under `keys`), read without its
+    checksum: None where it has none, UNREADABLE where it is no such JSON."""
+    try:
+        holder = json.loads(Path(path).read_text())
+        for key in keys:
+            holder = holder[key]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, IndexError):
+        return UNREADABLE
+    return holder.get(KEY) if isinstance(holder, dict) else UNREADABLE
