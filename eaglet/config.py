@@ -834,8 +834,8 @@ lists each path it names (its `paths` line).
 
 Every stage saves the resolved config in its `manifest.json`; a stage's input hash covers its
 own sections (eaglet/pipeline.py), so changing a key reruns the stages that read it and those
-after them. A key marked "reruns nothing" is one of how a stage runs, not of what it writes; a
-run an older eaglet made, which hashed such keys, stays up to date. This page is generated
+after them. A key marked "reruns nothing" is one of how a stage runs, not of what it writes.
+This page is generated
 (`python -m eaglet.config > docs/config.md`; a test checks that it is current).
 """
 

@@ -21,6 +21,3 @@ class StageContext:
     # `eaglet train --extend`: continue a run to a longer schedule (train.epochs or
     # train.max_steps raised), see the train stage.
     extend: bool = False
-    # The input hashes an older eaglet gave the same inputs, when they differ from input_hash
-    # (it hashed keys of how a stage runs): what such an eaglet left unfinished resumes.
-    earlier_hashes: tuple[str, ...] = ()

@@ -66,7 +66,7 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
 
     transformers loads GGUF with `gguf_file=` but will not `save_pretrained` such a model,
     so the (dequantized) weights and the config are written here directly (save_folder). A
-    folder an older eaglet converted (no `architectures` in its config) is converted again.
+    folder whose config has no `architectures` (not a conversion of this code's) is converted again.
     """
     if (out / "config.json").is_file():
         if json.loads((out / "config.json").read_text()).get("architectures"):

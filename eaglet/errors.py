@@ -10,7 +10,8 @@ change eaglet did not foresee: one line too (exit 70), the traceback only with `
     1    `eaglet doctor` found a FAIL
     2    ConfigError         a config key or value
     3    PreflightError      a stage's cheap checks failed before it loaded weights
-    4    InputError          an input file, folder or record; a stage run before the one it needs
+    4    InputError          an input file, folder or record; a stage run before the one it needs;
+                             FormatVersionError: an output of another eaglet format version
     5    CorruptDataError    a file eaglet wrote is damaged (a store shard, a checkpoint)
     6    ResumeError         resuming would mix two runs
     7    VerificationError   eaglet's own check of a result failed: the extraction self-check
@@ -57,6 +58,12 @@ class InputError(EagletError):
     """An input file, folder or record cannot be used, or a stage runs before one it needs."""
 
     exit_code = 4
+
+
+class FormatVersionError(InputError):
+    """An output eaglet wrote (a manifest, a store, a checkpoint, prepared data) is of another
+    format version than this eaglet reads (eaglet/formats/version.py): it is not converted; the
+    message names the folder and the command that writes it afresh."""
 
 
 class CorruptDataError(EagletError, RuntimeError):

@@ -6,9 +6,8 @@ A stage's inputs are its own config sections, the fingerprints of files it reads
 reads of the target (prepare its tokenizer files, extract its config and weights:
 eaglet/targets/identity.py), and the input hash of the stage before it, so a change anywhere
 reruns that stage and all after it.
-`eaglet run` skips a stage whose manifest is complete with the same input hash, or with the hash
-an older eaglet gave the same inputs when it still hashed keys it no longer does (`Plan.renamed`),
-and whose outputs are still there.
+`eaglet run` skips a stage whose manifest is complete with the same input hash (`input_hash`,
+the one hash scheme) and whose outputs are still there.
 
 Outputs: each stage's format modules list what they write, with its sha256 taken as it was
 written, in a checksums.json beside it (eaglet/formats/checked.py); the manifest records those
@@ -16,9 +15,12 @@ files (`outputs`: relative path -> sha256 and bytes; `Stage.outputs` says where 
 plan checks that each is there with its size (no file is read: a terabyte store is not hashed to
 plan a run), so a stage whose output is missing or cut runs again, and a stage that needs it
 alone is refused (CorruptDataError, with the command that rebuilds it). The sha256 is checked
-where a file is read. A manifest an older eaglet wrote has no `outputs`: its stage stays up to
-date while its output folders are there (a finished extract of a large target does not rerun for
-an upgrade), and its files are read unverified, with a note (eaglet/formats/checked.py).
+where a file is read.
+
+Format version: each manifest records MANIFEST_VERSION (eaglet/formats/version.py). A stage folder
+whose manifest is of another version, or has none, is refused in one line naming the folder and
+`eaglet run CONFIG --force` (`--force` on the stage itself runs it afresh over it): what an
+older eaglet wrote is never read as today's, nor kept up to date by a second hash scheme.
 
 Under torchrun every rank runs this same code: `extract` and `train` run on all ranks
 (they split the work, see eaglet/draft/parallelize.py); the other stages run on rank 0 while the
@@ -39,10 +41,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .doctor import preflight as run_preflight
-from .config import Config, TargetSection, unhashed_keys
+from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .errors import CorruptDataError, InputError, ResumeError
 from .formats.checked import listed, outputs_problem
+from .formats.version import KEY as VERSION_KEY, MANIFEST_VERSION, check_version
 from .formats.datasets import check_data_files
 from .formats.draft import FINAL_DIR
 from .context import StageContext
@@ -154,12 +157,15 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _hash_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+def input_hash(inputs: dict[str, Any]) -> str:
+    """The hash of a stage's inputs (`stage_inputs`): the one scheme eaglet uses. A change to it,
+    or to what `stage_inputs` gathers, reruns every stage of existing runs once; nothing maps an
+    old hash onto a new one."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[str, Any]:
-    """Everything the stage's output depends on, as a JSON-able dict."""
+    """Everything the stage's output depends on, as a JSON-able dict (hashed by `input_hash`)."""
     cache = cfg.run_dir / FINGERPRINTS
     inputs = {
         "stage": stage.name,
@@ -183,88 +189,58 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _without(config: dict[str, Any], drop: Callable[[str], frozenset[str]]) -> dict[str, Any]:
-    """Each config section of `config` without the keys `drop(section)` names."""
-    out = {}
-    for section, values in config.items():
-        skip = drop(section)
-        out[section] = {k: v for k, v in values.items() if k not in skip} if isinstance(values, dict) else values
-    return out
-
-
-def hashed_today(inputs: dict[str, Any], renamed: dict[str, str]) -> dict[str, Any]:
-    """A manifest's inputs as this eaglet hashes them: without the config keys it marks
-    hashed=False (an older eaglet hashed some of them: the extract's writer threads, say), and
-    with the stage before it under its hash of today (`renamed`: a manifest's hash -> today's)."""
-    previous = inputs.get("previous")
-    return {**inputs, "config": _without(inputs.get("config") or {}, unhashed_keys),
-            "previous": renamed.get(previous, previous)}
-
-
-# Keys marked hashed=False that no eaglet ever hashed. The others were hashed by eaglets before
-# they were marked, so `Plan.earlier` gives each stage the hash such an eaglet gave its inputs.
-NEVER_HASHED = {"extract": frozenset({"online_ahead"})}
-
-
 @dataclass(frozen=True)
 class Plan:
     """The stages up to one, with their input hashes, and each one's manifest as the plan found
-    it (None: none); `renamed` maps the hash of a manifest an older eaglet wrote to today's,
-    where the two differ only in keys eaglet no longer hashes; `earlier`, by stage, the hash an
-    older eaglet gave the same inputs, keys of how a stage runs included (the hash a stage it
-    left unfinished, an extract store cut short, was begun under); `damaged`, by stage, the first
-    output its manifest lists that is missing or not its size ("<path>: <why>")."""
+    it (None: none); `damaged`, by stage, the first output its manifest lists that is missing or
+    not its size ("<path>: <why>")."""
     stages: list[tuple[Stage, str, dict[str, Any]]]
     manifests: dict[str, dict[str, Any] | None]
-    renamed: dict[str, str]
-    earlier: dict[str, str]
     damaged: dict[str, str]
 
     def current(self, name: str, h: str) -> bool:
         """Whether stage `name`'s manifest was written for the inputs whose hash is `h`."""
-        old = (self.manifests.get(name) or {}).get("input_hash")
-        return old is not None and (old == h or self.renamed.get(old) == h)
+        old = self.manifests.get(name)
+        return old is not None and old.get("input_hash") == h
+
+
+def check_manifest(cfg: Config, name: str, manifest: dict[str, Any] | None) -> None:
+    """Refuse (FormatVersionError) a stage folder whose manifest is of another format version, or
+    has none: its files are another eaglet's, which this one does not read."""
+    if manifest is not None:
+        check_version(manifest.get(VERSION_KEY), MANIFEST_VERSION, f"stage {name}'s manifest", cfg.run_dir / name,
+                      fix=f"start afresh with `eaglet run CONFIG --force` (or `eaglet {name} CONFIG --force`, or "
+                          f"remove {cfg.run_dir / name})")
 
 
 def _damaged(cfg: Config, manifests: dict[str, dict[str, Any] | None]) -> dict[str, str]:
-    """Stage -> its first listed output that is missing or not its size (sizes only). A manifest
-    an older eaglet wrote lists none: then only its output folders (train/final/, export/vllm/)
-    must be there."""
+    """Stage -> its first listed output that is missing or not its size (sizes only); a manifest
+    of this format lists its outputs (one that does not is refused, `check_manifest`)."""
     out = {}
     for stage in STAGES:
         m = manifests.get(stage.name)
-        if not m:
+        if not m or m.get(VERSION_KEY) != MANIFEST_VERSION:
             continue
-        folder, outputs = cfg.run_dir / stage.name, m.get("outputs")
-        if isinstance(outputs, dict):
-            problem = outputs_problem(folder, outputs)
-        else:
-            problem = next((f"{sub}/: missing" for sub in stage.outputs(cfg) if not (folder / sub).is_dir()), None)
+        problem = outputs_problem(cfg.run_dir / stage.name, m.get("outputs") or {})
         if problem is not None:
             out[stage.name] = problem
     return out
 
 
 def _stage_plan(cfg: Config, upto: str) -> Plan:
-    plan, manifests, hashes, renamed, earlier = [], {}, {}, {}, {}
+    plan, manifests, hashes = [], {}, {}
     for stage in STAGES:
         needs = _needs(cfg, stage)
         inputs = stage_inputs(cfg, stage, hashes[needs[-1]] if needs else None)
-        h = _hash_json(inputs)
+        h = input_hash(inputs)
         plan.append((stage, h, inputs))
         hashes[stage.name] = h
-        older = _without({s: cfg.section(s) for s in stage.sections}, lambda s: NEVER_HASHED.get(s, frozenset()))
-        earlier[stage.name] = _hash_json({**inputs, "config": older,
-                                          "previous": earlier[needs[-1]] if needs else None})
-        old = manifests[stage.name] = read_manifest(cfg.run_dir / stage.name)
-        if old and old.get("input_hash") not in (None, h) and isinstance(old.get("inputs"), dict) \
-                and _hash_json(hashed_today(old["inputs"], renamed)) == h:
-            renamed[old["input_hash"]] = h
+        manifests[stage.name] = read_manifest(cfg.run_dir / stage.name)
         if stage.name == upto:
             break
     # rank 0's view of the files, so that every rank decides alike
     damaged = broadcast_object(_damaged(cfg, manifests) if dist_env().is_main else None)
-    return Plan(plan, manifests, renamed, earlier, damaged)
+    return Plan(plan, manifests, damaged)
 
 
 def _needs(cfg: Config, stage: Stage) -> tuple[str, ...]:
@@ -329,6 +305,8 @@ def _run_stage(cfg: Config, name: str, force: bool, check_upstream: bool, prefli
     for stage, h, inputs in plan.stages[:-1]:
         if stage.name not in needed:
             continue
+        if check_upstream:
+            check_manifest(cfg, stage.name, plan.manifests[stage.name])
         if check_upstream and not plan.current(stage.name, h):
             why = "has not run" if plan.manifests[stage.name] is None else \
                 "is out of date (its inputs changed since it ran)"
@@ -349,14 +327,14 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
     env = dist_env()
     out_dir = cfg.run_dir / stage.name
     old = plan.manifests[stage.name]  # the stages before it, run since the plan was made, write only their own
+    if not force:
+        check_manifest(cfg, stage.name, old)
     up_to_date = not force and plan.current(stage.name, h) and old.get("status") == "complete"
     if up_to_date and stage.name in plan.damaged:
         log(f"[{stage.name}] output {out_dir}/{plan.damaged[stage.name]}; running the stage again")
         up_to_date = False
     if broadcast_object(up_to_date):  # rank 0 decides, before it removes anything
-        older = "; its manifest is an older eaglet's, which hashed settings that change nothing" \
-            if old.get("input_hash") != h else ""
-        log(f"[{stage.name}] up to date ({out_dir}{older}), skipped")
+        log(f"[{stage.name}] up to date ({out_dir}), skipped")
         return old
     if preflight and stage.name in PREFLIGHT_STAGES:
         run_on_main(run_preflight, cfg, stage.name)  # raises PreflightError before any weights load
@@ -366,8 +344,7 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
         (out_dir / MANIFEST).unlink(missing_ok=True)  # an incomplete stage has no manifest
 
     run_on_main(start)
-    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream, force=force, extend=extend,
-                       earlier_hashes=tuple({plan.earlier[stage.name]} - {h}))
+    ctx = StageContext(stage.name, out_dir, cfg.run_dir, h, upstream, force=force, extend=extend)
     log(f"[{stage.name}] running -> {out_dir}" + (f" on {env.world_size} ranks" if env.active and stage.distributed
                                                  else " on rank 0" if env.active else ""))
     t0 = time.time()
@@ -375,6 +352,7 @@ def _execute(cfg: Config, plan: Plan, stage: Stage, h: str, inputs: dict[str, An
     def finish(stats: dict[str, Any]) -> dict[str, Any]:
         manifest = {
             "stage": stage.name,
+            VERSION_KEY: MANIFEST_VERSION,
             "status": "complete",
             "input_hash": h,
             "inputs": inputs,

@@ -96,7 +96,7 @@ def _same(a, b, where: str = "") -> None:
 def _same_checkpoint(a: Path, b: Path, settings_differ: bool = False) -> None:
     """Checkpoint folders `a` and `b` hold the same weights, optimizer, RNG and scheduler state,
     data position and fingerprint (their train.* settings too unless `settings_differ`)."""
-    assert ck.verify(a) and ck.verify(b)
+    ck.verify(a), ck.verify(b)  # each raises CorruptCheckpointError on a mismatch
     for name in (ck.MODEL_FILE, ck.RNG_FILE):
         _same(load_file(str(a / name)), load_file(str(b / name)), f"{a.name}/{name}")
     _same(torch.load(a / ck.OPTIMIZER_FILE, weights_only=True), torch.load(b / ck.OPTIMIZER_FILE, weights_only=True),

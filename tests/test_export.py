@@ -293,7 +293,8 @@ def tied_target(root: Path) -> Eagle3Draft:
     trained draft for it (train/final/, its frozen embedding the target's), and an extract store
     whose target_config.json has no architectures, as the vLLM and online extractions' may not."""
     from eaglet.formats.draft import FINAL_DIR, save_final
-    from eaglet.formats.store import INDEX, TARGET_CONFIG
+    from eaglet.formats.checked import write_files
+    from eaglet.formats.store import INDEX, TARGET_CONFIG, described
     from eaglet.testing.tiny import build_model
 
     m = tiny_draft(seed=30)
@@ -304,9 +305,9 @@ def tied_target(root: Path) -> Eagle3Draft:
     target.save_pretrained(root / "target")
     save_final(root / "train" / FINAL_DIR, m.state_dict(), c, [2, 4, 5])
     (root / "extract").mkdir()
-    (root / "extract" / INDEX).write_text(json.dumps({"meta": {"layers": [2, 4, 5], "hidden_size": c.hidden_size,
-                                                               "dtype": "bfloat16"}, "shards": []}))
-    (root / "extract" / TARGET_CONFIG).write_text(json.dumps({"model_type": "llama", "hidden_size": c.hidden_size}))
+    meta = described({"layers": [2, 4, 5], "hidden_size": c.hidden_size, "dtype": "bfloat16"})
+    write_files(root / "extract", {INDEX: json.dumps({"meta": meta, "shards": []}).encode(),
+                                   TARGET_CONFIG: json.dumps({"model_type": "llama", "hidden_size": c.hidden_size}).encode()})
     return m
 
 

@@ -51,14 +51,13 @@ def _run_config(target):
     return cfg
 
 
-def _run(tmp_path, target, prep, name="extract", input_hash="h1", earlier=(), **extract):
+def _run(tmp_path, target, prep, name="extract", input_hash="h1", **extract):
     cfg = _run_config(target)
     for k, v in extract.items():
         setattr(cfg.extract, k, v)
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    stats = run_extract(cfg, StageContext("extract", out, tmp_path, input_hash, {"prepare": prep},
-                                          earlier_hashes=tuple(earlier)))
+    stats = run_extract(cfg, StageContext("extract", out, tmp_path, input_hash, {"prepare": prep}))
     return stats, out
 
 
@@ -180,8 +179,7 @@ def test_nonfinite_sample_is_set_aside(tmp_path, targets, monkeypatch):
 
 
 def test_resume_after_crash(tmp_path, targets, monkeypatch):
-    """A crashed extraction resumes, keeping its finished shards, also when the crashed run was
-    an older eaglet's, which gave the same inputs another hash (`earlier_hashes`)."""
+    """A crashed extraction resumes, keeping its finished shards."""
     lengths = [int(n) for n in np.random.default_rng(7).integers(2, 40, 24)]
     prep = _prepare(tmp_path / "prep", lengths, seed=7)
     # batch size 1: each sample's states do not depend on which run or batch computed them
@@ -199,7 +197,7 @@ def test_resume_after_crash(tmp_path, targets, monkeypatch):
 
     monkeypatch.setattr(extract_mod, "capture", crashing_capture)
     with pytest.raises(RuntimeError, match="injected"):
-        _run(tmp_path, targets["llama"], prep, name="store", input_hash="h-older", **opts)
+        _run(tmp_path, targets["llama"], prep, name="store", **opts)
     monkeypatch.setattr(extract_mod, "capture", real_capture)
     out = tmp_path / "store"
     assert not (out / INDEX).exists()
@@ -212,7 +210,7 @@ def test_resume_after_crash(tmp_path, targets, monkeypatch):
     finished = [json.loads(p.with_suffix(".json").read_text()) for p in shards[:-1]]
     done = sum(side["samples"] for side in finished)
 
-    stats, _ = _run(tmp_path, targets["llama"], prep, name="store", earlier=["h-older"], **opts)
+    stats, _ = _run(tmp_path, targets["llama"], prep, name="store", **opts)
     assert stats["resumed_samples"] == done and 0 < done < len(lengths)
     assert json.loads((out / "store.json").read_text())["input_hash"] == "h1"
     assert stats["new_tokens"] == sum(lengths) - sum(sum(side["lengths"]) for side in finished)

@@ -6,8 +6,9 @@ import pytest
 
 from eaglet import pipeline
 from eaglet.config import load_config
-from eaglet.errors import CorruptDataError, InputError, ResumeError
+from eaglet.errors import CorruptDataError, FormatVersionError, InputError, ResumeError
 from eaglet.formats.checked import write_files
+from eaglet.formats.version import MANIFEST_VERSION
 
 CALLS: list[str] = []
 
@@ -68,44 +69,20 @@ def test_run_skips_up_to_date_and_reruns_downstream(stages):
     assert CALLS == ["a", "b", "c"]
 
 
-def test_a_run_an_older_eaglet_made_stays_valid_when_keys_leave_the_hash(stages, monkeypatch, capsys):
-    """Manifests written by an older eaglet, which hashed keys of how a stage runs
-    (extract.writer_threads among them), are up to date for today's, which hashes none: nothing
-    reruns, with any value of those keys, nor is a single stage refused for its upstream; the
-    older eaglet's hashes are today's `Plan.earlier` (what it left unfinished resumes under them);
-    a key that decides what a stage writes still reruns that stage and those after it."""
-    import eaglet.config
-
+def test_keys_of_how_a_stage_runs_rerun_nothing(stages):
+    """Keys marked hashed=False (extract.writer_threads) are left out of the one input hash:
+    changing them reruns nothing; a key that decides what a stage writes reruns it and those after."""
     tmp_path, data = stages
-    def older_eaglet(patch):  # it hashed every key but those no eaglet ever hashed
-        patch.setattr(eaglet.config, "unhashed_keys", lambda section: pipeline.NEVER_HASHED.get(section, frozenset()))
-
-    with monkeypatch.context() as older:
-        older_eaglet(older)
-        pipeline.run_all(_cfg(tmp_path, data, "extract.writer_threads=4", "prepare.num_workers=1"))
-    old = {n: json.loads((tmp_path / "run" / n / "manifest.json").read_text())["input_hash"] for n in "abc"}
-    plan = pipeline._stage_plan(_cfg(tmp_path, data), "c")
-    assert all(old[s.name] != h for s, h, _ in plan.stages)  # the hashes did change
-    assert plan.renamed == {old[s.name]: h for s, h, _ in plan.stages}
-
-    # the hash the older eaglet gave each stage's inputs, which a stage it left unfinished resumes under
-    assert plan.earlier != old  # prepare.num_workers=0 here
-    now = pipeline._stage_plan(_cfg(tmp_path, data, "extract.writer_threads=4", "prepare.num_workers=1"), "c")
-    assert now.earlier == old
-
+    pipeline.run_all(_cfg(tmp_path, data, "extract.writer_threads=4"))
     CALLS.clear()
-    capsys.readouterr()
     pipeline.run_all(_cfg(tmp_path, data, "extract.writer_threads=2"))
-    assert CALLS == []
-    out = capsys.readouterr()
-    assert "[b] up to date" in out.out + out.err and "older eaglet's" in out.out + out.err
     pipeline.run_stage(_cfg(tmp_path, data, "extract.fsync=false"), "c")
     assert CALLS == []
-
     pipeline.run_all(_cfg(tmp_path, data, "extract.batch_tokens=1024", "extract.writer_threads=3"))
     assert CALLS == ["b", "c"]
     b = json.loads((tmp_path / "run" / "b" / "manifest.json").read_text())
     assert "writer_threads" not in b["inputs"]["config"]["extract"] and b["config"]["extract"]["writer_threads"] == 3
+    assert b["input_hash"] == pipeline.input_hash(b["inputs"])  # the one scheme, recomputable from the manifest
 
 
 def test_failed_stage_leaves_no_manifest_and_is_rerun(stages):
@@ -178,21 +155,47 @@ def test_a_single_stage_is_refused_when_an_output_it_needs_is_gone(stages):
     assert CALLS == ["a"]  # b was up to date once a's outputs were back
 
 
-def test_a_manifest_written_before_outputs_were_listed_stays_up_to_date(stages):
-    """An older eaglet's manifest lists no outputs: its stage is not rerun for the upgrade (a
-    finished extract of a large target), and its files are read unverified with a note."""
+def test_the_manifest_records_its_format_version(stages):
     tmp_path, data = stages
     pipeline.run_all(_cfg(tmp_path, data))
     for name in "abc":
-        path = tmp_path / "run" / name / "manifest.json"
-        m = json.loads(path.read_text())
-        del m["outputs"]
-        path.write_text(json.dumps(m))
-        (tmp_path / "run" / name / "checksums.json").unlink()
+        m = json.loads((tmp_path / "run" / name / "manifest.json").read_text())
+        assert m["format_version"] == MANIFEST_VERSION
+
+
+@pytest.mark.parametrize("version", [None, 0, MANIFEST_VERSION + 1])
+@pytest.mark.parametrize("command", ["run", "stage"])
+def test_a_manifest_of_another_format_version_is_refused(stages, version, command):
+    """A stage folder whose manifest is of another format version (None: written before
+    versions, and listing no outputs) is refused in one line naming the folder and the command
+    that starts afresh, by `eaglet run` and by a later stage that needs it; nothing runs, and
+    `--force` runs it afresh."""
+    tmp_path, data = stages
+    pipeline.run_all(_cfg(tmp_path, data))
+    path = tmp_path / "run" / "a" / "manifest.json"
+    m = json.loads(path.read_text())
+    if version is None:
+        del m["format_version"], m["outputs"]
+    else:
+        m["format_version"] = version
+    path.write_text(json.dumps(m))
+    CALLS.clear()
+    with pytest.raises(FormatVersionError) as e:
+        if command == "run":
+            pipeline.run_all(_cfg(tmp_path, data))
+        else:
+            pipeline.run_stage(_cfg(tmp_path, data), "b")
+    was = ("has no format version (written before eaglet's formats had one)" if version is None
+           else f"is format version {version}")
+    assert e.value.line() == (f"stage a's manifest in {tmp_path / 'run' / 'a'} {was}; this eaglet reads version "
+                              f"{MANIFEST_VERSION} and converts no other; start afresh with `eaglet run CONFIG --force` "
+                              f"(or `eaglet a CONFIG --force`, or remove {tmp_path / 'run' / 'a'})")
+    assert e.value.exit_code == 4 and CALLS == []
+    pipeline.run_stage(_cfg(tmp_path, data), "a", force=True)
+    assert json.loads(path.read_text())["format_version"] == MANIFEST_VERSION
     CALLS.clear()
     pipeline.run_all(_cfg(tmp_path, data))
-    pipeline.run_stage(_cfg(tmp_path, data), "c")
-    assert CALLS == []
+    assert CALLS == []  # written afresh under the same input hash: b and c stay up to date
 
 
 # ---- the target's identity in the input hashes ---------------------------------------------------

@@ -27,7 +27,7 @@ from eaglet import pipeline
 from eaglet.config import TrainSection, load_config
 from eaglet.draft.model import DraftConfig
 from eaglet.draft.step import extend_schedule, lr_lambda
-from eaglet.errors import ConfigError, CorruptDataError, DivergedError, ResumeError
+from eaglet.errors import ConfigError, CorruptDataError, DivergedError, FormatVersionError, ResumeError
 from eaglet.formats import checkpoints as ck
 from eaglet.training import loop, resume
 
@@ -202,18 +202,26 @@ def test_no_intact_checkpoint_is_one_error_naming_the_folder_and_the_fix(clean, 
                          f"{run / 'train' / 'previous-1'}/)")
 
 
-def test_checkpoint_written_before_checksums_resumes_with_a_warning(clean, tmp_path, capfd):
+@pytest.mark.parametrize("version", [None, ck.CHECKPOINT_VERSION + 1])
+def test_a_checkpoint_of_another_format_version_is_refused_not_passed_over(clean, tmp_path, version):
+    """The newest checkpoint of another format version (None: none): one line naming it and the
+    command that starts afresh, exit 4; not passed over to an older one, which that eaglet wrote too."""
     tmp, base, ref = clean
     run = killed_copy(ref, tmp_path / "run", after=6)
     six = _ckpts(run) / "step-0000006"
-    (six / ck.CHECKSUM_FILE).unlink()
     state = json.loads((six / ck.STATE_FILE).read_text())
-    (six / ck.STATE_FILE).write_text(json.dumps({k: v for k, v in state.items() if k != "format"}))
-    stats = _train(run, base)
-    err = capfd.readouterr().err
-    assert "[train] warning: checkpoint step-0000006 has no checksums (an older eaglet wrote it)" in err
-    assert stats["resumed"]["from_step"] == 6 and stats["resumed"]["verified"] is False
-    _same_weights(run, ref)
+    if version is None:
+        del state["format_version"]
+    else:
+        state["format_version"] = version
+    (six / ck.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(FormatVersionError) as e:
+        _train(run, base)
+    was = ("has no format version (written before eaglet's formats had one)" if version is None
+           else f"is format version {version}")
+    assert e.value.exit_code == 4 and e.value.line() == (
+        f"the checkpoint in {six} {was}; this eaglet reads version {ck.CHECKPOINT_VERSION} and converts no other; "
+        f"start training afresh with `eaglet train CONFIG --force` (or remove {_ckpts(run)})")
 
 
 def test_keep_last_below_one_still_keeps_the_newest(tmp_path):

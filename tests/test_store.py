@@ -14,10 +14,10 @@ import torch
 import eaglet.formats.store as store_mod
 from eaglet import cli
 from eaglet.errors import CorruptDataError
-from eaglet.formats import checked
 from eaglet.formats.checked import CHECKSUMS
-from eaglet.formats.store import (FORMAT, INDEX, STORE_META, CorruptShardError, StoreReader, StoreWriter,
+from eaglet.formats.store import (INDEX, STORE_META, CorruptShardError, StoreReader, StoreWriter, described,
                                   open_verified, prepare_folder, resume_folder, write_safetensors)
+from eaglet.formats.version import STORE_VERSION
 
 H, N_AUX = 8, 3
 
@@ -292,24 +292,24 @@ def test_resume_folder_deletes_bad_shards_and_names_missing_ones(tmp_path):
     assert again.bad == again.missing == [] and again.summary().endswith("shards intact")
 
 
-@pytest.mark.parametrize("earlier", [("h0",), ()])
-def test_a_store_begun_under_an_earlier_hash_of_the_same_inputs_resumes(tmp_path, earlier):
-    """A store an older eaglet began (store.json under the hash it gave the same inputs) is kept
-    when that hash is among `earlier`, its store.json given today's; under any other hash it is
-    cleared."""
-    samples = _samples(12)
-    _write(tmp_path, samples, input_hash="h0")
-    shards = sorted(p.name for p in tmp_path.glob("shard-r*.safetensors"))
-    check = resume_folder(tmp_path, _meta(input_hash="h1"), fsync=False, earlier=earlier)
-    assert json.loads((tmp_path / "store.json").read_text())["input_hash"] == "h1"
-    kept = sorted(p.name for p in tmp_path.glob("shard-r*.safetensors"))
-    if earlier:
-        assert kept == shards and check.intact == len(shards) and check.missing == []
-        w = StoreWriter(tmp_path, _meta(input_hash="h1"), shard_bytes=4000, fsync=False, prepare=False)
-        assert w.done_ids() == set(samples)
-        w.close()
+@pytest.mark.parametrize("version", [None, STORE_VERSION + 1])
+def test_a_store_of_another_format_version_is_cleared_not_resumed(tmp_path, version, capsys):
+    """An extraction over a store whose store.json is of another format version (None: none)
+    clears it as it clears a store made for other inputs: its shards are not resumed as this
+    format's."""
+    _write(tmp_path, _samples(12))
+    meta = json.loads((tmp_path / STORE_META).read_text())
+    if version is None:
+        del meta["format_version"]
     else:
-        assert kept == [] and check.intact == 0
+        meta["format_version"] = version
+    (tmp_path / STORE_META).write_text(json.dumps(meta, indent=1))
+    (tmp_path / CHECKSUMS).unlink()  # what store.json says is read, not its checksum
+    capsys.readouterr()
+    check = resume_folder(tmp_path, _meta(), fsync=False)
+    assert "was made for other inputs (changed format_version)" in capsys.readouterr().err
+    assert sorted(tmp_path.glob("shard-r*")) == [] and check.intact == 0
+    assert json.loads((tmp_path / STORE_META).read_text()) == described(_meta())
 
 
 # ---- store.json and index.json: checksummed, and a lost store.json never costs the shards ----------------
@@ -333,14 +333,14 @@ def test_store_json_and_index_json_are_listed_in_checksums_json_as_written(tmp_p
     for name in (STORE_META, INDEX):
         data = (tmp_path / name).read_bytes()
         assert sums[name] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    assert json.loads((tmp_path / STORE_META).read_text()) == {"format": FORMAT, **_meta()}
+    assert json.loads((tmp_path / STORE_META).read_text()) == described(_meta())
 
 
 def _differs(path):  # still JSON, and what it says is another input's: only its checksum tells
     path.write_text(path.read_text().replace(f'"hidden_size": {H}', f'"hidden_size": {H + 1}'))
 
 
-def _older_and_cut(path):  # a store written before store.json was checksummed, its store.json cut
+def _unlisted_and_cut(path):  # checksums.json lost, store.json cut
     (path.parent / CHECKSUMS).unlink()
     path.write_bytes(path.read_bytes()[:-7])
 
@@ -349,7 +349,7 @@ STORE_JSON_DAMAGE = {
     "deleted": (lambda p: p.unlink(), "missing"),
     "cut": (lambda p: p.write_bytes(p.read_bytes()[:-7]), "damaged ("),
     "changed": (_differs, f"damaged (sha256 differs from its {CHECKSUMS}: changed since it was written)"),
-    "older store, cut": (_older_and_cut, "damaged (not readable: JSONDecodeError)"),
+    "cut, checksums.json lost": (_unlisted_and_cut, "damaged (not readable: JSONDecodeError)"),
 }
 
 
@@ -373,7 +373,7 @@ def test_a_lost_or_damaged_store_json_keeps_the_shards_index_json_describes(tmp_
     assert "clearing" not in err
     assert _shard_files(tmp_path) == before  # not one shard or sidecar deleted or written again
     assert check.intact == shards and check.bad == check.missing == []
-    assert json.loads((tmp_path / STORE_META).read_text()) == {"format": FORMAT, **_meta()}
+    assert json.loads((tmp_path / STORE_META).read_text()) == described(_meta())
     assert _sums(tmp_path)[STORE_META]["sha256"] == hashlib.sha256((tmp_path / STORE_META).read_bytes()).hexdigest()
     w = StoreWriter(tmp_path, _meta(), shard_bytes=4000, fsync=False, prepare=False)
     assert w.done_ids() == set(samples)
@@ -484,16 +484,14 @@ def test_a_damaged_index_json_is_named_with_the_repair_command(tmp_path, how):
     assert line.endswith("; repair it with `eaglet extract CONFIG --force`"), line
 
 
-def test_an_index_json_written_before_it_was_listed_is_read_with_a_note(tmp_path, capsys):
-    samples = _samples(25)
-    _write(tmp_path, samples)
+def test_an_index_json_its_checksums_json_does_not_list_is_refused(tmp_path):
+    """Every store eaglet writes lists index.json in its checksums.json: one that does not is
+    another run's, refused in one line (no unverified read)."""
+    _write(tmp_path, _samples(25))
     sums = json.loads((tmp_path / CHECKSUMS).read_text())
     del sums["files"][INDEX]
     (tmp_path / CHECKSUMS).write_text(json.dumps(sums))
-    checked._told.clear()
-    capsys.readouterr()
-    _assert_same(StoreReader(tmp_path), samples)
-    StoreReader(tmp_path)
-    err = capsys.readouterr().err
-    assert err.count("note:") == 1 and f"{tmp_path / INDEX} is not listed in its {CHECKSUMS}" in err
-    assert "read unverified" in err and "eaglet extract CONFIG --force" in err
+    with pytest.raises(CorruptDataError) as e:
+        StoreReader(tmp_path)
+    assert e.value.line() == (f"damaged file {tmp_path / INDEX} (not listed in its {CHECKSUMS}: written by another "
+                              "run); repair it with `eaglet extract CONFIG --force`")

@@ -13,12 +13,13 @@ checksums.json before the file is parsed, and turns a file it cannot parse into
 CorruptDataError too: a missing, cut, flipped or unparsable file is named in one line with the
 command that rebuilds it (exit 5), never a library's exception.
 
-A folder written by an eaglet before checksums has no checksums.json: its files are read
-unverified, and the reader says so once per folder and process (likewise a file its
-checksums.json does not list, where the reader allows it: the store's index.json before it was
-listed). (The pipeline knows which
-folders must have one: each manifest lists its stage's outputs, `listed` below, and a missing
-or resized file makes the stage out of date; see eaglet/pipeline.py.)
+Every folder eaglet writes has its checksums.json, so one without it, or a file it does not
+list, is refused like a damaged file (an older eaglet's outputs are refused before they are read,
+by their format version: eaglet/formats/version.py). Only a folder eaglet did not write, a draft
+from elsewhere (`eval.draft`, `train.init_from`), is read without one: `CheckedFolder(own=False)`.
+(The pipeline knows which folders must have one: each manifest lists its stage's outputs,
+`listed` below, and a missing or resized file makes the stage out of date; see
+eaglet/pipeline.py.)
 
 The store's shards (sidecars) and the training checkpoints (their own checksums.json) are
 checked by their own modules, formats/store.py and formats/checkpoints.py.
@@ -35,13 +36,11 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import CorruptDataError
-from ..utils import atomic_write_bytes, log, sha256_file
+from ..utils import atomic_write_bytes, sha256_file
 
 CHECKSUMS = "checksums.json"
 FORMAT = "eaglet-checksums-v1"
 T = TypeVar("T")
-
-_told: set[str] = set()  # folders read unverified that this process has said so about
 
 
 def digest(data: bytes | memoryview) -> dict[str, Any]:
@@ -143,12 +142,12 @@ class CheckedFolder:
     """A folder of files one format wrote, read through its checksums.json.
 
     `fix` is how to rebuild the folder's files (appended to every error: "rebuild it with
-    `eaglet vocab CONFIG --force`"). Without checksums.json the folder is read unverified (a
-    folder an eaglet before checksums wrote) and `verified` is False; `tell`: say so, once per
-    folder (off for folders eaglet may not have written: a draft from elsewhere)."""
+    `eaglet vocab CONFIG --force`"). `own`: eaglet wrote the folder, so a checksums.json missing
+    is CorruptDataError naming it; a folder eaglet may not have written (own=False: a draft from
+    elsewhere) is read unverified without one, and `verified` is False."""
 
-    def __init__(self, folder: str | Path, fix: str, tell: bool = True):
-        self.folder, self.fix, self.tell = Path(folder), fix, tell
+    def __init__(self, folder: str | Path, fix: str, own: bool = True):
+        self.folder, self.fix, self.own = Path(folder), fix, own
         self.sums: dict[str, dict[str, Any]] | None = read_sums(self.folder, fix)
 
     @property
@@ -165,32 +164,20 @@ class CheckedFolder:
         return CorruptDataError(f"missing file {path}" if why == "missing" else f"damaged file {path} ({why})",
                                 fix=self.fix)
 
-    def check(self, name: str, unlisted_ok: bool = False) -> Path:
+    def check(self, name: str) -> Path:
         """The path of file `name` after its size and sha256 matched checksums.json (streamed:
-        a large file is not held in memory); raises CorruptDataError naming it otherwise.
-        `unlisted_ok`: a file checksums.json does not list (written before the format listed it)
-        is read unverified, with a note, rather than refused as another run's."""
+        a large file is not held in memory); raises CorruptDataError naming it otherwise (or
+        checksums.json, missing from a folder eaglet wrote)."""
         path = self.folder / name
         if self.sums is None:
+            if self.own:
+                raise self.error(CHECKSUMS, "missing")
             if not path.is_file():
                 raise self.error(name, "missing")
-            key = str(self.folder.resolve())
-            if self.tell and key not in _told:
-                _told.add(key)
-                log(f"note: {self.folder} has no {CHECKSUMS} (written by an eaglet before files were checksummed): "
-                    f"its files are read unverified; to add checksums, {self.fix}")
             return path
         want = self.sums.get(name)
-        if want is None and unlisted_ok and path.is_file():
-            key = str(path.resolve())
-            if self.tell and key not in _told:
-                _told.add(key)
-                log(f"note: {path} is not listed in its {CHECKSUMS} (written by an eaglet before it was checksummed): "
-                    f"read unverified; to add its checksum, {self.fix}")
-            return path
         if want is None:
-            raise self.error(name, "missing" if unlisted_ok
-                             else f"not listed in its {CHECKSUMS}: written by another run")
+            raise self.error(name, f"not listed in its {CHECKSUMS}: written by another run")
         problem = size_problem(path, want)
         if problem is not None:
             raise self.error(name, problem)
@@ -198,18 +185,17 @@ class CheckedFolder:
             raise self.error(name, f"sha256 differs from its {CHECKSUMS}: changed since it was written")
         return path
 
-    def read(self, name: str, parse: Callable[[Path], T], unlisted_ok: bool = False) -> T:
-        """`parse(path)` of file `name` once it is checked (`unlisted_ok` as there); a file `parse`
-        cannot read (a damaged safetensors header or JSON in a folder without checksums) is
-        CorruptDataError too."""
-        path = self.check(name, unlisted_ok)
+    def read(self, name: str, parse: Callable[[Path], T]) -> T:
+        """`parse(path)` of file `name` once it is checked; a file `parse` cannot read (a damaged
+        safetensors header or JSON in a draft from elsewhere) is CorruptDataError too."""
+        path = self.check(name)
         try:
             return parse(path)
         except Exception as e:  # noqa: BLE001 - every library error of a damaged file ends here
             raise self.error(name, f"not readable: {type(e).__name__}: {_short(e)}") from e
 
-    def json(self, name: str, unlisted_ok: bool = False) -> Any:
-        return self.read(name, lambda p: json.loads(p.read_text()), unlisted_ok)
+    def json(self, name: str) -> Any:
+        return self.read(name, lambda p: json.loads(p.read_text()))
 
 
 def _short(e: BaseException) -> str:

@@ -4,16 +4,19 @@
         model.safetensors    the trained weights, full (unsharded), without the frozen embedding
         optimizer.pt         torch.save of the optimizer's state dict (read back with weights_only=True)
         rng.safetensors      torch_cpu, torch_cuda_{i}: the RNG states
-        state.json           format, step, epoch, micro (the next micro-batch of the epoch plan),
-                             fingerprint, settings, schedule, world_size, parallel, scheduler
+        state.json           format_version, step, epoch, micro (the next micro-batch of the epoch
+                             plan), fingerprint, settings, schedule, world_size, parallel, scheduler
         checksums.json       sha256 and size of each of the four files above
 
 A checkpoint is written into a temporary folder, checksummed, fsynced and renamed, so a kill
 leaves the newest complete one; `keep_last` of them (at least one) are kept. Reading verifies
 the checksums and that every weight and optimizer value is finite: a checkpoint that fails is
 named with the reason (CorruptCheckpointError) and `newest_intact` goes on to the one before.
-A checkpoint written before checksums (no checksums.json, no `format` in state.json) is read
-unverified; `Checkpoint.verified` says so.
+
+Format version (eaglet/formats/version.py): state.json records CHECKPOINT_VERSION. A checkpoint
+of another version, or of none, is not damaged but another eaglet's: `read_checkpoint` refuses it
+in one line naming it and the command that starts training afresh (FormatVersionError), and
+`newest_intact` does not pass over it to an older one, which that eaglet wrote too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CorruptDataError
 from ..utils import atomic_write_json, fsync_dir, sha256_file
+from .version import CHECKPOINT_VERSION, KEY as VERSION_KEY, check_version
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -38,7 +42,6 @@ RNG_FILE = "rng.safetensors"
 STATE_FILE = "state.json"
 CHECKSUM_FILE = "checksums.json"
 CHECKSUMMED = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
-FORMAT = 2  # state.json's `format`: 2 has checksums.json (a state.json without `format` came before it)
 
 
 class CorruptCheckpointError(CorruptDataError):
@@ -58,7 +61,7 @@ class Checkpoint:
 
     folder: Path
     state: dict[str, Any]
-    verified: bool  # its checksums matched (False: written before checkpoints had them)
+    verified: bool  # this read checked its checksums and values (`read_checkpoint`'s `check`)
     model: dict[str, torch.Tensor] | None = None
     optimizer: dict[str, Any] | None = None
 
@@ -133,7 +136,7 @@ def save_checkpoint(folder: Path, step: int, model_state: dict[str, torch.Tensor
     save_file(trainable_state(model_state), str(tmp / MODEL_FILE))
     torch.save(optim_state, tmp / OPTIMIZER_FILE)
     save_file(rng_state() if rng is None else rng, str(tmp / RNG_FILE))
-    atomic_write_json(tmp / STATE_FILE, {**state, "format": FORMAT, "step": step, "scheduler": sched_state})
+    atomic_write_json(tmp / STATE_FILE, {**state, VERSION_KEY: CHECKPOINT_VERSION, "step": step, "scheduler": sched_state})
     atomic_write_json(tmp / CHECKSUM_FILE, {"files": _checksums(tmp, CHECKSUMMED)})
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -152,17 +155,11 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted((p for p in folder.glob("step-*") if p.is_dir()), reverse=True)
 
 
-def verify(folder: Path) -> bool:
-    """Check checkpoint `folder`'s files against its checksums.json: True when they match,
-    False for a checkpoint written before checksums; raises CorruptCheckpointError otherwise."""
-    sums_path, state_path = folder / CHECKSUM_FILE, folder / STATE_FILE
+def verify(folder: Path) -> None:
+    """Check checkpoint `folder`'s files against its checksums.json; raises CorruptCheckpointError
+    naming the first that does not match (or checksums.json itself, missing or unreadable)."""
+    sums_path = folder / CHECKSUM_FILE
     if not sums_path.is_file():
-        try:
-            legacy = "format" not in json.loads(state_path.read_text())
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
-        if legacy:
-            return False
         raise CorruptCheckpointError(folder, f"{CHECKSUM_FILE}: missing")
     try:
         want = json.loads(sums_path.read_text())["files"]
@@ -181,7 +178,6 @@ def verify(folder: Path) -> bool:
     for name in present:
         if got[name]["sha256"] != want[name][0]:
             raise CorruptCheckpointError(folder, f"{name}: sha256 mismatch")
-    return True
 
 
 def _first_nonfinite(obj: Any, where: str = "") -> str | None:
@@ -196,18 +192,40 @@ def _first_nonfinite(obj: Any, where: str = "") -> str | None:
     return None
 
 
+def _readable_state(folder: Path) -> dict[str, Any] | None:
+    """state.json of checkpoint `folder`, or None where it cannot be read as a JSON object."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _check_version(folder: Path, state: dict[str, Any] | None) -> None:
+    """FormatVersionError unless `state` (None: unreadable, left to the damage checks) is of CHECKPOINT_VERSION."""
+    if state is not None:
+        check_version(state.get(VERSION_KEY), CHECKPOINT_VERSION, "the checkpoint", folder,
+                      fix=f"start training afresh with `eaglet train CONFIG --force` (or remove {folder.parent})")
+
+
 def read_checkpoint(folder: Path, device: torch.device | str | None = None, check: bool = True) -> Checkpoint:
     """Checkpoint `folder`: its state, and with `device` its weights and optimizer state there.
     `check`: verify the checksums and that every weight and optimizer value is finite first (the
     rank that picked the checkpoint does; the others read what it checked). Raises
-    CorruptCheckpointError naming the file and what is wrong."""
-    verified = verify(folder) if check else True
-    try:
-        state = json.loads((folder / STATE_FILE).read_text())
-        int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable ({type(e).__name__})") from e
-    ckpt = Checkpoint(folder, state, verified)
+    CorruptCheckpointError naming the file and what is wrong, FormatVersionError for a checkpoint
+    of another format version (also where its files do not pass this version's checks: what
+    another eaglet wrote is refused as such, not as damaged)."""
+    if check:
+        try:
+            verify(folder)
+        except CorruptCheckpointError:
+            _check_version(folder, _readable_state(folder))
+            raise
+    state = _readable_state(folder)
+    if state is None or not isinstance(state.get("step"), int):
+        raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable")
+    _check_version(folder, state)
+    ckpt = Checkpoint(folder, state, check)
     if device is None:
         return ckpt
     reads = [(MODEL_FILE, lambda p: load_file(str(p), device=str(device))),
@@ -232,7 +250,8 @@ def read_checkpoint(folder: Path, device: torch.device | str | None = None, chec
 def newest_intact(folder: Path, device: torch.device | str | None = None
                   ) -> tuple[Checkpoint | None, list[CorruptCheckpointError]]:
     """(the newest checkpoint in `folder` that reads back intact, with its weights on `device`,
-    or None; the newer ones that did not, newest first)."""
+    or None; the newer ones that did not, newest first). A checkpoint of another format version
+    is refused (FormatVersionError), not passed over."""
     corrupt = []
     for path in checkpoints(folder):
         try:

@@ -10,7 +10,9 @@
     source_file  int32  [S]     index into index.json's "files"
     source_row   int64  [S]     line (JSONL, 1-based), element (JSON array, 0-based) or row (Parquet, 0-based)
 
-and `index.json` lists the shards with their sample counts and the source files;
+and `index.json` lists the shards with their sample counts and the source files, and the format
+version (PREPARED_VERSION, eaglet/formats/version.py: another version, or none, is refused in one
+line naming the folder and AFRESH);
 `checksums.json` (eaglet/formats/checked.py) the sha256 and size of every shard and of index.json,
 taken as they are written. `PreparedData` checks each file against it before reading it, and
 that a shard's offsets cut its tokens into its samples: a damaged file is CorruptDataError naming
@@ -28,10 +30,13 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save
 
+from ..errors import CorruptDataError
 from .checked import CHECKSUMS, CheckedFolder, write_file, write_sums
+from .version import KEY as VERSION_KEY, PREPARED_VERSION, check_version, recorded_version
 
 INDEX = "index.json"
 REBUILD = "rebuild it with `eaglet prepare CONFIG --force`"
+AFRESH = "prepare it afresh with `eaglet prepare CONFIG --force`"
 
 
 @dataclass
@@ -85,7 +90,7 @@ class PreparedWriter:
 
     def close(self) -> dict:
         self._flush()
-        index = {"format": "eaglet-prepared-v1", "files": self.files, "shards": self.shards, "num_samples": self.num_samples}
+        index = {"format": "eaglet-prepared-v1", VERSION_KEY: PREPARED_VERSION, "files": self.files, "shards": self.shards, "num_samples": self.num_samples}
         self.sums[INDEX] = write_file(self.folder / INDEX, json.dumps(index, indent=1).encode())
         write_sums(self.folder, self.sums)
         return index
@@ -95,8 +100,8 @@ _SHARD_TENSORS = ("input_ids", "loss_mask", "offsets", "sample_id", "source_file
 
 
 def _shard_problem(data: dict[str, np.ndarray], samples: int) -> str | None:
-    """Why a shard's tensors are not `samples` samples as the format lays them out, or None (a
-    shard of a folder without checksums is read unverified: this is its only check)."""
+    """Why a shard's tensors are not `samples` samples as the format lays them out, or None (its
+    checksum matched: this catches a writer's bug, not a flipped bit)."""
     missing = [n for n in _SHARD_TENSORS if n not in data]
     if missing:
         return f"no tensor {missing[0]}"
@@ -117,7 +122,14 @@ class PreparedData:
         if not (self.folder / INDEX).is_file() and not (self.folder / CHECKSUMS).is_file():
             raise FileNotFoundError(f"no prepared data in {self.folder} (missing {INDEX}); run `eaglet prepare` first")
         self._checked = CheckedFolder(self.folder, REBUILD)
-        self.index = self._checked.json(INDEX)
+        try:
+            self.index = self._checked.json(INDEX)
+        except CorruptDataError:  # another eaglet's index is refused as such, not as damaged
+            check_version(recorded_version(self.folder / INDEX), PREPARED_VERSION, "the prepared data", self.folder,
+                          fix=AFRESH)
+            raise
+        found = self.index.get(VERSION_KEY) if isinstance(self.index, dict) else None
+        check_version(found, PREPARED_VERSION, "the prepared data", self.folder, fix=AFRESH)
         try:
             self.files: list[str] = list(self.index["files"])
             shards = [(str(sh["file"]), int(sh["samples"])) for sh in self.index["shards"]]

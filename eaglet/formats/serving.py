@@ -299,7 +299,7 @@ def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False) -> Lo
     num_speculative_tokens, dtype, missing, folder (the export folder read).
     `path` may also be a folder holding a vllm/ or sglang/ export (vllm/ is preferred)."""
     folder = resolve_folder(Path(path))
-    checked = CheckedFolder(folder, fix, tell=False)  # a draft from elsewhere has no checksums.json
+    checked = CheckedFolder(folder, fix, own=False)  # a draft from elsewhere has no checksums.json
     config = checked.json(CONFIG_FILE)
     weights = _read_weights(checked)
     fmt = detect_format(config, weights)

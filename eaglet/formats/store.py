@@ -2,9 +2,10 @@
 
 A store folder holds
 
-    store.json                      format, input hash, hidden size, layer ids, dtype: what
-                                    the shards mean (`store_meta`; a store made for other
-                                    inputs is cleared, never one whose store.json is lost)
+    store.json                      format, format_version, input hash, hidden size, layer ids,
+                                    dtype: what the shards mean (`store_meta`; a store made for
+                                    other inputs or in another format version is cleared, never
+                                    one whose store.json is lost)
     shard-r{rank}-{k:06d}.safetensors
         aux        [N, n_aux*H]  store dtype  states entering the `layers`, concatenated low..high
         final      [N, H]        store dtype  the teacher state: after the final norm (what the LM head
@@ -38,7 +39,11 @@ process killed at any instant leaves done shards plus debris (tmp files, a shard
 sidecar) that the next `StoreWriter` deletes; their samples are extracted again.
 
 store.json is read by extraction alone, index.json by every reader (verified against
-checksums.json; a store written before index.json was listed there is read with a note). A
+checksums.json). Format version (eaglet/formats/version.py): store.json, and so index.json's
+meta, record STORE_VERSION. A reader refuses a store of another version, or of none, in one line
+naming its folder and `eaglet extract CONFIG --force` (FormatVersionError); an extraction finds
+another version's store.json different from the one it writes, like a store made for other
+inputs, and clears the store (its shards cannot be resumed as this format's). A
 store.json lost or damaged (missing, unparsable, or not the sha256 checksums.json recorded) never
 clears the shards: where index.json, or the sha256 recorded for store.json, says they were made
 for these same inputs, they are kept and store.json written again; where nothing says what they
@@ -69,7 +74,6 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +87,7 @@ from tqdm import tqdm
 
 from ..distributed import all_gather_object, barrier, dist_env, run_on_main
 from ..errors import CorruptDataError
+from .version import KEY as VERSION_KEY, STORE_VERSION, check_version, recorded_version
 from ..utils import DTYPES, atomic_write_bytes, atomic_write_json, atomic_writer, log, sha256_file
 from .checked import CHECKSUMS, CheckedFolder, digest, read_sums, size_problem, update_sums, write_file, write_sums
 
@@ -97,6 +102,7 @@ POST_NORM, PRE_NORM = "post_norm", "pre_norm"  # store.json final_state: the tea
 
 
 REPAIR = "repair it with `eaglet extract CONFIG --force`"
+AFRESH = "extract it afresh with `eaglet extract CONFIG --force`"
 PROGRESS_BYTES = 1 << 30  # a check of at least this much data shows a progress bar
 
 
@@ -203,6 +209,11 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def described(meta: dict[str, Any]) -> dict[str, Any]:
+    """store.json's content for `meta` (`store_meta`): the format's name and version first."""
+    return {"format": FORMAT, VERSION_KEY: STORE_VERSION, **meta}
+
+
 def _meta_bytes(meta: dict[str, Any]) -> bytes:
     """store.json as written: the same meta gives the same bytes (and sha256)."""
     return json.dumps(meta, indent=1, default=str).encode()
@@ -229,7 +240,7 @@ def _read_listed(folder: Path, name: str, sums: dict[str, dict[str, Any]]) -> tu
 
 def store_meta(input_hash: str, hidden_size: int, layers: list[int], dtype: str, final_state: str,
                num_target_layers: int, target_class: str, norm_eps: float, mode: str, **more: Any) -> dict[str, Any]:
-    """store.json's description of the states (the writer adds "format"): the extract stage's
+    """store.json's description of the states (the writer adds the format, `described`): the extract stage's
     input hash, the target's hidden size, the captured layer ids (n_aux of them), the store
     dtype's config name, final_state (POST_NORM or PRE_NORM), the target's decoder layers and
     class, its final norm's epsilon and extract.mode. `more`: a backend's own keys (the HF
@@ -349,19 +360,17 @@ class StoreCheck:
             log(f"[extract] {self.summary()}")
 
 
-def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
-                   earlier: Iterable[str] = ()) -> StoreCheck:
+def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True) -> StoreCheck:
     """Make `folder` ready for writers of `meta`; returns the unfinished files removed and the
     shards that were finished once (listed in index.json, or a sidecar left without its
     shard) and are gone: their samples are no longer stored.
 
-    A store made for other inputs (store.json differs) is deleted; the index is removed (it
+    A store made for other inputs or in another format version (store.json differs) is
+    deleted; the index is removed (it
     is valid again only when this extraction completes) and dropped from checksums.json;
     debris of any rank (temporary files, a shard without its sidecar, a sidecar without its
     shard) is removed. Under torchrun rank 0 runs this alone, before any rank opens a writer.
-    Shards' checksums are not read here (`resume_folder` checks them). `earlier`: the input
-    hashes an older eaglet gave the same inputs (`StageContext.earlier_hashes`); a store begun
-    under one is kept, its store.json given today's hash.
+    Shards' checksums are not read here (`resume_folder` checks them).
 
     A store.json missing or damaged (unparsable, or not what checksums.json recorded) never
     clears the shards: where index.json describes these inputs, or the sha256 checksums.json
@@ -372,12 +381,10 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, **meta}
-    earlier = set(earlier)
+    meta = described(meta)
 
-    def same(m: Any) -> bool:  # made for these inputs, by this eaglet or an older one
-        return m == meta or (isinstance(m, dict) and m.get("input_hash") in earlier
-                             and {**m, "input_hash": meta.get("input_hash")} == meta)
+    def same(m: Any) -> bool:  # made for these inputs, in this format
+        return m == meta
 
     try:
         sums, damaged_sums = read_sums(folder, REPAIR) or {}, False
@@ -421,12 +428,7 @@ def prepare_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
         else:  # debris only: nothing is lost
             clear = f"no readable {STORE_META}"
     elif old_why is None and old != meta:
-        if same(old):
-            if files:
-                log(f"[extract] store in {folder} was begun by an older eaglet, which hashed the same inputs as "
-                    f"{str(old['input_hash'])[:12]}; resuming it")
-        else:
-            clear = differs(old)
+        clear = differs(old)
     if clear is not None and files:
         listed = {}
         log(f"[extract] store in {folder} was made for other inputs ({clear}); clearing {len(files)} files")
@@ -535,14 +537,14 @@ def _delete_shards(folder: Path, bad: list[dict[str, Any]], missing: list[dict[s
 
 
 def resume_folder(folder: str | Path, meta: dict[str, Any], fsync: bool = True,
-                  threads: int | None = None, earlier: Iterable[str] = ()) -> StoreCheck:
+                  threads: int | None = None) -> StoreCheck:
     """Make `folder` ready for an extraction of `meta` that keeps what is intact: `prepare_folder`
-    (on rank 0; `earlier` as there), then every finished shard checked (`check_shards_all_ranks`)
+    (on rank 0), then every finished shard checked (`check_shards_all_ranks`)
     and the bad ones deleted, shard and sidecar, so that their samples count as not done. A
     collective under torchrun: every rank calls it, before any rank opens a writer; all get the
     same result."""
     folder = Path(folder)
-    found = run_on_main(prepare_folder, folder, meta, fsync, tuple(earlier))
+    found = run_on_main(prepare_folder, folder, meta, fsync)
     sides = list(finished_shards(folder).values())
     bad = check_shards_all_ranks(folder, sides, int(meta["n_aux"]), int(meta["hidden_size"]), threads)
     run_on_main(_delete_shards, folder, bad, found.missing)
@@ -586,7 +588,7 @@ def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dic
     shards = [{k: records[f][k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for f in sorted(records)]
     index = {
         "format": FORMAT,
-        "meta": {"format": FORMAT, **meta},
+        "meta": described(meta),
         "shards": shards,
         "num_shards": len(shards),
         "num_samples": sum(s["samples"] for s in shards),
@@ -617,7 +619,7 @@ class StoreWriter:
                  queue_size: int = 2, fsync: bool = True, rank: int = 0, threads: int = 4, prepare: bool = True):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.meta = {"format": FORMAT, **meta}
+        self.meta = described(meta)
         self.dtype = DTYPES[self.meta["dtype"]]
         self.hidden = int(self.meta["hidden_size"])
         self.n_aux = int(self.meta["n_aux"])
@@ -814,10 +816,16 @@ class StoreReader:
         checked = CheckedFolder(self.folder, REPAIR)
         if not (self.folder / INDEX).is_file() and not checked.lists(INDEX):  # an extraction not finished
             raise FileNotFoundError(f"no finished store in {self.folder} (missing {INDEX}); run `eaglet extract`")
-        # size and sha256 first (a store written before index.json was listed: read with a note)
-        index = checked.json(INDEX, unlisted_ok=True)
+        try:
+            index = checked.json(INDEX)  # size and sha256 first
+        except CorruptDataError:  # another eaglet's index is refused as such, not as damaged
+            check_version(recorded_version(self.folder / INDEX, "meta"), STORE_VERSION, "the store", self.folder,
+                          fix=AFRESH)
+            raise
         try:
             self.meta: dict[str, Any] = dict(index["meta"])
+            # the version before anything else of it is read (FormatVersionError is none of those caught)
+            check_version(self.meta.get(VERSION_KEY), STORE_VERSION, "the store", self.folder, fix=AFRESH)
             self.layers: list[int] = [int(i) for i in self.meta["layers"]]
             self.hidden_size = int(self.meta["hidden_size"])
             self.dtype = DTYPES[self.meta["dtype"]]

@@ -168,7 +168,7 @@ def run_extract(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     meta = store_meta(ctx.input_hash, parts.hidden_size, layers, ecfg.store_dtype, POST_NORM, parts.num_layers,
                       info["class"], norm_eps(parts.norm), ecfg.mode, **head_meta(parts))
     # every rank: the shards' check is shared
-    found = resume_folder(ctx.out_dir, meta, ecfg.fsync, earlier=ctx.earlier_hashes)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)
     # 4 writer threads measured 1.4 GiB/s with fsync on an H200 host's disk, 2 gave 1.1.
     writer: StoreWriter | _Discard = _Discard()
     if writes:

@@ -161,7 +161,7 @@ class Trainer:
         log(f"[train] resumed from {folder} at step {state['step']}"
             + (f" (written by {ws} ranks, now {self.env.world_size})" if ws != self.env.world_size else ""))
         return {"from_step": state["step"], "checkpoint": chosen["name"], "epoch": state["epoch"],
-                "micro": state["micro"] - 1, "changed": chosen["changed"], "verified": chosen["verified"],
+                "micro": state["micro"] - 1, "changed": chosen["changed"],
                 "corrupt": chosen["corrupt"], "schedule": self.schedule}
 
     def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:

@@ -152,9 +152,6 @@ def choose_checkpoint(out_dir: Path, fingerprint: dict[str, Any], settings: dict
             + ", ".join(f"{e.folder.name}: {e.reason}" for e in corrupt[:4]) + (", ..." if len(corrupt) > 4 else "")
             + ")", fix=f"start fresh with `eaglet train CONFIG --force` (the old run is kept in {aside}/)")
     name, state = ckpt.folder.name, ckpt.state
-    if not ckpt.verified:
-        log(f"[train] warning: checkpoint {name} has no checksums (an older eaglet wrote it): resuming it "
-            "unverified")
     diff = fingerprint_diff(state["fingerprint"], fingerprint)
     other = {k: v for k, v in diff.items() if k not in EXTEND_KEYS}
     segments = state.get("schedule") or [{"start": 0, "total": total_steps}]
@@ -186,7 +183,7 @@ def choose_checkpoint(out_dir: Path, fingerprint: dict[str, Any], settings: dict
         log("[train] resuming with changed settings that leave the trajectory as it was: "
             + _changes({k: tuple(v) for k, v in changed.items()}))
     chosen = {"name": name, "state": {k: v for k, v in state.items() if k != "fingerprint"}, "segments": segments,
-              "extended": extended, "changed": changed, "verified": ckpt.verified,
+              "extended": extended, "changed": changed,
               "corrupt": {e.folder.name: e.reason for e in corrupt}}
     return chosen, ckpt
 

@@ -147,7 +147,7 @@ def _open_store(cfg: Config, ctx: StageContext) -> tuple[CheckpointHead, list[in
     ids = vllm_layer_ids(layers, head.num_layers)
     meta = store_meta(ctx.input_hash, head.hidden_size, layers, ecfg.store_dtype, PRE_NORM, head.num_layers,
                       head.architecture, head.norm_eps, ecfg.mode, backend="vllm", vllm_layer_ids=ids)
-    found = resume_folder(ctx.out_dir, meta, ecfg.fsync, earlier=ctx.earlier_hashes)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)
     writer = StoreWriter(ctx.out_dir, meta, shard_bytes=int(float(ecfg.shard_mb) * 2**20),
                          queue_size=ecfg.writer_queue, fsync=ecfg.fsync, threads=ecfg.writer_threads, prepare=False)
     write_target_head(ctx.out_dir, head.tensors["embed_tokens"], head.tensors["lm_head"], head.tensors["norm"],
