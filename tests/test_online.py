@@ -14,7 +14,8 @@ import torch
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import TargetSection, load_config
-from eaglet.engines.hf.online import AheadStates, OnlineStates, TargetStopped, online_ahead, split_source
+from eaglet.engines.hf.online import AheadStates, OnlineStates, TargetStopped, online_ahead
+from eaglet.engines.states import split_source
 from eaglet.training.data import open_states
 from eaglet.formats.store import StoreReader
 

@@ -81,8 +81,8 @@ from ..utils import atomic_write_bytes, atomic_write_json, log
 from ..context import StageContext
 from ..formats.eval_sets import (EvalItem, SkippedPrompts, by_category, named_items, no_heldout_error, prompt_count, run_rounds,
                         set_name)
-from ..engines.vllm.eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
-from ..engines.hf.online import split_source
+from ..engines import eval_engine
+from ..engines.states import split_source
 from ..training.data import split_ids
 
 EVAL_JSON = "eval.json"
@@ -725,10 +725,11 @@ class EvalInputs:
     prompt_count: dict[str, Any] = field(default_factory=dict)  # eval_sets.prompt_count: asked, used, why fewer
 
 
-def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True) -> EvalInputs:
+def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True, served: Any = None) -> EvalInputs:
     """The prompt set, draft, target and tokenizer of an evaluation over the run whose stage
     folders are `upstream` (the draft: eval.draft, else the run's trained one). Without
-    `load_models` the target and the draft stay unloaded (None): the vLLM eval alone."""
+    `load_models` the target and the draft stay unloaded (None): the eval in the engine `served`
+    (eaglet/engines/base.py `Engine`: `eval_engine`) alone."""
     ecfg = cfg.eval
     held: dict[str, int] = {}  # the held-out samples passed over, by why (heldout_selection)
 
@@ -752,9 +753,9 @@ def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True)
     tokenizer = load_tokenizer(cfg.target)
     template = resolve_chat_template(tokenizer, cfg.target)
     render = lambda messages: generation_prompt(tokenizer, template, messages)
-    if not load_models:  # vLLM reads the draft's folder (eval.draft, else the run's export): checked here first
-        return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
-                          vllm_draft(cfg, upstream), skipped, count)
+    if not load_models:  # the engine reads the draft's folder (eval.draft, else the run's export): checked here first
+        return EvalInputs(items, None, [], None, tokenizer, {"device": served.NAME}, dtype, render,
+                          served_draft(cfg, upstream, served), skipped, count)
     # the draft is read and checked (checksums, finite weights, eval.draft's loader format) before the target loads
     if ecfg.draft:
         exported = read_eval_draft(ecfg.draft)
@@ -786,18 +787,20 @@ def read_eval_draft(path: str, own: bool = False) -> Loaded:
     return loaded
 
 
-def vllm_draft(cfg: Config, upstream: dict[str, Any]) -> str:
-    """The folder the vLLM eval hands vLLM as its draft, eval.draft or else the run's
-    `<export>/vllm`, checked first (`read_eval_draft`: checksums, finite weights, its loader's
-    format): vLLM would load a damaged file without a word."""
+def served_draft(cfg: Config, upstream: dict[str, Any], served: Any) -> str:
+    """The folder the eval in the engine `served` hands it as its draft, eval.draft or else the
+    run's export in the engine's format (`<export>/<EXPORT_FORMAT>`), checked first
+    (`read_eval_draft`: checksums, finite weights, its loader's format): an engine would load a
+    damaged file without a word."""
     if cfg.eval.draft:
         read_eval_draft(cfg.eval.draft)
         return cfg.eval.draft
-    folder = Path(upstream["export"]) / "vllm"
+    fmt = served.EXPORT_FORMAT
+    folder = Path(upstream["export"]) / fmt
     if not folder.is_dir():
-        raise InputError(f"the vLLM eval serves the run's vLLM export, and there is none in {folder.parent}",
-                         fix="add vllm to export.formats and run `eaglet export CONFIG`, or name an export in "
-                             "eval.draft")
+        raise InputError(f"the {served.TITLE} eval serves the run's {fmt} export, and there is none in "
+                         f"{folder.parent}", fix=f"add {fmt} to export.formats and run `eaglet export CONFIG`, or "
+                                             "name an export in eval.draft")
     read_eval_draft(str(folder), own=True)
     return str(folder)
 
@@ -836,34 +839,34 @@ def setting_key(ecfg: EvalSection, engine: str = "eaglet") -> str:
 
 def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     ecfg = cfg.eval
-    vllm_on = want_vllm(ecfg)
-    if not ecfg.in_process and not vllm_on:
+    served = eval_engine(ecfg)  # the engine that measures the exported draft too (eval.vllm), or None
+    if not ecfg.in_process and served is None:
         raise InputError("eval.in_process is off and the vLLM eval does not run (eval.vllm)",
                          fix="set eval.in_process=true, or eval.vllm=on on a machine with vLLM and a GPU")
-    if vllm_on and ecfg.in_process and not ecfg.draft:  # the export vLLM will serve, checked before the target loads
-        vllm_draft(cfg, ctx.upstream)
-    inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process)
+    if served is not None and ecfg.in_process and not ecfg.draft:  # its export, checked before the target loads
+        served_draft(cfg, ctx.upstream, served)
+    inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process, served=served)
     result, stats, key = None, {}, setting_key(ecfg)
     if ecfg.in_process:
         result, stats = _in_process(cfg, ctx, inp, key)
-    vllm = None
-    if vllm_on:
+    engine_result = None
+    if served is not None:
         inp.target = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        vllm = run_vllm_eval(cfg, ctx, inp, result)
-        atomic_write_json(ctx.out_dir / f"{setting_key(ecfg, 'vllm')}.json", vllm)
-        if result is not None:  # the plot again, with vLLM's figures beside eaglet's
-            _write_plot(ctx.out_dir, key, plot_eval(result, vllm))
-        stats["vllm"] = vllm_stats(vllm)
-        stats["vllm_result"] = f"{setting_key(ecfg, 'vllm')}.json"
+        engine_result = served.run_eval(cfg, ctx, inp, result)
+        atomic_write_json(ctx.out_dir / f"{setting_key(ecfg, served.NAME)}.json", engine_result)
+        if result is not None:  # the plot again, with the engine's figures beside eaglet's
+            _write_plot(ctx.out_dir, key, plot_eval(result, engine_result))
+        stats[served.NAME] = served.eval_stats(engine_result)
+        stats[f"{served.NAME}_result"] = f"{setting_key(ecfg, served.NAME)}.json"
     stats["skipped_prompts"] = inp.skipped.by_reason()  # eval.prompts records passed over, by reason
     stats["prompt_count"] = inp.prompt_count  # asked, used, and why fewer
     if result is not None:
         _check_lossless(result, inp.dtype, ctx.out_dir / f"{key}.json")
-    if vllm is not None and result is not None:
-        check_agreement(vllm, ctx.out_dir / stats["vllm_result"])
+    if served is not None and result is not None:
+        served.check_eval_agreement(engine_result, ctx.out_dir / stats[f"{served.NAME}_result"])
     return stats
 
 
