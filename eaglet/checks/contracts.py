@@ -242,7 +242,7 @@ CONTRACTS: list[Contract] = [
         ("vllm.entrypoints.openai.completion.protocol:CompletionResponse", ".kv_transfer_params",
          "engines.vllm.ServerEngine (extract.vllm_server): the file path in the response"),
         ("vllm.model_executor.models:ModelRegistry._try_load_model_cls", "^model_arch",
-         "doctor.check_vllm: resolves the target's vLLM model class"),
+         "engines.vllm.checks: resolves the target's vLLM model class"),
         ("{vllm_model}.supports_eagle3", "",
          "the target's vLLM model class implements SupportsEagle3: it can return auxiliary hidden-state layers"),
         ("{vllm_model}.set_aux_hidden_state_layers", "^layers",

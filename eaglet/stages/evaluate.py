@@ -2,7 +2,7 @@
 
     eaglet eval CONFIG            # or as the last stage of `eaglet run`
 
-Prompts: the training run's held-out samples (`train_data.split_ids` with train.eval_fraction and
+Prompts: the training run's held-out samples (`training/data.py` `split_ids` with train.eval_fraction and
 run.seed, over the same sample ids training split), the first `eval.num_prompts` of them,
 each cut where its first assistant turn starts (the first loss-masked token), so a prompt
 ends with the chat template's generation prompt.
@@ -36,6 +36,11 @@ acceptances follow them (a tree's exactly, a chain's drawn with their chances). 
 speed or lossless figures.
 
 `evaluate_draft` is the same measurement without the pipeline (demo, doctor).
+
+The in-process decoders are the HF engine's (eaglet/engines/hf/decode.py, replay.py). An engine
+that serves an export format also measures the exported draft where it will run, after the
+in-process eval: the registry's `eval_engine` says which (eval.vllm: the vLLM engine's
+`run_eval`, eaglet/engines/vllm/eval.py; its result `<setting>-<engine>.json`).
 """
 
 from __future__ import annotations
