@@ -41,7 +41,7 @@ import torch
 
 from eaglet.config import ExtractSection
 from eaglet.formats.store import POST_NORM, StoreWriter, store_meta
-from eaglet.stages.extract import extract_samples
+from eaglet.engines.hf.extract import extract_samples
 from eaglet.targets.families import resolve_layers
 from eaglet.targets.load import TargetParts, norm_eps
 from eaglet.testing.synthetic import SyntheticSamples

@@ -96,7 +96,7 @@ def cmd_heldout(args: argparse.Namespace) -> None:
     ShareGPT records minus every held-out one, so no draft trains on an eval conversation."""
     from eaglet.formats.datasets import RecordError, iter_records
     from eaglet.evaluation.inputs import heldout_prompts
-    from eaglet.engines.hf.online import split_source
+    from eaglet.engines.states import split_source
     from eaglet.formats.prepared import PreparedData
     from eaglet.training.data import split_ids
 

@@ -482,7 +482,7 @@ def evaluate_saved_draft(cfg: Config, run_dir: str | Path, draft_dir: str | Path
 
     run_dir = Path(run_dir)
     if states is None:  # the held-out split and the head need no target, even for an online run
-        from eaglet.engines.hf.online import split_source
+        from eaglet.engines.states import split_source
         from eaglet.pipeline import STAGE_NAMES
 
         store = StoreReader(run_dir / "extract", verify=False)

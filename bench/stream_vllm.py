@@ -162,7 +162,7 @@ def part_stream(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         else:
             s = st["stream"]
             out[name].update(engine_tokens_per_s=s["engine_tokens_per_s"], buffer_peak_bytes=s["buffer_peak_bytes"],
-                             buffer_bound_bytes=s["buffer_bound_bytes"], set_aside=s["set_aside"],
+                             buffer_bound_bytes=s["buffer_bound_bytes"], dropped=s["dropped"],
                              waited_s=round(sum(r.get("stream_wait_s", 0.0) for r in logs[name]), 2),
                              selfcheck_top1=s["selfcheck"]["top1_agreement"])
             if "store" in logs:

@@ -162,6 +162,8 @@ class PrepareSection:
 
 @dataclass
 class ExtractSection:
+    # the engine registry's names (eaglet/engines/__init__.py ENGINES, which config cannot import;
+    # tests/test_engines.py checks that the two agree)
     backend: Literal["hf", "vllm"] = _f(
         "hf", "Engine that runs the target: 'hf' (transformers, hooks) or 'vllm' (vLLM's extract_hidden_states method "
         "and hidden-states connector; for targets served with tensor/expert parallelism, see docs/vllm.md)."

@@ -55,7 +55,7 @@ from .utils import DTYPES, log
 from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .checks.findings import Finding, Probe, Report
 from .checks.selfcheck import REF_MAX_TOKENS
-from .engines.vllm.checks import check_vllm, check_vllm_eval
+from .engines import ENGINES, contract_stages, engine
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
@@ -104,12 +104,14 @@ def check_api_contracts(p: Probe) -> None:
     roles["tokenizer"] = [type(p.tokenizer) if p.tokenizer is not None else transformers.PreTrainedTokenizerBase]
     roles.update(p.vllm_roles)
     stages = {s for c in CONTRACTS for s in c.stages} if p.stage is None else {p.stage}
-    if p.cfg.extract.backend == "vllm":  # vLLM runs the target: not the HF backend's hooks, but vLLM's own APIs
-        stages = stages - {"extract"} | ({"extract-vllm"} if "extract" in stages or streaming(p.cfg) else set())
-    else:
-        stages.discard("extract-vllm")
-    results = check_contracts(roles, stages, vllm=p.vllm_ready, cfg=p.cfg)
-    off = select_contracts(stages, p.vllm_ready, p.cfg)[1]
+    # the rows of the engine that runs the target (the HF engine's hooks, or vLLM's own APIs), not the others'
+    stages = stages - contract_stages() | engine(p.cfg.extract.backend).contract_stages(p.cfg, stages)
+
+    def unchecked(c: Any) -> bool:  # an engine's own library, not installed here
+        return any(e.unchecked_contract(p, c) for e in ENGINES.values())
+
+    results = check_contracts(roles, stages, cfg=p.cfg, unchecked=unchecked)
+    off = select_contracts(stages, p.cfg, unchecked)[1]
     for r in results:
         if r.ok:
             continue
@@ -708,9 +710,9 @@ def _weight_bytes(p: Probe, b: int) -> int:
 
 
 def check_extract_memory(p: Probe) -> None:
-    if p.cfg.extract.backend == "vllm":
-        p.add("info", "memory (extract)", "vLLM sizes its own memory", "extract.vllm_engine_args: "
-              "gpu_memory_utilization, tensor_parallel_size, ... (vLLM reports what does not fit when it starts)")
+    """The target's memory in extract where it runs in eaglet's processes (an engine that sizes
+    its own says so in its `doctor`)."""
+    if not engine(p.cfg.extract.backend).TARGET_IN_PROCESS:
         return
     if p.model is None or p.parts is None:
         return
@@ -790,7 +792,7 @@ def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
                            + n_aux * dcfg.target_hidden_size * 4)
     teacher = min(t.teacher_chunk, t.max_tokens) * (V if t.mask_out_of_vocab else Vd) * 4 * 2  # chunks of a micro-batch
     online = 0
-    if p.cfg.extract.mode == "online" and p.cfg.extract.backend == "hf" and p.model is not None:
+    if p.cfg.extract.mode == "online" and engine(p.cfg.extract.backend).TARGET_IN_PROCESS and p.model is not None:
         # The target runs beside the draft: its weights and one micro-batch's forward.
         b = _target_dtype_bytes(p)
         online = _weight_bytes(p, b) + t.max_tokens * 10 * dcfg.target_hidden_size * b
@@ -835,7 +837,8 @@ H200_BYTES = 141e9  # the GPU the plan assumes where none is visible
 
 
 def streaming(cfg: Config) -> bool:
-    return cfg.extract.mode == "online" and cfg.extract.backend == "vllm"
+    """An online run whose states an engine outside eaglet's processes computes (and streams)."""
+    return cfg.extract.mode == "online" and not engine(cfg.extract.backend).TARGET_IN_PROCESS
 
 
 def _draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
@@ -981,6 +984,13 @@ def check_stream(p: Probe) -> None:
 
 # ---- running the checks -------------------------------------------------------------------------------
 
+def check_engines(p: Probe) -> None:
+    """Every engine's own checks (eaglet/engines/<name>/__init__.py `doctor`): each decides
+    whether this config uses it (extract.backend, eval.vllm)."""
+    for e in ENGINES.values():
+        e.doctor(p)
+
+
 # (check, stages whose preflight runs it); the doctor runs every check, in this order. Each
 # stage that loads a model or renders templates checks what it reads and its own contracts:
 # prepare the tokenizer, its template and the first records; eval and regenerate the target as
@@ -996,8 +1006,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_layers, ("extract", "eval", "train")),
     (check_vocab, ("extract",)),
     (check_records, ("prepare",)),
-    (check_vllm, ("extract", "train")),
-    (check_vllm_eval, ("eval",)),
+    (check_engines, ("extract", "train", "eval")),
     (check_api_contracts, ("prepare", "extract", "train", "eval", "regenerate")),
     (check_disk, ("extract",)),
     (check_train_disk, ("train",)),

@@ -26,6 +26,7 @@ import torch
 from . import pipeline
 from .checks.findings import Probe, Report
 from .config import Config
+from .engines import engine, tiny_cpu_engine
 from .targets.load import TargetParts, model_from_config
 
 SHADOW_LAYERS = 8  # >= 8: the default layer ids [2, L//2, L-3] are distinct
@@ -163,9 +164,11 @@ def shadow_config(cfg: Config, root: Path, target_dir: Path, num_target_layers: 
     p.max_records = min(p.max_records or SHADOW_RECORDS, SHADOW_RECORDS)
     p.max_length, p.num_workers, p.report_examples = min(p.max_length, SHADOW_MAX_LENGTH), 0, 0
     e = s.extract
-    if e.backend != "hf":
-        notes.append(f"extract.backend {e.backend} -> hf (a tiny CPU model; the doctor checks vLLM's APIs itself)")
-        e.backend, e.vllm_server, e.vllm_engine_args = "hf", None, {}
+    if not engine(e.backend).RUNS_TINY_ON_CPU:
+        cpu = tiny_cpu_engine()
+        notes.append(f"extract.backend {e.backend} -> {cpu} (a tiny CPU model; the doctor checks "
+                     f"{engine(e.backend).TITLE}'s APIs itself)")
+        e.backend, e.vllm_server, e.vllm_engine_args = cpu, None, {}
     e.layers = _scaled_layers(e.layers, num_target_layers, min(num_target_layers, SHADOW_LAYERS))
     e.batch_tokens, e.shard_mb, e.writer_threads, e.fsync = min(e.batch_tokens, 2048), 1.0, 1, False
     if e.store_dtype != "float32":

@@ -262,7 +262,7 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
 
     import torch
 
-    from eaglet.stages.extract import extract_samples
+    from eaglet.engines.hf.extract import extract_samples
     from eaglet.targets.families import resolve_layers
     from eaglet.targets.load import TargetParts
     from eaglet.testing import tiny
@@ -280,8 +280,8 @@ def test_extract_loop_reports_where_the_host_waited(tmp_path):
             time.sleep(0.05)
             self.added.append(int(sample_id))
 
-        def set_aside(self, sample_id, reason):
-            raise AssertionError(f"{sample_id} set aside: {reason}")
+        def drop(self, sample_id, reason):
+            raise AssertionError(f"{sample_id} dropped: {reason}")
 
     waits: dict[str, float] = {}
     writer = SlowWriter()

@@ -244,6 +244,7 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
     from eaglet.formats.draft import FINAL_DIR, load_final
     from eaglet.formats.serving import export_draft
     from eaglet.pipeline import run_summary
+    from eaglet.engines import vllm as vllm_engine
     from eaglet.engines.vllm import eval as eval_vllm
     from eaglet.evaluation import inputs
     from eaglet.stages import evaluate
@@ -287,7 +288,7 @@ def test_eval_counts_skipped_prompts_in_its_result_stats_log_and_summary(tmp_pat
             pass
 
     monkeypatch.setattr(eval_vllm, "VllmDecoder", StandIn)
-    monkeypatch.setattr(evaluate, "want_vllm", lambda ecfg: True)
+    monkeypatch.setattr(vllm_engine, "wants_eval", lambda ecfg: True)
     monkeypatch.setattr(inputs, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     draft, aux = load_final(ctx.upstream["train"] / FINAL_DIR)
     cfg.eval.draft = str(export_draft(draft, tmp_path / "exported", "vllm", aux_layer_ids=aux, verifier_name_or_path="t",
@@ -363,6 +364,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     from eaglet.errors import CorruptDataError
     from eaglet.formats.draft import FINAL_DIR, load_final
     from eaglet.formats.serving import export_draft
+    from eaglet.engines import vllm as vllm_engine
     from eaglet.engines.vllm import eval as eval_vllm
     from eaglet.evaluation import inputs
     from eaglet.stages import evaluate
@@ -383,7 +385,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr(eval_vllm, "VllmDecoder", StandIn)
-    monkeypatch.setattr(evaluate, "want_vllm", lambda ecfg: True)
+    monkeypatch.setattr(vllm_engine, "wants_eval", lambda ecfg: True)
     cfg, ctx = _eval_setup(tmp_path)
     cfg.eval.method, cfg.eval.chain_tokens, cfg.eval.max_new_tokens, cfg.eval.reference_prompts = "chain", 2, 6, 0
     ctx.upstream["export"] = tmp_path / "export"

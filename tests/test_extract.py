@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import eaglet.stages.extract as extract_mod
+import eaglet.engines.hf.extract as extract_mod
 from eaglet.config import Config
-from eaglet.stages.extract import pad_batch, plan_batches, run_extract
+from eaglet.engines.hf.capture import pad_batch
+from eaglet.engines.hf.extract import plan_batches
+from eaglet.stages.extract import run_extract
 from eaglet.context import StageContext
 from eaglet.formats.prepared import PreparedData, PreparedWriter
 from eaglet.formats.store import INDEX, StoreReader
@@ -95,7 +97,7 @@ def test_states_equal_output_hidden_states(tmp_path, targets, family):
     prep = _prepare(tmp_path / "prep", LENGTHS)
     stats, out = _run(tmp_path, targets[family], prep, batch_tokens=90, max_batch_size=4, shard_mb=0.01)
     layers = [2, 4, 5]
-    assert stats["layers"] == layers and stats["samples"] == len(LENGTHS) and stats["set_aside"] == {}
+    assert stats["layers"] == layers and stats["samples"] == len(LENGTHS) and stats["dropped"] == {}
     assert stats["tokens"] == sum(LENGTHS) and stats["shards"] > 1
     reader = StoreReader(out)
     assert reader.layers == layers and reader.meta["final_state"] == "post_norm"
@@ -150,8 +152,8 @@ def test_batched_equals_one_by_one(tmp_path, targets):
         torch.testing.assert_close(a["final"], b["final"], rtol=1e-4, atol=1e-4)
 
 
-def test_nonfinite_sample_is_set_aside(tmp_path, targets, monkeypatch):
-    """NaN in one sample of a batch: that sample is set aside and counted; its batch mates are stored."""
+def test_nonfinite_sample_is_dropped(tmp_path, targets, monkeypatch):
+    """NaN in one sample of a batch: that sample is dropped and counted; its batch mates are stored."""
     real_load = extract_mod.load_target
 
     def poisoned_load(tcfg):
@@ -168,12 +170,12 @@ def test_nonfinite_sample_is_set_aside(tmp_path, targets, monkeypatch):
     monkeypatch.setattr(extract_mod, "load_target", poisoned_load)
     prep = _prepare(tmp_path / "prep", [12, 12, 12, 12, 6], poison=2)
     stats, out = _run(tmp_path, targets["qwen3"], prep, batch_tokens=4096, max_batch_size=8)
-    assert stats["set_aside"] == {"nonfinite": 1}
+    assert stats["dropped"] == {"nonfinite": 1}
     assert stats["samples"] == 4
     reader = StoreReader(out)
     assert reader.sample_ids.tolist() == [0, 1, 3, 4]
     index = json.loads((out / INDEX).read_text())
-    assert index["set_aside"] == [{"sample_id": 2, "reason": "nonfinite"}]
+    assert index["dropped"] == [{"sample_id": 2, "reason": "nonfinite"}]
     for sid in reader.sample_ids.tolist():
         assert torch.isfinite(reader.get(sid)["aux"]).all()
 

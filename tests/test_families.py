@@ -28,7 +28,7 @@ from eaglet.testing import tiny
 from eaglet.config import Config, load_config
 from eaglet.doctor import run_doctor
 from eaglet.shadow import shadow_findings
-from eaglet.stages.extract import capture, head_meta, pad_batch, save_target_head
+from eaglet.engines.hf.capture import capture, head_meta, pad_batch, save_target_head
 from eaglet.formats.store import HEAD_FILE
 from eaglet.targets.families import FAMILIES, UnsupportedFamily, family_of, markdown_table
 from eaglet.draft.loss import teacher_targets

@@ -14,7 +14,8 @@ import torch
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import TargetSection, load_config
-from eaglet.engines.hf.online import AheadStates, OnlineStates, TargetStopped, online_ahead, split_source
+from eaglet.engines.hf.online import AheadStates, OnlineStates, TargetStopped, online_ahead
+from eaglet.engines.states import split_source
 from eaglet.training.data import open_states
 from eaglet.formats.store import StoreReader
 
@@ -85,6 +86,11 @@ def test_online_states_equal_the_offline_store(runs):
         for k in ("aux", "final", "input_ids", "loss_mask"):
             torch.testing.assert_close(g[k], want[k][:n], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{sid} {k}: {m}")
         assert g["loss_mask_host"].device.type == "cpu" and torch.equal(g["loss_mask_host"], want["loss_mask"][:n])
+    # the trainer-facing protocol (engines/base.py StateSource): nothing ahead, the count for the manifest
+    assert (states.computes_ahead, states.prefetchable, states.stats_key) == (False, False, "online")
+    assert states.stats() == {"nonfinite_samples": 0} and states.progress() == {}
+    lens, parts = states.read_parts(ids, 40)
+    assert len(parts) == 1 and lens == [g["aux"].shape[0] for g in got]  # one part: the micro-batch packed
 
 
 def _same_losses(runs, name, split):
@@ -112,7 +118,7 @@ def test_ahead_training_reproduces_the_offline_losses(runs):
     stats = json.loads((runs["ahead"].run_dir / "train" / "manifest.json").read_text())["stats"]
     ahead = stats["online_ahead"]
     assert ahead["ahead"] == 2 and ahead["consumed"] == ahead["micro_batches"] > 8  # 8 steps and two evaluations
-    assert stats["online_nonfinite_samples"] == 0
+    assert ahead["nonfinite_samples"] == 0  # AheadStates.stats(), under its stats_key
 
 
 def test_ahead_run_resumes_exactly(runs, tmp_path):

@@ -1,6 +1,6 @@
 """The extraction self-check, proven by planting each bug it exists for into extract.
 
-Each plant wraps `eaglet.stages.extract.capture` (the hooked, batched path); the self-check's
+Each plant wraps `eaglet.engines.hf.extract.capture` (the hooked, batched path); the self-check's
 reference is the model's own unbatched forward, which the plant does not touch.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import eaglet.stages.extract as extract_mod
+import eaglet.engines.hf.extract as extract_mod
 from eaglet import pipeline
 from eaglet.testing import tiny
 from eaglet.config import Config, load_config

@@ -114,7 +114,7 @@ def test_stream_training_reproduces_the_offline_losses(runs):
     stats = _manifest(on)["stats"]["stream"]
     assert stats["consumed"] == stats["micro_batches"] > 6  # every planned micro-batch, evaluations included
     assert stats["selfcheck"]["top1_agreement"] == 1.0 and len(stats["selfcheck"]["samples"]) == 3
-    assert stats["set_aside"] == {}
+    assert stats["dropped"] == {}
     assert not any((on.run_dir / "train" / "stream").glob("mb-*"))  # the buffer is emptied at the end
     rec = _log(on)[-1]
     assert {"stream_wait_s", "engine_tokens_per_s", "buffer_peak_gb"} <= set(rec)
@@ -196,7 +196,7 @@ def test_engine_failures_are_counted_and_masked(assets, tmp_path):
         fake.corrupt_every = 5
         pipeline.run_stage(cfg, "train", preflight=False)
     stats = _manifest(cfg)["stats"]["stream"]
-    assert stats["set_aside"].get("token_mismatch", 0) >= 1
+    assert stats["dropped"].get("token_mismatch", 0) >= 1
     assert stats["consumed"] == stats["micro_batches"]
 
 
@@ -244,7 +244,7 @@ def test_a_sample_the_engine_failed_on_reaches_training_with_its_loss_mask_clear
                 else:
                     assert mask.tolist() == want_mask.tolist() and aux.abs().amax(-1).min() > 0, sid
                 at += n
-        assert s.stats()["set_aside"] == {"token_mismatch": 1}
+        assert s.stats()["dropped"] == {"token_mismatch": 1}
     finally:
         s.close()
 

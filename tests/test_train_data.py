@@ -49,7 +49,7 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
 
 
 class _Samples:
-    """A stand-in store: `get` as StoreReader's, from tensors in memory."""
+    """A stand-in store: `get` and `read_parts` as StoreReader's, from tensors in memory."""
 
     def __init__(self, lengths, H=4, n_aux=3, seed=0):
         g = torch.Generator().manual_seed(seed)
@@ -61,6 +61,10 @@ class _Samples:
 
     def get(self, i):
         return self.samples[i]
+
+    def read_parts(self, ids, max_tokens):  # StoreReader's, as training reads it (a StateSource's)
+        parts = [{k: v[:max_tokens] for k, v in self.get(i).items()} for i in ids]
+        return [int(p["input_ids"].shape[0]) for p in parts], parts
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -160,16 +160,16 @@ def test_training_teacher_is_the_targets_logits_for_both_final_states(tmp_path, 
 
 def test_token_mismatch_is_never_stored(tmp_path, target, model, prep):
     stats, out = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path, corrupt={3, 6}))
-    assert stats["set_aside"] == {"token_mismatch": 2} and stats["samples"] == len(LENGTHS) - 2
+    assert stats["dropped"] == {"token_mismatch": 2} and stats["samples"] == len(LENGTHS) - 2
     reader = StoreReader(out)
     assert 3 not in reader and 6 not in reader and 2 in reader
     index = json.loads((out / INDEX).read_text())
-    assert {s["sample_id"] for s in index["set_aside"]} == {3, 6}
+    assert {s["sample_id"] for s in index["dropped"]} == {3, 6}
 
 
 def test_unwritten_states_are_never_stored(tmp_path, target, model, prep):
     stats, out = _extract(tmp_path, _cfg(target), prep, _engine(model, tmp_path, unwritten={4}))
-    assert stats["set_aside"] == {"zero_states": 1} and 4 not in StoreReader(out)
+    assert stats["dropped"] == {"zero_states": 1} and 4 not in StoreReader(out)
 
 
 def test_systematic_token_mismatch_stops(tmp_path, target, model, prep):
@@ -361,7 +361,7 @@ def _matches_hf(tmp_path, prep, dtype, engine_args, min_top1, min_cos, **extract
     cfg.target.dtype = dtype
     cfg.extract.selfcheck_min_top1 = min_top1
     stats, out = _extract(tmp_path, cfg, prep)
-    assert stats["samples"] == len(LENGTHS) and stats["set_aside"] == {}
+    assert stats["samples"] == len(LENGTHS) and stats["dropped"] == {}
     assert stats["selfcheck"]["top1_agreement"] >= min_top1 and stats["vllm_version"]
     hf = _cfg(target, backend="hf", selfcheck_samples=0)
     hf.target.dtype = dtype
@@ -541,10 +541,10 @@ def test_shadow_runs_the_hf_backend(tmp_path, target):
     assert any("extract.backend vllm -> hf" in n for n in notes)
 
 
-def test_samples_longer_than_max_model_len_are_set_aside(tmp_path, target, model, prep):
+def test_samples_longer_than_max_model_len_are_dropped(tmp_path, target, model, prep):
     engine = _engine(model, tmp_path)
     stats, out = _extract(tmp_path, _cfg(target, vllm_engine_args={"max_model_len": 23}), prep, engine)
-    assert stats["set_aside"] == {"longer_than_max_model_len": 2}  # 31 and 26; 22 + the generated token fits
+    assert stats["dropped"] == {"longer_than_max_model_len": 2}  # 31 and 26; 22 + the generated token fits
     assert sorted(StoreReader(out).lengths.tolist()) == sorted(n for n in LENGTHS if n < 23)
 
 

@@ -44,9 +44,11 @@ breaks the call). None: not checked.
 
 `when`: the contract applies only where its code path is taken, a predicate on the config
 (flex attention only where train.attn_impl resolves to flex; continuous batching only for
-regenerate.engine continuous); None: always. Rows of stage "extract-vllm" are the vLLM APIs
-of `extract.backend: vllm`; the doctor checks them (against the vLLM installed) only for that
-backend, see doctor.check_vllm.
+regenerate.engine continuous); None: always. An engine's own rows carry a stage of its
+own (its `CONTRACT_STAGES`: "extract" for the HF engine's hooks, "extract-vllm" for the vLLM
+APIs of `extract.backend: vllm`); the engine package says which of them a config calls
+(`contract_stages`) and which cannot be checked here (`unchecked_contract`: vLLM not
+installed), and the doctor (doctor.check_api_contracts) passes that on.
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ CONTRACTS: list[Contract] = [
         ("vllm.entrypoints.openai.completion.protocol:CompletionResponse", ".kv_transfer_params",
          "engines.vllm.ServerEngine (extract.vllm_server): the file path in the response"),
         ("vllm.model_executor.models:ModelRegistry._try_load_model_cls", "^model_arch",
-         "doctor.check_vllm: resolves the target's vLLM model class"),
+         "engines.vllm.checks: resolves the target's vLLM model class"),
         ("{vllm_model}.supports_eagle3", "",
          "the target's vLLM model class implements SupportsEagle3: it can return auxiliary hidden-state layers"),
         ("{vllm_model}.set_aux_hidden_state_layers", "^layers",
@@ -449,28 +451,25 @@ def describe(rules: str, passes: str | None = None) -> str:
     return "parameters: " + ", ".join(words)
 
 
-def needs_vllm(c: Contract) -> bool:
-    """A row about vLLM itself (checked only where vLLM is installed, see doctor.check_vllm)."""
-    return c.where.startswith(("vllm", "{vllm_"))
-
-
-def select_contracts(stages: set[str] | None = None, vllm: bool = True,
-                     cfg: Config | None = None) -> tuple[list[Contract], list[Contract]]:
+def select_contracts(stages: set[str] | None = None, cfg: Config | None = None,
+                     unchecked: Callable[[Contract], bool] | None = None) -> tuple[list[Contract], list[Contract]]:
     """(the contracts to check, those off this config's code path): the rows of `stages` (default
-    all; `vllm` False: not the vLLM rows) whose `when` holds for `cfg` (None: every row)."""
-    rows = [c for c in CONTRACTS if (stages is None or stages & set(c.stages)) and (vllm or not needs_vllm(c))]
+    all), less those `unchecked` names (an engine's library not installed here), whose `when`
+    holds for `cfg` (None: every row)."""
+    rows = [c for c in CONTRACTS if (stages is None or stages & set(c.stages)) and not (unchecked and unchecked(c))]
     on = [cfg is None or c.when is None or c.when(cfg) for c in rows]
     return [c for c, k in zip(rows, on) if k], [c for c, k in zip(rows, on) if not k]
 
 
 def check_contracts(roles: dict[str, list[type]] | None = None, stages: set[str] | None = None,
-                    vllm: bool = True, cfg: Config | None = None) -> list[ContractResult]:
-    """Check every contract (of `stages`, default all; `vllm` False: not the vLLM rows; `cfg`: only
+                    cfg: Config | None = None, unchecked: Callable[[Contract], bool] | None = None
+                    ) -> list[ContractResult]:
+    """Check every contract (of `stages`, default all; not those `unchecked` names; `cfg`: only
     those on its code path). `roles` maps a role name to the classes it stands for; a role that
     is not given is skipped."""
     roles = roles or {}
     out = []
-    for c in select_contracts(stages, vllm, cfg)[0]:
+    for c in select_contracts(stages, cfg, unchecked)[0]:
         if c.where.startswith("{"):
             role, _, attr = c.where[1:].partition("}.")
             targets = [(f"{cls.__module__}.{cls.__qualname__}.{attr}", getattr(cls, attr, None))

@@ -3,7 +3,9 @@ training reads its states from.
 
 An engine runs the target: transformers in eaglet's own process (`hf`), or vLLM in process or
 as a server (`vllm`). `eaglet/engines/__init__.py` maps each `extract.backend` name to its
-package; nothing outside the engine packages compares a backend name.
+package; nothing outside the engine packages compares a backend name. Change these protocols
+when every engine must give something new (then each package, and docs/development.md's
+"Adding an engine"); tests/test_engines.py checks that every registered engine gives them.
 
 `StateSource` is what the trainer reads the target's states from, without knowing its kind:
 an offline store (eaglet/formats/store.py `StoreReader`), or states an engine computes as
@@ -19,8 +21,9 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from ..checks.contracts import Contract
     from ..checks.findings import Probe
-    from ..config import Config
+    from ..config import Config, EvalSection
     from ..context import StageContext
     from ..formats.store import StoreReader, TargetHead
 
@@ -67,11 +70,22 @@ class StateSource(Protocol):
 
 
 class Engine(Protocol):
-    """One engine package's entry points (each module-level in eaglet/engines/<name>/__init__.py)."""
+    """One engine package's entry points (each module-level in eaglet/engines/<name>/__init__.py).
 
-    NAME: str
+    The constants are what the rest of eaglet asks of an engine instead of comparing its name:
+    the doctor sizes the target's memory only where it runs in eaglet's own processes
+    (`TARGET_IN_PROCESS`), the shadow run keeps the engine only where it runs a tiny model on a
+    CPU (`RUNS_TINY_ON_CPU`), and the eval stage measures the exported draft in an engine that
+    serves an export format (`EXPORT_FORMAT`)."""
 
-    def extract(self, cfg: Config, ctx: StageContext) -> dict[str, Any]:
+    NAME: str  # the extract.backend name, as eaglet/engines/__init__.py registers it
+    TITLE: str  # the engine's name in messages ("vLLM")
+    TARGET_IN_PROCESS: bool  # the target runs in eaglet's processes (False: the engine sizes its own memory)
+    RUNS_TINY_ON_CPU: bool  # a tiny model of the target's family runs in it on a CPU (the shadow run)
+    CONTRACT_STAGES: frozenset[str]  # the stages of eaglet/checks/contracts.py rows only this engine calls
+    EXPORT_FORMAT: str | None  # the export format it serves a draft from (formats/serving.py), None: none
+
+    def run_extract(self, cfg: Config, ctx: StageContext) -> dict[str, Any]:
         """The extract stage with this engine: capture the states of the prepared samples into the
         store (or, online, write the store's head and metadata only); returns the stage's stats."""
 
@@ -80,4 +94,28 @@ class Engine(Protocol):
         """Training's states of an online store this engine wrote."""
 
     def doctor(self, probe: Probe) -> None:
-        """The engine's own checks (installed version, API contracts, arguments) for probe.stage."""
+        """The engine's own checks (installed version, arguments, memory) for probe.stage (None:
+        every stage's); each check decides whether the config uses the engine."""
+
+    def contract_stages(self, cfg: Config, stages: set[str]) -> set[str]:
+        """The rows of eaglet/checks/contracts.py (by their stage, within CONTRACT_STAGES) that
+        the pipeline stages `stages` call with this engine running the target."""
+
+    def unchecked_contract(self, probe: Probe, contract: Contract) -> bool:
+        """Whether `contract` is a row about this engine's own library that cannot be checked
+        here (the library is not installed): left out of the doctor's contract lines."""
+
+    def wants_eval(self, ecfg: EvalSection) -> bool:
+        """Whether the eval stage measures the exported draft in this engine too (an error when
+        the config asks for it and it cannot run here)."""
+
+    def run_eval(self, cfg: Config, ctx: StageContext, inputs: Any, eaglet_result: dict[str, Any] | None
+                 ) -> dict[str, Any]:
+        """The exported draft's speculative decoding in this engine over the eval prompts
+        (eaglet/stages/evaluate.py EvalInputs), against the in-process result; the result file."""
+
+    def eval_stats(self, result: dict[str, Any]) -> dict[str, Any]:
+        """`run_eval`'s figures for the eval stage's manifest."""
+
+    def check_eval_agreement(self, result: dict[str, Any], path: Path) -> None:
+        """Raise when `run_eval`'s result disagrees with eaglet's own measurement."""

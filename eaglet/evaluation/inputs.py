@@ -16,7 +16,7 @@ from torch import nn
 from ..config import Config, EvalSection
 from ..distributed import resolve_device
 from ..draft.model import Eagle3Draft
-from ..engines.hf.online import split_source
+from ..engines.states import split_source
 from ..errors import InputError
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.eval_sets import EvalItem, SkippedPrompts, named_items, no_heldout_error, prompt_count

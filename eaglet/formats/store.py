@@ -19,7 +19,7 @@ A store folder holds
         sample_id  [S]           int64        prepared-data sample ids
     shard-r{rank}-{k:06d}.json      sidecar: file, sha256, samples, tokens, sample_ids, lengths, bytes
     index.json                      written last, when extraction completed: all shards, totals
-                                    and the samples set aside (with reasons)
+                                    and the samples dropped (with reasons)
     head.safetensors                the target's embed_tokens [V, H] (as its first decoder layer
                                     receives it: times the family's embed_scale), lm_head [V, H]
                                     and final norm [H] (as a plain RMSNorm scale): the draft's
@@ -581,9 +581,9 @@ def finished_shards(folder: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dict[str, Any]],
-                set_aside: list[dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
-    """Write index.json over the shards in `records` (file -> sidecar) and the samples set
-    aside, and add it to the folder's checksums.json; returns the index. The last file of an
+                dropped: list[dict[str, Any]], fsync: bool = True) -> dict[str, Any]:
+    """Write index.json over the shards in `records` (file -> sidecar) and the samples dropped
+    (`StoreWriter.drop`), and add it to the folder's checksums.json; returns the index. The last file of an
     extraction: its presence means complete."""
     shards = [{k: records[f][k] for k in ("file", "sha256", "samples", "tokens", "bytes")} for f in sorted(records)]
     index = {
@@ -594,8 +594,8 @@ def write_index(folder: str | Path, meta: dict[str, Any], records: dict[str, dic
         "num_samples": sum(s["samples"] for s in shards),
         "num_tokens": sum(s["tokens"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
-        "set_aside_counts": dict(Counter(s["reason"] for s in set_aside)),
-        "set_aside": sorted(set_aside, key=lambda s: s["sample_id"]),
+        "dropped_counts": dict(Counter(s["reason"] for s in dropped)),
+        "dropped": sorted(dropped, key=lambda s: s["sample_id"]),
     }
     sums = write_file(Path(folder) / INDEX, json.dumps(index, indent=1).encode(), fsync=fsync)
     update_sums(folder, {INDEX: sums}, fix=REPAIR, fsync=fsync)
@@ -643,7 +643,7 @@ class StoreWriter:
                                 if int(_SHARD_RE.match(f).group(1)) == rank), default=-1)
         self._buf: list[_Piece] = []
         self._buf_bytes = 0
-        self.set_aside_samples: list[dict[str, Any]] = []
+        self.dropped_samples: list[dict[str, Any]] = []
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -698,9 +698,10 @@ class StoreWriter:
         if self._buf_bytes >= self.shard_bytes:
             self._flush()
 
-    def set_aside(self, sample_id: int, reason: str) -> None:
-        """Record a sample that is not stored (listed in index.json; retried by a resumed run)."""
-        self.set_aside_samples.append({"sample_id": int(sample_id), "reason": reason})
+    def drop(self, sample_id: int, reason: str) -> None:
+        """Record a sample that is not stored: its states were empty or not finite, or its engine
+        failed on it (listed with the reason in index.json; retried by a resumed run)."""
+        self.dropped_samples.append({"sample_id": int(sample_id), "reason": reason})
 
     def _flush(self) -> None:
         if not self._buf:
@@ -776,7 +777,7 @@ class StoreWriter:
             records = dict(self._records)
         if not index:
             return records
-        return write_index(self.folder, self.meta, records, self.set_aside_samples, self.fsync)
+        return write_index(self.folder, self.meta, records, self.dropped_samples, self.fsync)
 
     def abort(self) -> None:
         """Stop after the shards already queued (they are complete and count on resume);
@@ -881,6 +882,30 @@ class StoreReader:
     def scaled(self) -> bool:
         """Whether the states are fp8 with per-token scales (`quantize_states`)."""
         return self.dtype == FP8
+
+    # ---- what training reads: engines/base.py StateSource ---------------------------------------
+    computes_ahead = False  # read on demand: nothing is computed ahead of the trainer
+    prefetchable = True  # reads are host I/O: a thread of the trainer may read ahead (training/data.py Prefetch)
+    stats_key: str | None = None  # nothing for the train manifest
+
+    def start(self, loads: list[list[int]], max_tokens: int) -> None:
+        """Nothing to start: every sample is on disk."""
+
+    def read_parts(self, sample_ids: list[int], max_tokens: int) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
+        """Each sample's length cut to max_tokens, and its tensors (one dict per sample, views of
+        the memory-mapped shards); an fp8 store's states as stored, fp8 with their scales, which
+        training dequantizes on its device."""
+        parts = [{k: v[:max_tokens] for k, v in self.get(i, raw=self.scaled).items()} for i in sample_ids]
+        return [int(p["input_ids"].shape[0]) for p in parts], parts
+
+    def progress(self) -> dict[str, float]:
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to stop (the shards' memory maps close with the reader)."""
 
     def get(self, sample_id: int, raw: bool = False) -> dict[str, torch.Tensor]:
         """aux [T, n_aux*H], final [T, H] (store dtype), input_ids int32 [T], loss_mask uint8 [T].

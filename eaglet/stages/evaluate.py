@@ -35,11 +35,12 @@ many prompts. At a temperature the continuations are sampled from the target and
 acceptances follow them (a tree's exactly, a chain's drawn with their chances). It gives no
 speed or lossless figures.
 
-The machinery lives in eaglet/evaluation/ (inputs.py: the prompts and the models; decoding.py,
-replaying.py, inprocess.py: the measurement; results.py, plot.py: what is written);
-`evaluation.inprocess.evaluate_draft` is the same measurement without the pipeline (demo,
-benchmarks). This module holds the stage: `run_eval`, the inputs it builds, the vLLM eval's
-draft, the files it writes and the lossless verdict.
+The machinery lives in eaglet/evaluation/ (inputs, decoding, replaying, inprocess, results,
+plot); the in-process decoders are the HF engine's (eaglet/engines/hf/decode.py, replay.py). An
+engine that serves an export format also measures the exported draft where it will run, after
+the in-process eval: the registry's `eval_engine` says which (eval.vllm: eaglet/engines/vllm/
+eval.py; its result `<setting>-<engine>.json`). This module holds the stage: `run_eval`, its
+inputs, the served draft, the files it writes and the lossless verdict.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import torch
 
 from ..config import Config
 from ..context import StageContext
-from ..engines.vllm.eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
+from ..engines import eval_engine
 from ..errors import InputError, VerificationError
 from ..evaluation.inprocess import in_process
 from ..evaluation.inputs import (EvalInputs, eval_items, load_eval_models, prompt_renderer, read_eval_draft,
@@ -69,67 +70,70 @@ class LosslessError(VerificationError):
     """Greedy speculative decoding produced a token the target's own greedy decoding did not."""
 
 
-def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True) -> EvalInputs:
+def eval_inputs(cfg: Config, upstream: dict[str, Any], load_models: bool = True, served: Any = None) -> EvalInputs:
     """The prompt set, draft, target and tokenizer of an evaluation over the run whose stage
     folders are `upstream` (the draft: eval.draft, else the run's trained one). Without
-    `load_models` the target and the draft stay unloaded (None): the vLLM eval alone."""
+    `load_models` the target and the draft stay unloaded (None): the eval in the engine `served`
+    (eaglet/engines/base.py `Engine`: `eval_engine`) alone."""
     items, skipped, count = eval_items(cfg, upstream)
     dtype = resolve_eval_dtype(cfg.eval)
     tokenizer, render = prompt_renderer(cfg)
-    if not load_models:  # vLLM reads the draft's folder (eval.draft, else the run's export): checked here first
-        return EvalInputs(items, None, [], None, tokenizer, {"device": "vllm"}, dtype, render,
-                          vllm_draft(cfg, upstream), skipped, count)
+    if not load_models:  # the engine reads the draft's folder (eval.draft, else the run's export): checked here first
+        return EvalInputs(items, None, [], None, tokenizer, {"device": served.NAME}, dtype, render,
+                          served_draft(cfg, upstream, served), skipped, count)
     draft, aux_layers, target, info, source = load_eval_models(cfg, upstream, dtype)
     return EvalInputs(items, draft, list(aux_layers), target, tokenizer, info, dtype, render, source, skipped, count)
 
 
-def vllm_draft(cfg: Config, upstream: dict[str, Any]) -> str:
-    """The folder the vLLM eval hands vLLM as its draft, eval.draft or else the run's
-    `<export>/vllm`, checked first (`read_eval_draft`: checksums, finite weights, its loader's
-    format): vLLM would load a damaged file without a word."""
+def served_draft(cfg: Config, upstream: dict[str, Any], served: Any) -> str:
+    """The folder the eval in the engine `served` hands it as its draft, eval.draft or else the
+    run's export in the engine's format (`<export>/<EXPORT_FORMAT>`), checked first
+    (`read_eval_draft`: checksums, finite weights, its loader's format): an engine would load a
+    damaged file without a word."""
     if cfg.eval.draft:
         read_eval_draft(cfg.eval.draft)
         return cfg.eval.draft
-    folder = Path(upstream["export"]) / "vllm"
+    fmt = served.EXPORT_FORMAT
+    folder = Path(upstream["export"]) / fmt
     if not folder.is_dir():
-        raise InputError(f"the vLLM eval serves the run's vLLM export, and there is none in {folder.parent}",
-                         fix="add vllm to export.formats and run `eaglet export CONFIG`, or name an export in "
-                             "eval.draft")
+        raise InputError(f"the {served.TITLE} eval serves the run's {fmt} export, and there is none in "
+                         f"{folder.parent}", fix=f"add {fmt} to export.formats and run `eaglet export CONFIG`, or "
+                                             "name an export in eval.draft")
     read_eval_draft(str(folder), own=True)
     return str(folder)
 
 
 def run_eval(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     ecfg = cfg.eval
-    vllm_on = want_vllm(ecfg)
-    if not ecfg.in_process and not vllm_on:
+    served = eval_engine(ecfg)  # the engine that measures the exported draft too (eval.vllm), or None
+    if not ecfg.in_process and served is None:
         raise InputError("eval.in_process is off and the vLLM eval does not run (eval.vllm)",
                          fix="set eval.in_process=true, or eval.vllm=on on a machine with vLLM and a GPU")
-    if vllm_on and ecfg.in_process and not ecfg.draft:  # the export vLLM will serve, checked before the target loads
-        vllm_draft(cfg, ctx.upstream)
-    inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process)
+    if served is not None and ecfg.in_process and not ecfg.draft:  # its export, checked before the target loads
+        served_draft(cfg, ctx.upstream, served)
+    inp = eval_inputs(cfg, ctx.upstream, load_models=ecfg.in_process, served=served)
     result, stats, key = None, {}, setting_key(ecfg)
     if ecfg.in_process:
         result, stats = in_process(cfg, ctx, inp, key)
         _write_result(ctx.out_dir, key, result)
-    vllm = None
-    if vllm_on:
+    engine_result = None
+    if served is not None:
         inp.target = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        vllm = run_vllm_eval(cfg, ctx, inp, result)
-        atomic_write_json(ctx.out_dir / f"{setting_key(ecfg, 'vllm')}.json", vllm)
-        if result is not None:  # the plot again, with vLLM's figures beside eaglet's
-            _write_plot(ctx.out_dir, key, plot_eval(result, vllm))
-        stats["vllm"] = vllm_stats(vllm)
-        stats["vllm_result"] = f"{setting_key(ecfg, 'vllm')}.json"
+        engine_result = served.run_eval(cfg, ctx, inp, result)
+        atomic_write_json(ctx.out_dir / f"{setting_key(ecfg, served.NAME)}.json", engine_result)
+        if result is not None:  # the plot again, with the engine's figures beside eaglet's
+            _write_plot(ctx.out_dir, key, plot_eval(result, engine_result))
+        stats[served.NAME] = served.eval_stats(engine_result)
+        stats[f"{served.NAME}_result"] = f"{setting_key(ecfg, served.NAME)}.json"
     stats["skipped_prompts"] = inp.skipped.by_reason()  # eval.prompts records passed over, by reason
     stats["prompt_count"] = inp.prompt_count  # asked, used, and why fewer
     if result is not None:
         _check_lossless(result, inp.dtype, ctx.out_dir / f"{key}.json")
-    if vllm is not None and result is not None:
-        check_agreement(vllm, ctx.out_dir / stats["vllm_result"])
+    if served is not None and result is not None:
+        served.check_eval_agreement(engine_result, ctx.out_dir / stats[f"{served.NAME}_result"])
     return stats
 
 

@@ -22,7 +22,6 @@ from typing import Any
 from ..config import Config
 from ..context import StageContext
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
-from ..engines.hf.online import AheadStates, OnlineStates
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.vocab import load_vocab
 from ..training.build import build_draft
@@ -51,6 +50,4 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers)
     barrier()
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if isinstance(store, (OnlineStates, AheadStates)):  # engine seam
-        stats["online_nonfinite_samples"] = store.nonfinite
     return stats

@@ -1,5 +1,6 @@
 """What training reads, in which order: the held-out split, packing, the epoch plan, and the
-loading of one micro-batch from the store (or from online or streamed states; `open_states` picks).
+loading of one micro-batch from a `StateSource` (eaglet/engines/base.py): extract's store, or an
+online store's states from the engine that wrote it (`open_states` asks the engine registry).
 
 Every rank computes the same plan from the seed; the trainer (eaglet/stages/train.py) hands
 its micro-batches to the ranks. `VocabMaskCache` keeps the out-of-vocabulary mask's verdict
@@ -21,11 +22,11 @@ import torch
 from ..config import Config
 from ..distributed import all_gather_object, dist_env
 from ..draft.step import Batch, host_head_rows, send_head_rows
-from ..formats.buffer import buffer_folder
-from ..formats.store import StoreReader, dequantize_states, open_verified
+from ..engines import store_engine
+from ..engines.base import StateSource
+from ..engines.states import is_online
+from ..formats.store import dequantize_states, open_verified
 from ..utils import to_device
-from ..engines.hf.online import AheadStates, OnlineStates, PreparedStates, is_online, online_ahead
-from ..engines.vllm.stream import StreamedStates
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,29 +128,20 @@ class VocabMaskCache:
         self.fresh = {}
 
 
-States = StoreReader | OnlineStates | AheadStates | StreamedStates  # what training reads
-
-
 def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: int = 0, planned: bool = True
-                ) -> States:
+                ) -> StateSource:
     """What training reads: extract's store, every shard checked first (`open_verified`, a
-    collective under torchrun), or, when extract ran online, states computed as training goes:
-    by the target beside the draft (backend hf, eaglet/engines/hf/online.py: in a process of its own
-    with extract.online_ahead) or streamed from the serving engine (backend vllm,
-    eaglet/engines/vllm/stream.py). `planned`: the reader hands over the micro-batches it will load, in
-    order, before the first (`start`, as the Trainer does); a reader in an order of its own gets
-    the target in its process (a stream needs the plan)."""
+    collective under torchrun), or, when extract ran online, states computed as training goes
+    by the engine that wrote the store (its `state_source`: the HF engine's target beside the
+    draft, the vLLM engine's stream). `planned`: the reader hands over the micro-batches it will
+    load, in order, before the first (`start`, as the Trainer does); a reader in an order of its
+    own gets states computed on demand (an engine that needs the plan refuses it)."""
     store = open_verified(upstream["extract"])
     if not is_online(store):
         return store
     if "prepare" not in upstream:
         raise ValueError(f"online states need the prepare stage's folder ({upstream['extract']} is an online store)")
-    if store.meta.get("backend") == "vllm":
-        return StreamedStates(store, upstream["prepare"], cfg, buffer_folder(cfg.extract.stream_dir, train_dir), rank)
-    ahead = online_ahead(cfg) if planned else 0
-    if ahead:
-        return AheadStates(store, upstream["prepare"], cfg.target, ahead)
-    return OnlineStates(store, upstream["prepare"], cfg.target)
+    return store_engine(store.meta).state_source(cfg, store, upstream["prepare"], train_dir, rank, planned)
 
 
 @dataclass
@@ -164,7 +156,7 @@ class HostBatch:
     rows: tuple[torch.Tensor, list[int]] | None
 
 
-def read_batch(store: States, ids: list[int], max_tokens: int, pin: bool,
+def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool,
                ttt_steps: int = 0) -> HostBatch:
     """The samples `ids` packed into one micro-batch, each cut to max_tokens, up to the copy to the
     device: the store's reads and the host's copies (into pinned memory when `pin`). ttt_steps > 0:
@@ -178,13 +170,9 @@ def read_batch(store: States, ids: list[int], max_tokens: int, pin: bool,
         shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
         return torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=pin))[None]
 
-    if isinstance(store, PreparedStates):  # one forward of the target, or one entry of the stream: packed
-        lens, packed = store.get_packed(ids, max_tokens)
-        parts = [packed]
-    else:  # a store, sample by sample; an fp8 one's states as stored, dequantized on the device
-        raw = {"raw": True} if getattr(store, "scaled", False) else {}
-        parts = [{k: v[:max_tokens] for k, v in store.get(i, **raw).items()} for i in ids]
-        lens = [int(p["input_ids"].shape[0]) for p in parts]
+    # a store's samples one part each (an fp8 one's states as stored, dequantized on the device);
+    # one forward of the target, or one entry of a stream: one part, packed
+    lens, parts = store.read_parts(list(ids), max_tokens)
     keys = ("aux", "final", "input_ids", "loss_mask") + (("aux_scale", "final_scale") if "aux_scale" in parts[0] else ())
     tensors = {k: cat([p[k] for p in parts]) for k in keys}
     tensors["docs"] = cat([torch.full((n,), d) for d, n in enumerate(lens)])
@@ -215,7 +203,7 @@ def send_batch(h: HostBatch, device: torch.device) -> Batch:
                  sent("docs"), sum(h.lens), sample_ids=h.ids, lens=h.lens, head_rows=rows, active_rows=active)
 
 
-def load_batch(store: States, ids: list[int], max_tokens: int, device: torch.device,
+def load_batch(store: StateSource, ids: list[int], max_tokens: int, device: torch.device,
                ttt_steps: int = 0) -> Batch:
     """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
     ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""

@@ -32,11 +32,10 @@ from ..draft.model import Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, LossTotals, SkippedSteps, TeacherHead, build_optimizer, forward_loss,
                           freeze_survivors, lr_lambda, micro_batch, optimizer_step, resolve_compile)
-from ..engines.hf.online import AheadStates
-from ..engines.vllm.stream import StreamedStates
 from ..formats.checkpoints import read_checkpoint, restore_rng, rng_state, save_checkpoint
 from ..formats.pypi import default_cache
-from ..formats.store import StoreReader, TargetHead
+from ..engines.base import StateSource
+from ..formats.store import TargetHead
 from ..utils import log
 from .build import uses_bf16
 from .checkpoint_writer import CheckpointWriter, host_snapshot
@@ -47,16 +46,16 @@ from .plan import StepPlan
 from .resume import CKPT_DIR, choose_checkpoint, restore_schedule
 
 
-def reads_ahead(store: Any, train_cfg: TrainSection, device: torch.device) -> bool:
+def reads_ahead(store: StateSource, train_cfg: TrainSection, device: torch.device) -> bool:
     """Whether a thread reads the store's micro-batches ahead (`Prefetch`): an offline store,
     train.prefetch > 0, training on a GPU. On a CPU the reads would share the cores with the
     step they should hide behind, and land in fresh pageable memory, which in a thread faults
     in page by page (docs/performance.md, "Reading ahead")."""
-    return isinstance(store, StoreReader) and train_cfg.prefetch > 0 and device.type == "cuda"  # engine seam
+    return store.prefetchable and train_cfg.prefetch > 0 and device.type == "cuda"
 
 
 class Trainer:
-    def __init__(self, cfg: Config, store: StoreReader, model: Eagle3Draft, head: TargetHead, out_dir: Path):
+    def __init__(self, cfg: Config, store: StateSource, model: Eagle3Draft, head: TargetHead, out_dir: Path):
         self.cfg, self.train_cfg, self.store, self.out_dir = cfg, cfg.train, store, out_dir
         train_cfg = self.train_cfg
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
@@ -77,7 +76,7 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         self.plan = StepPlan(cfg, store.sample_ids, store.lengths, self.env.world_size, self.env.rank)
         # States computed ahead of the loop, from the plan of its loads: a stream, or the target's own process
-        self.stream = store if isinstance(store, (StreamedStates, AheadStates)) else None  # engine seam
+        self.stream = store if store.computes_ahead else None
         self.opt = build_optimizer(self.model, train_cfg, strategy, self.device, use_bf16, self.parallel.compiled)
         if train_cfg.lr == "auto":  # build_optimizer resolved it from the draft's width
             log(f"[train] train.lr auto: {self.opt.defaults['lr']:.3g} for hidden size {model.config.hidden_size}")
@@ -291,6 +290,6 @@ class Trainer:
                  "skipped_steps": self.skipped.since if self.skipped is not None else 0}
         if resumed is not None:
             stats["resumed"] = resumed
-        if stream is not None:
-            stats[stream.STATS_KEY] = stream.stats()
+        if self.store.stats_key:
+            stats[self.store.stats_key] = self.store.stats()
         return stats

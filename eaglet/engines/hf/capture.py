@@ -6,19 +6,23 @@ state entering its layer into one [B, T, n_aux*H] buffer in the store dtype;
 `output_hidden_states` would keep every layer's state alive at once (61 layers x 7168 wide is
 gigabytes per batch). The final state is the base model's `last_hidden_state`, exactly the
 tensor the CausalLM feeds its LM head (the final norm applied). The extract stage
-(eaglet/stages/extract.py) and online states (eaglet/engines/hf/online.py) both capture through
+(eaglet/engines/hf/extract.py) and online states (eaglet/engines/hf/online.py) both capture through
 here; the self-check (eaglet/checks/selfcheck.py) compares the result with the model's own
-unbatched forward.
+unbatched forward. `save_target_head` writes what training needs of the target beside the
+store (its embedding, LM head, final norm and text config).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
+from ...formats.store import write_target_head
 from ...targets.load import TargetParts
 
 
@@ -97,3 +101,41 @@ def to_host(t: torch.Tensor, events: list, waits: dict[str, float] | None = None
     event.record(torch.cuda.current_stream(t.device))
     events.append(event)
     return host
+
+
+# ---- the target's head, beside the store ----------------------------------------------------------
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) weight gathered whole; a collective, so every rank calls it."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save_target_head(parts: TargetParts, model: torch.nn.Module, folder: Path, write: bool = True) -> None:
+    """What training needs of the target besides the store: its token embedding (copied into
+    the draft, frozen), LM head and final norm (the teacher), and its text config (the
+    draft's sizes). A few GB for the largest targets, against the model's hundreds.
+    Under tensor parallelism every rank calls this (the weights are gathered) and the rank
+    with `write` writes.
+
+    The embedding is stored as the first decoder layer receives it (times the family's
+    embed_scale: Gemma's sqrt(H)) and the norm as a plain weight (Gemma's 1 + w), so the
+    draft and the teacher need no family knowledge; the head's logit scale and softcap go
+    into the store's meta (`head_meta`)."""
+    weights = {"embed_tokens": parts.embed_tokens.weight, "lm_head": parts.lm_head.weight, "norm": parts.norm.weight}
+    if not write and not any(isinstance(w, DTensor) for w in weights.values()):
+        return
+    tensors = {k: _whole(v.detach()) for k, v in weights.items()}
+    if not write:
+        return
+    write_target_head(folder, parts.scaled_embedding(tensors["embed_tokens"]), tensors["lm_head"],
+                      parts.plain_norm_weight(tensors["norm"]), model.config.get_text_config().to_dict())
+
+
+def head_meta(parts: TargetParts) -> dict[str, Any]:
+    """The store meta that says how the teacher's logits come from the stored final state."""
+    return {
+        "family": parts.family.key if parts.family is not None else None,
+        "embed_scale": parts.embed_scale,
+        "logit_scale": parts.logit_scale,
+        "logit_softcap": parts.logit_softcap,
+    }

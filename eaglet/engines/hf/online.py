@@ -9,9 +9,11 @@ beside the draft and its forward is cheap next to the draft's training step (sma
 mid-size targets), recomputing the states every epoch beats storing them.
 
 In online mode the extract stage stores only the self-check's samples (so the same check
-guards the captured states) and marks its store `mode: online`; `train_data.open_states` then gives
-training an `OnlineStates`: the read interface of `StoreReader` (sample ids, lengths,
-meta, `get`, `get_many`; and `get_packed`, one micro-batch packed, which training reads) whose
+guards the captured states) and marks its store `mode: online`; training's `open_states`
+(eaglet/training/data.py) then asks this engine for its state source (`state_source` in
+eaglet/engines/hf/__init__.py) and gets an `OnlineStates`: a `StateSource`
+(eaglet/engines/base.py; sample ids, lengths, meta, `get`, `get_many`; and `get_packed`, one
+micro-batch packed, which training reads through `read_parts`) whose
 states come from the same capture code extract uses, one padded forward per packed micro-batch,
 on the target's device. Offline and online runs
 of the same config see the same samples in the same order; their states agree to the
@@ -39,60 +41,17 @@ from ...config import Config, TargetSection
 from ...distributed import resolve_device
 from ...errors import InputError
 from .capture import capture, nonfinite_rows, pad_batch
-from ...formats.prepared import PreparedData
-from ...formats.store import (FP8, StoreReader, TargetHead, capture_dtype, dequantize_states, quantize_states,
-                             read_target_head)
+from ...formats.store import FP8, StoreReader, capture_dtype, dequantize_states, quantize_states
 from ...targets.load import TargetParts, load_target
 from ...utils import child_context, pid_alive, to_device
-
-
-class PreparedStates:
-    """What states read from the prepared data (not a store) share with `StoreReader`: the
-    sample ids with tokens, their lengths, meta, layers, dtype and the target's head.
-
-    `base` is extract's (online) store: its meta, layers and dtype, and the folder that holds
-    head.safetensors and target_config.json."""
-
-    def __init__(self, base: StoreReader, prepared_folder: str | Path):
-        self.folder, self.meta, self.layers, self.dtype = base.folder, base.meta, base.layers, base.dtype
-        self.data = PreparedData(prepared_folder)
-        order = np.argsort(self.data.sample_ids, kind="stable")
-        keep = self.data.lengths[order] > 0
-        self.sample_ids = self.data.sample_ids[order][keep]
-        self.lengths = self.data.lengths[order][keep]
-        self._row = {int(s): int(i) for i, s in enumerate(self.data.sample_ids.tolist())}
-
-    def __len__(self) -> int:
-        return int(self.sample_ids.shape[0])
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.layers)
-
-    def __contains__(self, sample_id: int) -> bool:
-        return int(sample_id) in self._row
-
-    def target_head(self, device: torch.device) -> TargetHead:
-        return read_target_head(self.folder, self.meta, device)
-
-    def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
-                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """The samples `sample_ids`, each cut at `max_tokens`, as one packed micro-batch: their
-        lengths, and each tensor their rows end to end (what training reads, `read_batch`)."""
-        raise NotImplementedError
-
-    def get_many(self, sample_ids: list[int], max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """`get_packed`, sample by sample (views)."""
-        lens, tensors = self.get_packed(sample_ids, max_tokens)
-        cuts = np.cumsum([0, *lens]).tolist()
-        return [{k: v[a:b] for k, v in tensors.items()} for a, b in zip(cuts[:-1], cuts[1:])]
-
-    def get(self, sample_id: int) -> dict[str, torch.Tensor]:
-        return self.get_many([sample_id])[0]
+from ..states import PreparedStates
 
 
 class OnlineStates(PreparedStates):
-    """The `StoreReader` interface over prepared data, states computed by the target on demand."""
+    """A `StateSource` over prepared data, states computed by the target on demand, in the
+    trainer's process (nothing ahead, nothing a thread could prefetch)."""
+
+    stats_key = "online"  # its stats() in the train stage's manifest
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection):
         super().__init__(base, prepared_folder)
@@ -110,6 +69,10 @@ class OnlineStates(PreparedStates):
     def nonfinite(self) -> int:
         """Samples whose states were not finite (their loss mask was cleared)."""
         return int(self._nonfinite)
+
+    def stats(self) -> dict[str, Any]:
+        """For the train manifest (a device count read here: at the end of training)."""
+        return {"nonfinite_samples": self.nonfinite}
 
     def get_packed(self, sample_ids: list[int], max_tokens: int | None = None
                    ) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -177,7 +140,8 @@ class AheadStates(PreparedStates):
     sent stays the process's memory, lent to the trainer: the process lives until `close`, and
     ends by itself once the trainer is gone."""
 
-    STATS_KEY = "online_ahead"  # its stats() in the train stage's manifest
+    computes_ahead = True  # the trainer hands it the plan (`start`) and logs its `progress`
+    stats_key = "online_ahead"  # its stats() in the train stage's manifest
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, target: TargetSection, depth: int,
                  watch_pid: int | None = None):
@@ -269,7 +233,7 @@ class AheadStates(PreparedStates):
     def stats(self) -> dict[str, Any]:
         return {"ahead": self.depth, "micro_batches": len(self.loads), "consumed": self._next,
                 "waited_s": round(self._waited_total, 2), "target_s": round(self._target_s, 2),
-                "target_tokens_per_s": self.target_rate()}
+                "target_tokens_per_s": self.target_rate(), "nonfinite_samples": self.nonfinite}
 
     def close(self) -> None:
         """Stop the process (after training let go of what it lent)."""
@@ -324,16 +288,3 @@ def _ahead_main(conn: Any, credits: Any, stop: Any, trainer: int, base_folder: s
                     conn.recv()  # send returns and its next get_packed raises the error
         except (EOFError, ConnectionError):
             return
-
-
-def is_online(store: StoreReader) -> bool:
-    return store.meta.get("mode") == "online"  # extract.mode, as the store records it
-
-
-def split_source(upstream: dict[str, Path]) -> np.ndarray:
-    """The sample ids training splits into train and held-out (no target needed)."""
-    store = StoreReader(upstream["extract"], verify=False)
-    if not is_online(store):
-        return store.sample_ids
-    data = PreparedData(upstream["prepare"])
-    return np.sort(data.sample_ids[data.lengths > 0])

@@ -1,6 +1,7 @@
 """The doctor's checks for `extract.backend: vllm` (eaglet/engines/vllm/extract.py, eaglet/engines/vllm/capture.py).
 
-Run by `eaglet doctor` and the extract preflight (doctor.CHECKS), before the API contracts:
+Run by `eaglet doctor` and the preflights of extract, train and eval (the engine's `doctor`,
+eaglet/engines/vllm/__init__.py, which eaglet/doctor.py calls for every engine), before the API contracts:
 the vLLM version (installed here, or serving at extract.vllm_server) against the oldest one the
 backend accepts; the target's vLLM model class (the {vllm_model} role of the contract rows);
 the keys of extract.vllm_engine_args against vLLM's EngineArgs; eaglet's layer ids and the
@@ -84,6 +85,14 @@ def check_vllm(p: Probe) -> None:
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                    "KimiK25ForConditionalGeneration", "KimiVLForConditionalGeneration")
 ABORT_SAFE = "0.33.0"  # the first version read whose hidden-states connector ignores a request never scheduled
+
+
+def check_vllm_memory(p: Probe) -> None:
+    """extract.backend vllm: vLLM sizes its own memory (the doctor estimates the HF engine's)."""
+    if p.cfg.extract.backend != "vllm":
+        return
+    p.add("info", "memory (extract)", "vLLM sizes its own memory", "extract.vllm_engine_args: "
+          "gpu_memory_utilization, tensor_parallel_size, ... (vLLM reports what does not fit when it starts)")
 
 
 def known_faults(p: Probe, version: str) -> None:

@@ -15,12 +15,12 @@ state after the last layer *before* the final norm: the store records
 increasing layer order.
 
 Each prompt runs once with max_tokens=1. The token ids vLLM stored must equal the ids prepare
-produced; a sample whose ids differ is set aside ("token_mismatch"), never stored. So is one
+produced; a sample whose ids differ is dropped ("token_mismatch"), never stored. So is one
 with a token whose states are all zeros ("zero_states"): vLLM skips the extraction step for a
 whole batch whose longest sequence + 1 exceeds max_model_len, leaving those cache slots
-unwritten; eaglet sizes max_model_len to the longest sample + 1 and sets aside samples that do
+unwritten; eaglet sizes max_model_len to the longest sample + 1 and drops samples that do
 not fit a max_model_len the user gives. States go into eaglet's own store (shards, index,
-checksums, resume) exactly as the HF backend writes it.
+checksums, resume) exactly as the HF engine writes it.
 
 Self-check at scale: the `extract.selfcheck_samples` samples run first, with vLLM's prompt
 logprobs. The target's LM head applied to their stored final state (through training's own
@@ -87,12 +87,12 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     usable = [i for i in range(len(data)) if 0 < lengths[i] < limit]
     for i in range(len(data)):
         if not 0 < lengths[i] < limit and int(data.sample_ids[i]) not in done:
-            writer.set_aside(int(data.sample_ids[i]), "empty" if lengths[i] == 0 else "longer_than_max_model_len")
+            writer.drop(int(data.sample_ids[i]), "empty" if lengths[i] == 0 else "longer_than_max_model_len")
     max_len = int(max((lengths[i] for i in usable), default=1))
     picked = set(pick_samples(data.sample_ids[usable], ecfg.selfcheck_samples, cfg.run.seed))
     first = [i for i in usable if int(data.sample_ids[i]) in picked]
     # The rounds of an uninterrupted run; a resumed one sends each round that holds a sample
-    # not stored whole again (its stored rows are dropped), so vLLM schedules the same requests.
+    # not stored whole again (its stored rows are discarded), so vLLM schedules the same requests.
     others = [i for i in usable if int(data.sample_ids[i]) not in picked]
     step = max(1, ecfg.vllm_requests)
     rounds = [r for r in (others[a:a + step] for a in range(0, len(others), step))
@@ -102,7 +102,7 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
         first = []  # everything is stored: vLLM is not started (the check ran when these were extracted)
     log(f"[extract] vLLM backend: target {head.architecture} L={L} H={H}; vLLM layer ids {ids} (the last: the state "
         f"before the final norm); {len(rest) + len(first)} samples to run, {len(done)} already stored")
-    stats = {"samples": 0, "tokens": 0, "set_aside": 0}
+    stats = {"samples": 0, "tokens": 0, "dropped": 0}
     check: dict[str, Any] = {"samples": []}
     try:
         if engine is None and (first or rest):
@@ -123,11 +123,11 @@ def run_extract_vllm(cfg: Config, ctx: StageContext, engine: Any = None) -> dict
     finally:
         if engine is not None:
             engine.close()
-    index = write_index(ctx.out_dir, meta, records, writer.set_aside_samples, ecfg.fsync)
+    index = write_index(ctx.out_dir, meta, records, writer.dropped_samples, ecfg.fsync)
     seconds = time.time() - t0
     return {
         "samples": index["num_samples"], "tokens": index["num_tokens"], "resumed_samples": len(done),
-        "new_tokens": stats["tokens"], **found.stats(), "set_aside": index["set_aside_counts"], "shards": index["num_shards"],
+        "new_tokens": stats["tokens"], **found.stats(), "dropped": index["dropped_counts"], "shards": index["num_shards"],
         "bytes": index["bytes"], "seconds": round(seconds, 3),
         "tokens_per_s": round(stats["tokens"] / seconds, 1) if seconds > 0 else None, "layers": layers,
         "hidden_size": H, "world_size": 1, "parallel": "vllm", "backend": "vllm", "vllm_layer_ids": ids,
@@ -171,12 +171,12 @@ def _stream_store(cfg: Config, ctx: StageContext) -> dict[str, Any]:
 
 def convert_result(engine: Any, res: Result, expected: np.ndarray, ids: list[int], H: int, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """A request's (aux, final) for the token ids `expected`, or the reason its sample is set
-    aside. The connector file is removed."""
+    """A request's (aux, final) for the token ids `expected`, or the reason its sample is
+    dropped. The connector file is removed."""
     try:
         aux, final = to_sample(engine.read(res.path), expected, ids, H, dtype)
     except TokenMismatch as e:
-        log(f"[extract] sample {res.sample_id} set aside: {e}")
+        log(f"[extract] sample {res.sample_id} dropped: {e}")
         return "token_mismatch"
     finally:
         engine.discard(res.path)
@@ -202,8 +202,8 @@ def _round(engine: Any, data: PreparedData, rows: list[int], done: set[int], ids
             bar.update(int(data.lengths[i]))
             continue
         if isinstance(got, str):
-            writer.set_aside(res.sample_id, got)
-            stats["set_aside"] += 1
+            writer.drop(res.sample_id, got)
+            stats["dropped"] += 1
             mismatched += got == "token_mismatch"
         else:
             s = data[i]
@@ -228,8 +228,8 @@ def _selfcheck_round(engine: Any, data: PreparedData, rows: list[int], done: set
         got = convert_result(engine, res, data[i].input_ids, ids, head.hidden_size, dtype)
         if isinstance(got, str):
             if res.sample_id not in done:
-                writer.set_aside(res.sample_id, got)
-                stats["set_aside"] += 1
+                writer.drop(res.sample_id, got)
+                stats["dropped"] += 1
             continue
         checked.append((got[1], res.prompt_logprobs))
         if res.sample_id not in done:

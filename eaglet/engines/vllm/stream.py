@@ -7,8 +7,8 @@ trainer into a bounded buffer, and nothing else of them is ever on disk.
 
 A 1T-parameter target neither fits beside the draft nor has a store within reach (57 KB a
 token: 57 TB for 500k conversations of 2k tokens over 2-3 epochs), so its states come from
-the engine that serves it, every epoch anew. `StreamedStates` has the read interface of
-`StoreReader` that training uses. The trainer hands it, before its first step, the list of
+the engine that serves it, every epoch anew. `StreamedStates` is a `StateSource`
+(eaglet/engines/base.py), what training reads. The trainer hands it, before its first step, the list of
 micro-batches this rank will load, in order (`Trainer.planned_loads`: the epoch plans from
 the resume position, and the held-out batches at each evaluation); a producer thread sends
 their samples to the engine (each cut to train.max_tokens: a causal model's prefix states do
@@ -25,7 +25,7 @@ what a killed run left in the buffer is deleted and asked for again.
 The self-check runs on this rank's first samples before the first step, with vLLM's prompt
 logprobs, as it does for a store (eaglet/engines/vllm/extract.py). A sample the engine fails on
 (other token ids, states that are not finite or never written) keeps its place with its loss
-mask cleared and is counted (`set_aside`). When the engine falls behind, the trainer logs
+mask cleared and is counted (`dropped`). When the engine falls behind, the trainer logs
 the time it waited and the engine's tokens/s against training's (`progress`).
 """
 
@@ -53,7 +53,7 @@ from ...formats.buffer import clear_entries, connector_itemsize, micro_batch_byt
 from ...formats.store import FP8, StoreReader, capture_dtype, quantize_states
 from ...utils import child_context, log, pid_alive
 from .extract import PROMPT_LOGPROBS, convert_result, judge_selfcheck
-from ..hf.online import PreparedStates
+from ..states import PreparedStates
 
 # Processes turning connector files into entries while the engine computes the next round: in
 # threads, their many small torch calls contend for the GIL with a host-bound training loop
@@ -85,16 +85,16 @@ class EntryJob:
 
 def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
     """One load's entry from its requests' connector files (which are removed), in a converter
-    process: (path, bytes, seconds, [(sample, reason)] of those set aside). A sample the engine
+    process: (path, bytes, seconds, [(sample, reason)] of those dropped). A sample the engine
     failed on keeps its place with zero states and its loss mask cleared."""
     t0 = time.perf_counter()
     engine, states = SimpleNamespace(read=job.read, discard=job.discard), capture_dtype(job.dtype)
-    auxs, finals, tokens, masks, lens, aside = [], [], [], [], [], []
+    auxs, finals, tokens, masks, lens, dropped = [], [], [], [], [], []
     for sid, res, want, mask in job.samples:
         got = convert_result(engine, res, want, job.layer_ids, job.hidden, states)
         m = torch.from_numpy(mask)
         if isinstance(got, str):
-            aside.append((sid, got))
+            dropped.append((sid, got))
             got = (torch.zeros(len(want), job.n_aux * job.hidden, dtype=states),
                    torch.zeros(len(want), job.hidden, dtype=states))
             m = torch.zeros_like(m)
@@ -113,7 +113,7 @@ def write_load(job: EntryJob) -> tuple[Path, int, float, list[tuple[int, str]]]:
     if _trainer is not None and not pid_alive(_trainer):  # killed mid-job: what its restart reads is its own
         raise SystemExit(0)
     path, size = write_entry(job.buffer, job.rank, job.seq, [sid for sid, *_ in job.samples], lens, tensors)
-    return path, size, time.perf_counter() - t0, aside
+    return path, size, time.perf_counter() - t0, dropped
 
 
 _trainer: int | None = None  # in a converter: the trainer's pid (_converter_start)
@@ -136,12 +136,13 @@ def _exit_with(pid: int, every: float = 1.0) -> None:
 
 
 class StreamedStates(PreparedStates):
-    """The `StoreReader` interface over prepared data, states from the engine through a
+    """A `StateSource` over prepared data, states from the engine through a
     bounded buffer (see the module doc). `base` is extract's online store (its meta, layers,
     dtype, head.safetensors and target_config.json); `engine` (tests): anything with
     run/read/discard/close, else vLLM in process or at extract.vllm_server."""
 
-    STATS_KEY = "stream"  # its stats() in the train stage's manifest
+    computes_ahead = True  # the trainer hands it the plan (`start`) and logs its `progress`
+    stats_key = "stream"  # its stats() in the train stage's manifest
 
     def __init__(self, base: StoreReader, prepared_folder: str | Path, cfg: Config, folder: Path, rank: int = 0,
                  engine: Any = None):
@@ -156,7 +157,7 @@ class StreamedStates(PreparedStates):
         self.load_sizes: list[int] = []  # the buffer bytes each load holds at most (micro_batch_bytes)
         self.load_tokens: list[int] = []  # tokens of each load, each sample cut at max_tokens
         self.max_tokens = 0
-        self.set_aside: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
         self.selfcheck: dict[str, Any] | None = None
         self._cond = threading.Condition()
         self._ready: dict[int, tuple[Path, int]] = {}  # seq -> (entry, bytes)
@@ -321,11 +322,11 @@ class StreamedStates(PreparedStates):
         if done.exception() is not None:
             self._fail(done.exception())
             return
-        path, size, seconds, aside = done.result()
-        for sid, why in aside:
+        path, size, seconds, dropped = done.result()
+        for sid, why in dropped:
             log(f"[stream] sample {sid} ({why}): its loss mask is cleared")
         with self._cond:
-            self.set_aside.update(why for _, why in aside)
+            self.dropped.update(why for _, why in dropped)
             self._used -= self.load_sizes[seq] - size
             self._ready[seq] = (path, size)
             self._convert_s += seconds
@@ -409,7 +410,7 @@ class StreamedStates(PreparedStates):
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"micro_batches": len(self.loads), "consumed": self._next, "set_aside": dict(self.set_aside),
+        return {"micro_batches": len(self.loads), "consumed": self._next, "dropped": dict(self.dropped),
                 "buffer_bound_bytes": self.bound, "buffer_peak_bytes": self.peak_bytes,
                 "buffer_folder": str(self.buffer), "selfcheck": self.selfcheck,
                 "engine_tokens_per_s": self.engine_rate(), "engine_seconds": round(self._engine_s, 2),
