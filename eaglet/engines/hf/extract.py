@@ -127,7 +127,7 @@ def run_extract_hf(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     meta = store_meta(ctx.input_hash, parts.hidden_size, layers, ecfg.store_dtype, POST_NORM, parts.num_layers,
                       info["class"], norm_eps(parts.norm), ecfg.mode, **head_meta(parts))
     # every rank: the shards' check is shared
-    found = resume_folder(ctx.out_dir, meta, ecfg.fsync, earlier=ctx.earlier_hashes)
+    found = resume_folder(ctx.out_dir, meta, ecfg.fsync)
     # extract.writer_threads threads hash and write the shards (both release the GIL, so they
     # overlap): the disk, not one thread's hashing, sets the pace of the writes.
     writer: StoreWriter | WritesNothing = WritesNothing()
