@@ -550,14 +550,11 @@ def test_tree_is_chain_helper():
 
 
 def _eval_setup(tmp_path):
-    from safetensors.torch import save_file
-
     from eaglet.config import Config
     from eaglet.context import StageContext
     from eaglet.formats.prepared import PreparedWriter
     from eaglet.testing.tiny import save_target
-    from eaglet.formats.draft import DRAFT_CONFIG, FINAL_DIR
-    from eaglet.utils import atomic_write_json
+    from eaglet.formats.draft import FINAL_DIR, save_final
 
     target_dir = save_target(tmp_path / "target", num_hidden_layers=6)
     from transformers import AutoModelForCausalLM
@@ -570,10 +567,7 @@ def _eval_setup(tmp_path):
         w.add(rng.integers(20, 400, n), [0] * start + [1] * (n - start), 0, i)
     w.close()
     draft = make_draft(target, 300)
-    final = tmp_path / "train" / FINAL_DIR
-    final.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(final / "model.safetensors"))
-    atomic_write_json(final / DRAFT_CONFIG, {"draft": draft.config.to_dict(), "aux_layers": [1, 3, 4]})
+    save_final(tmp_path / "train" / FINAL_DIR, draft.state_dict(), draft.config, [1, 3, 4])
     cfg = Config()
     cfg.target.path = str(target_dir)
     cfg.train.eval_fraction = 0.5
