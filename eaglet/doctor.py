@@ -205,10 +205,10 @@ def check_target_config(p: Probe) -> None:
                   "check target.path (a local model folder or a hub id already in the cache)")
         return
     p.text_config = p.hf_config.get_text_config()
-    tc = p.text_config
-    p.add("ok", "target config", "readable", f"{type(p.hf_config).__name__} model_type={tc.model_type} "
-          f"layers={getattr(tc, 'num_hidden_layers', '?')} hidden={getattr(tc, 'hidden_size', '?')} "
-          f"vocab={getattr(tc, 'vocab_size', '?')}")
+    text_cfg = p.text_config
+    p.add("ok", "target config", "readable", f"{type(p.hf_config).__name__} model_type={text_cfg.model_type} "
+          f"layers={getattr(text_cfg, 'num_hidden_layers', '?')} hidden={getattr(text_cfg, 'hidden_size', '?')} "
+          f"vocab={getattr(text_cfg, 'vocab_size', '?')}")
     if auto_map:
         classes = ", ".join(sorted(set(auto_map.values()) if isinstance(auto_map, dict) else []))[:200]
         if t.trust_remote_code:
@@ -216,7 +216,7 @@ def check_target_config(p: Probe) -> None:
                   f"auto_map: {classes}")
         else:
             p.add("warn", "remote code", "the model repo's own code, which its config.json asks for (auto_map)",
-                  f"not run: target.trust_remote_code is off, transformers' built-in {tc.model_type} classes are used "
+                  f"not run: target.trust_remote_code is off, transformers' built-in {text_cfg.model_type} classes are used "
                   f"instead of {classes}",
                   "keep it off to use the built-in classes, or set target.trust_remote_code: true for a repo you trust")
     quant = getattr(p.hf_config, "quantization_config", None) or raw.get("quantization_config")
@@ -716,12 +716,12 @@ def check_extract_memory(p: Probe) -> None:
         return
     if p.model is None or p.parts is None:
         return
-    e, tc = p.cfg.extract, p.text_config
+    e, text_cfg = p.cfg.extract, p.text_config
     b = _target_dtype_bytes(p)
     weights = _weight_bytes(p, b)
     H, n_aux = _hidden_and_aux(p)
-    inter = max(getattr(tc, "intermediate_size", 0) or 0,
-                (getattr(tc, "moe_intermediate_size", 0) or 0) * (getattr(tc, "num_experts_per_tok", 0) or 0))
+    inter = max(getattr(text_cfg, "intermediate_size", 0) or 0,
+                (getattr(text_cfg, "moe_intermediate_size", 0) or 0) * (getattr(text_cfg, "num_experts_per_tok", 0) or 0))
     acts = e.batch_tokens * ((10 * H + 3 * inter) * b + (n_aux + 1) * H * _DTYPE_BYTES[e.store_dtype])
     V = int(p.parts.lm_head.weight.shape[0])
     check = REF_MAX_TOKENS * (V * 4 + (p.parts.num_layers + 1) * H * b) if e.selfcheck_samples > 0 else 0
@@ -754,16 +754,16 @@ def _draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
 
     if p.draft is not None:
         return p.draft
-    tc = _text_config_for_train(p)
-    if tc is None:
+    text_cfg = _text_config_for_train(p)
+    if text_cfg is None:
         return None
     t = p.cfg.train
     _, n_aux = _hidden_and_aux(p)
-    dcfg = DraftConfig.from_target_config(tc, draft_vocab_size=min(p.cfg.vocab.size, int(tc.vocab_size)),
+    dcfg = DraftConfig.from_target_config(text_cfg, draft_vocab_size=min(p.cfg.vocab.size, int(text_cfg.vocab_size)),
                                           num_layers=t.draft_layers, fc_norm=t.fc_norm, norm_output=t.norm_output,
                                           num_aux=n_aux)
     with torch.device("meta"):
-        p.draft = tc, Eagle3Draft(dcfg)
+        p.draft = text_cfg, Eagle3Draft(dcfg)
     return p.draft
 
 
@@ -775,9 +775,9 @@ def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
     found = _draft_skeleton(p)
     if found is None:
         return None
-    tc, draft = found
+    text_cfg, draft = found
     t, dcfg = p.cfg.train, draft.config
-    V, Vd = int(tc.vocab_size), dcfg.draft_vocab_size
+    V, Vd = int(text_cfg.vocab_size), dcfg.draft_vocab_size
     _, n_aux = _hidden_and_aux(p)
     trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
     frozen = sum(q.numel() for q in draft.parameters() if not q.requires_grad)
@@ -864,18 +864,18 @@ def _mean_tokens(p: Probe) -> tuple[float, str]:
 def _stream_buffer(p: Probe) -> None:
     """The buffer must hold two micro-batches (one computed while the other trains); under
     torchrun the in-process engine cannot serve every rank."""
-    e, tc = p.cfg.extract, p.cfg.train
+    e, train_cfg = p.cfg.extract, p.cfg.train
     hidden, n_aux = _hidden_and_aux(p)
-    one = micro_batch_bytes(tc.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype], connector_itemsize(p.cfg.target.dtype))
+    one = micro_batch_bytes(train_cfg.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype], connector_itemsize(p.cfg.target.dtype))
     bound = float(e.stream_buffer_gb) * 1e9
     where = buffer_folder(e.stream_dir, p.cfg.run_dir / "train")
-    what = (f"two micro-batches of train.max_tokens {tc.max_tokens} ({n_aux} + 1 states of width {hidden}, "
+    what = (f"two micro-batches of train.max_tokens {train_cfg.max_tokens} ({n_aux} + 1 states of width {hidden}, "
             f"{e.store_dtype}, with vLLM's connector files): {2 * one / 1e9:.3g} GB")
     if one > bound:
         fix = f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}, or lower train.max_tokens"
         p.add("FAIL", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: not even one", fix,
               error=ConfigError(f"extract.stream_buffer_gb {e.stream_buffer_gb} holds {bound / 1e9:.3g} GB, and one "
-                                f"micro-batch of train.max_tokens {tc.max_tokens} needs {one / 1e9:.3g} GB of it",
+                                f"micro-batch of train.max_tokens {train_cfg.max_tokens} needs {one / 1e9:.3g} GB of it",
                                 fix=fix))
     elif 2 * one > bound:
         p.add("warn", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: one; the engine waits "
@@ -909,28 +909,28 @@ def check_stream(p: Probe) -> None:
         mem, mem_from = float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
     else:
         mem, mem_from = H200_BYTES, "no GPU here: an H200's 141 GB assumed"
-    tc, H = p.text_config, p.parts.hidden_size
+    text_cfg, H = p.text_config, p.parts.hidden_size
     _, n_aux = _hidden_and_aux(p)
     b = _target_dtype_bytes(p)
     params = sum(q.numel() for q in p.model.parameters())
     experts = sum(q.numel() for n, q in p.model.named_parameters() if ".experts." in n)
-    quant = getattr(p.hf_config, "quantization_config", None) or getattr(tc, "quantization_config", None)
+    quant = getattr(p.hf_config, "quantization_config", None) or getattr(text_cfg, "quantization_config", None)
     bits = _quant_bits(quant) if quant else None
     if bits is not None and experts:  # a quantized MoE (Kimi-K2.5: int4 experts, a bf16 scale per 32 weights)
         weights = int(experts * (bits / 8 + 2 / 32) + (params - experts) * b)
     else:
         weights = _weight_bytes(p, b)
-    E, k = getattr(tc, "n_routed_experts", None) or getattr(tc, "num_experts", None), getattr(
-        tc, "num_experts_per_tok", None)
+    E, k = getattr(text_cfg, "n_routed_experts", None) or getattr(text_cfg, "num_experts", None), getattr(
+        text_cfg, "num_experts_per_tok", None)
     active = params - (experts * (1 - k / E) if E and k else 0)
     L = p.parts.num_layers
     tp = int(args.get("tensor_parallel_size", 1))
-    if getattr(tc, "kv_lora_rank", None):  # MLA: the latent cache, whole on every tensor-parallel rank
-        kv = L * (tc.kv_lora_rank + tc.qk_rope_head_dim) * 2
-        kv_what = f"MLA latent {tc.kv_lora_rank}+{tc.qk_rope_head_dim} x {L} layers"
+    if getattr(text_cfg, "kv_lora_rank", None):  # MLA: the latent cache, whole on every tensor-parallel rank
+        kv = L * (text_cfg.kv_lora_rank + text_cfg.qk_rope_head_dim) * 2
+        kv_what = f"MLA latent {text_cfg.kv_lora_rank}+{text_cfg.qk_rope_head_dim} x {L} layers"
     else:
-        heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-        hd = getattr(tc, "head_dim", None) or H // tc.num_attention_heads
+        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        hd = getattr(text_cfg, "head_dim", None) or H // text_cfg.num_attention_heads
         kv = L * 2 * max(heads // tp, 1) * hd * 2
         kv_what = f"K and V, {max(heads // tp, 1)} heads x {hd} x {L} layers"
     hs = (n_aux + 1) * H * 2
@@ -961,9 +961,9 @@ def check_stream(p: Probe) -> None:
               "lower gpu_memory_utilization in extract.vllm_engine_args, or train.max_tokens")
         ref = _draft_flops(TRAIN_REF["hidden"], TRAIN_REF["inter"], TRAIN_REF["draft_vocab"], TRAIN_REF["kv"],
                            TRAIN_REF["ttt"])
-        mine = _draft_flops(dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size,
-                            dcfg.num_key_value_heads * dcfg.head_dim, t.ttt_steps)
-        train_rate = TRAIN_REF["tokens_per_s"] * ref / mine
+        draft_flops = _draft_flops(dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size,
+                                   dcfg.num_key_value_heads * dcfg.head_dim, t.ttt_steps)
+        train_rate = TRAIN_REF["tokens_per_s"] * ref / draft_flops
         engine_rate = FORWARD_REF["tokens_per_s"] * FORWARD_REF["active_params"] / max(active, 1.0)
         tokens_100k = 1e5 * mean * t.epochs
         shared = tokens_100k * (1 / engine_rate + 1 / train_rate) / gpus / 3600

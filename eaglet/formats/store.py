@@ -499,13 +499,13 @@ def check_shards(folder: str | Path, sides: list[dict[str, Any]], n_aux: int, hi
     """Check shards `sides[part[0]::part[1]]` (sidecars) with `shard_problem` on `threads`
     threads (default `verify_threads()`); returns the bad ones as {file, error, samples}, in
     the order of `sides`. A bar shows progress when the share is PROGRESS_BYTES or more."""
-    mine = list(sides[part[0]::part[1]])
-    total = sum(int(s["bytes"]) for s in mine)
+    my_share = list(sides[part[0]::part[1]])
+    total = sum(int(s["bytes"]) for s in my_share)
     errors: dict[str, str] = {}
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify store", dynamic_ncols=True,
                disable=total < PROGRESS_BYTES or not dist_env().is_main)
     with ThreadPoolExecutor(max_workers=max(1, threads or verify_threads()), thread_name_prefix="eaglet-verify") as pool:
-        futures = {pool.submit(shard_problem, folder, s, n_aux, hidden): s for s in mine}
+        futures = {pool.submit(shard_problem, folder, s, n_aux, hidden): s for s in my_share}
         for fut in as_completed(futures):
             side = futures[fut]
             problem = fut.result()
@@ -513,7 +513,7 @@ def check_shards(folder: str | Path, sides: list[dict[str, Any]], n_aux: int, hi
                 errors[side["file"]] = problem
             bar.update(int(side["bytes"]))
     bar.close()
-    return [{"file": s["file"], "error": errors[s["file"]], "samples": int(s["samples"])} for s in mine
+    return [{"file": s["file"], "error": errors[s["file"]], "samples": int(s["samples"])} for s in my_share
             if s["file"] in errors]
 
 

@@ -58,8 +58,8 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
 def target_vocab_size(cfg: Config) -> int:
     from transformers import AutoConfig
 
-    tc = AutoConfig.from_pretrained(target_source(cfg.target), **hub_kwargs(cfg.target))
-    return int(tc.get_text_config().vocab_size)
+    target_cfg = AutoConfig.from_pretrained(target_source(cfg.target), **hub_kwargs(cfg.target))
+    return int(target_cfg.get_text_config().vocab_size)
 
 
 def run_vocab(cfg: Config, ctx: StageContext) -> dict:

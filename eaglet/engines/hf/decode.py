@@ -338,7 +338,7 @@ def draft_tree(
     k = min(top_k, logits.shape[-1])
     # candidate pool; parent -1 = the root
     tok: list[int] = []
-    par: list[int] = []
+    parent_of: list[int] = []
     dep: list[int] = []
     score: list[float] = []
     anc: list[set[int]] = []  # ancestors-or-self among pool nodes
@@ -350,7 +350,7 @@ def draft_tree(
         for did, s in zip(draft_ids.tolist(), scores.tolist()):
             i = len(tok)
             tok.append(int(runner.draft_to_target[did]))
-            par.append(parent)
+            parent_of.append(parent)
             dep.append(d)
             score.append(float(s))
             anc.append((anc[parent] if parent >= 0 else set()) | {i})
@@ -369,7 +369,7 @@ def draft_tree(
             for c, other in enumerate(tree_rows):
                 mask[r, prefix + c] = other in anc[node]
             mask[r, prefix + rows_before + r] = True
-        h_in = torch.stack([hid_of[par[n]] if par[n] >= 0 else hidden for n in frontier])
+        h_in = torch.stack([hid_of[parent_of[n]] if parent_of[n] >= 0 else hidden for n in frontier])
         h_out, lg = runner.step(h_in, [tok[n] for n in frontier], [prefix + d - 1] * len(frontier), mask)
         for r, node in enumerate(frontier):
             row_of[node] = rows_before + r
@@ -388,7 +388,7 @@ def draft_tree(
     where = {node: j + 1 for j, node in enumerate(kept)}
     return Tree(
         tokens=[root] + [tok[i] for i in kept],
-        parents=[-1] + [0 if par[i] < 0 else where[par[i]] for i in kept],
+        parents=[-1] + [0 if parent_of[i] < 0 else where[parent_of[i]] for i in kept],
         depths=[0] + [dep[i] for i in kept],
         scores=[0.0] + [score[i] for i in kept],
     )

@@ -105,12 +105,12 @@ def known_faults(p: Probe, version: str) -> None:
       on only the residual stream, so the aux states of their layers never reach the connector;
     - a server before 0.33: a request cancelled before it is scheduled (a trainer killed with
       requests queued) raises a KeyError in the connector, which can stop the server."""
-    args, tc = p.cfg.extract.vllm_engine_args, p.text_config
+    args, text_cfg = p.cfg.extract.vllm_engine_args, p.text_config
     arch = _architecture(p) or ""
-    mla = bool(getattr(tc, "kv_lora_rank", None)) if tc is not None else False
+    mla = bool(getattr(text_cfg, "kv_lora_rank", None)) if text_cfg is not None else False
     if mla and "block_size" in args:
         p.add("FAIL", "vLLM block size", "no forced block_size with an MLA target",
-              f"block_size {args['block_size']} with {arch or 'an MLA target'} (kv_lora_rank {tc.kv_lora_rank})",
+              f"block_size {args['block_size']} with {arch or 'an MLA target'} (kv_lora_rank {text_cfg.kv_lora_rank})",
               "remove block_size from extract.vllm_engine_args: vLLM's MLA backend then picks a block size its "
               "kernels keep whole, which the hidden-states connector needs (it refuses a split block after the "
               "weights load)")
