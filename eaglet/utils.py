@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -132,3 +132,11 @@ def child_context(*preload: str) -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     return ctx
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where the token lists differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -36,7 +36,6 @@ from eaglet.engines.hf.decode import (
     cache_kwarg,
     chain_tree,
     draft_tree,
-    first_difference,
     keep_cache_rows,
     new_cache,
     pick_among_children,
@@ -45,6 +44,7 @@ from eaglet.engines.hf.decode import (
     speculative_generate,
     verify_chain_sampling,
 )
+from eaglet.utils import first_difference
 from eaglet.testing.tiny import build_model
 
 AUX = [2, 4, 5]

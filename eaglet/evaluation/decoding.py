@@ -23,11 +23,11 @@ from ..engines.hf.decode import (
     SpecSettings,
     TargetRunner,
     acceptance_stats,
-    first_difference,
     new_cache,
     plain_generate,
     speculative_generate,
 )
+from ..utils import first_difference
 from ..targets.load import eos_ids
 from .progress import ProgressBar
 

@@ -693,11 +693,3 @@ def acceptance_stats(accepted: Sequence[int], num_positions: int) -> dict[str, A
         "position_accepted": hit,
         "acceptance_rate": [(h / r if r else None) for h, r in zip(hit, reached)],
     }
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """First index where the token lists differ (a length difference counts); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from .checks import VLLM_EVAL_FIX, vllm_eval_blockers
 from ...config import Config, EvalSection
 from ...distributed import dist_env
-from ..hf.decode import first_difference
+from ...utils import first_difference
 from .capture import installed_vllm_version
 from .decode import SpecCounts, VllmDecoder
 from ...errors import InputError, VerificationError
