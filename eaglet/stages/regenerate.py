@@ -20,7 +20,7 @@ length through `model.generate`, the default, with the growing KV cache or, `--k
 static`, a preallocated one that transformers compiles the decoding step for, in a few sizes:
 each call takes the smallest that holds its own prompts and replies) and `continuous`
 (transformers' continuous batching, `generate_batch`: no padding and no waiting for the
-longest reply of a batch, but slower on an H200 in practice).
+longest reply of a batch; docs/performance.md compares the two).
 A third, `openai`, runs none here: an OpenAI-compatible server (`vllm serve`, SGLang) at
 `--url` generates, for a target transformers' generate cannot run (eaglet/engines/openai.py
 speaks its wire format). The prompts are rendered here as for the other engines and sent as

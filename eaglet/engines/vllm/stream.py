@@ -57,7 +57,7 @@ from ..states import PreparedStates
 
 # Processes turning connector files into entries while the engine computes the next round: in
 # threads, their many small torch calls contend for the GIL with a host-bound training loop
-# (seen on the H200: 0.75 s an 8k-token SmolLM2 entry beside training, 0.07 s alone).
+# (docs/streaming.md).
 CONVERTERS = 2
 CONVERTER_THREADS = 2  # torch's intra-op threads in each
 
