@@ -25,9 +25,10 @@ import traceback
 from pathlib import Path
 
 from .doctor import run_doctor
-from .config import PRESETS, RegenerateSection, describe_defaults, dump_config, load_config
+from .config import PRESETS, Config, RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
 from .distributed import dist_env, keep_group_at_exit
+from .engines import engine
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
 from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage, run_summary
 from .shadow import shadow_findings
@@ -157,12 +158,19 @@ def _error_line(e: BaseException) -> tuple[int, str]:
                            "the traceback, and report it if it is eaglet's")
 
 
+def _loaded(path: str | None, overrides: list[str], preset: str | None) -> Config:
+    """The config, with extract.backend a registered engine's name (config cannot ask the registry)."""
+    cfg = load_config(path, overrides, preset)
+    engine(cfg.extract.backend)  # a ConfigError naming the registered engines for any other name
+    return cfg
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "config":
         if args.defaults:
             print(describe_defaults())
         else:
-            print(dump_config(load_config(args.config, args.overrides, args.preset)), end="")
+            print(dump_config(_loaded(args.config, args.overrides, args.preset)), end="")
         return 0
     overrides = list(getattr(args, "overrides", []))
     if getattr(args, "formats", None):
@@ -170,12 +178,12 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "regenerate":
         flags = {k.removeprefix("regen_"): v for k, v in vars(args).items() if k.startswith("regen_") and v is not None}
         overrides += [f"regenerate.{k}={json.dumps(v)}" for k, v in flags.items()]
-        run_regenerate(load_config(args.config, overrides, args.preset), preflight=not args.skip_preflight)
+        run_regenerate(_loaded(args.config, overrides, args.preset), preflight=not args.skip_preflight)
         return 0
     if args.command == "demo":
         run_demo(args.cache, args.run_dir, args.overrides)
         return 0
-    cfg = load_config(args.config, overrides, args.preset)
+    cfg = _loaded(args.config, overrides, args.preset)
     preflight = not getattr(args, "skip_preflight", False)
     if args.command == "doctor":
         return run_doctor(cfg, more=shadow_findings if args.shadow else None)

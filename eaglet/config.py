@@ -162,11 +162,12 @@ class PrepareSection:
 
 @dataclass
 class ExtractSection:
-    # the engine registry's names (eaglet/engines/__init__.py ENGINES, which config cannot import;
-    # tests/test_engines.py checks that the two agree)
-    backend: Literal["hf", "vllm"] = _f(
-        "hf", "Engine that runs the target: 'hf' (transformers, hooks) or 'vllm' (vLLM's extract_hidden_states method "
-        "and hidden-states connector; for targets served with tensor/expert parallelism, see docs/vllm.md)."
+    # a name in the engine registry (eaglet/engines/__init__.py ENGINES, which config sits below):
+    # the command checks it once the config is read (eaglet/cli.py), the registry at every use
+    backend: str = _f(
+        "hf", "Engine that runs the target, by its name in the engine registry: 'hf' (transformers, hooks) or 'vllm' "
+        "(vLLM's extract_hidden_states method and hidden-states connector; for targets served with tensor/expert "
+        "parallelism, see docs/vllm.md)."
     )
     vllm_engine_args: dict[str, Any] = _f(
         {}, "backend vllm: keyword arguments for vllm.LLM (its engine arguments), e.g. {tensor_parallel_size: 8, "

@@ -298,6 +298,7 @@ def test_a_bare_on_or_off_is_the_setting_not_a_boolean(tmp_path):
 # marked with its path kind (config._f's `path`) or added here with the reason.
 NOT_PATHS = {
     "run.preset": "a preset's name (cpu)",
+    "extract.backend": "an engine's name in the registry (eaglet/engines/__init__.py)",
     "target.device_map": "a transformers device_map ('auto', 'balanced', ...)",
     "target.attn_implementation": "a transformers attention implementation's name",
     "target.revision": "a branch, tag or commit of the hub repository",

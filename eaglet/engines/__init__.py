@@ -5,10 +5,9 @@
 
 Each package (eaglet/engines/<name>/__init__.py) gives the entry points of
 eaglet/engines/base.py `Engine` as module-level functions and constants. Adding an engine is
-its package and one line in ENGINES below, plus its name in config.py's `extract.backend`
-(config sits below the engines and cannot import this list; tests/test_engines.py checks that
-the two agree); docs/development.md "Adding an engine" goes step by step. Nothing outside the
-engine packages compares a backend name: it asks the engine instead.
+its package and one line in ENGINES below (the command checks `extract.backend` against this
+list as it reads the config: eaglet/cli.py); docs/development.md "Adding an engine" goes step by
+step. Nothing outside the engine packages compares a backend name: it asks the engine instead.
 """
 
 from __future__ import annotations
