@@ -55,7 +55,7 @@ from .utils import DTYPES, log
 from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .checks.findings import Finding, Probe, Report
 from .checks.selfcheck import REF_MAX_TOKENS
-from .engines import ENGINES, contract_stages, engine
+from .engines import ENGINES, contract_stages, engine, engine_contracts
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
@@ -103,15 +103,16 @@ def check_api_contracts(p: Probe) -> None:
         roles["causal_lm"] = [type(p.model)]
     roles["tokenizer"] = [type(p.tokenizer) if p.tokenizer is not None else transformers.PreTrainedTokenizerBase]
     roles.update(p.vllm_roles)
-    stages = {s for c in CONTRACTS for s in c.stages} if p.stage is None else {p.stage}
+    rows = CONTRACTS + engine_contracts()  # the common table's and each engine's own
+    stages = {s for c in rows for s in c.stages} if p.stage is None else {p.stage}
     # the rows of the engine that runs the target (the HF engine's hooks, or vLLM's own APIs), not the others'
     stages = stages - contract_stages() | engine(p.cfg.extract.backend).contract_stages(p.cfg, stages)
 
     def unchecked(c: Any) -> bool:  # an engine's own library, not installed here
         return any(e.unchecked_contract(p, c) for e in ENGINES.values())
 
-    results = check_contracts(roles, stages, cfg=p.cfg, unchecked=unchecked)
-    off = select_contracts(stages, p.cfg, unchecked)[1]
+    results = check_contracts(roles, stages, cfg=p.cfg, unchecked=unchecked, rows=rows)
+    off = select_contracts(stages, p.cfg, unchecked, rows)[1]
     for r in results:
         if r.ok:
             continue

@@ -336,6 +336,24 @@ def test_doctor_without_vllm_refuses_clearly(tmp_path, target, monkeypatch):
     assert "vllm>=0.25.0" in f.fix
 
 
+def test_the_doctor_checks_the_vllm_engines_own_contracts(tmp_path, target, monkeypatch):
+    """The vLLM engine's API rows (eaglet/engines/vllm/contracts.py) are the doctor's to check
+    beside the shared ones, where vLLM is there: with vLLM counted as installed, each is checked
+    (and, vLLM being absent here, fails as not importable)."""
+    from eaglet.engines import vllm as vllm_engine
+    from eaglet.engines.vllm.contracts import CONTRACTS as VLLM_ROWS
+
+    cfg = _cfg(target)
+    cfg.run.dir = str(tmp_path / "run")
+    monkeypatch.setattr(vllm_engine, "unchecked_contract", lambda probe, contract: False)
+    findings = diagnose(cfg, "extract").findings
+    (line,) = [f.found for f in findings if f.check == "API contracts"]
+    rows = sum(not c.where.startswith("{") for c in VLLM_ROWS)  # a {role} row needs the target's vLLM class
+    assert f"4 of {4 + rows} match" in line, line
+    failed = {f.check for f in findings if f.status == "FAIL" and f.check.startswith("API ")}
+    assert any("vllm" in c for c in failed), failed
+
+
 def _vllm_platform() -> str | None:
     """'cuda', 'cpu', ... : the device vLLM would run on here; None without vLLM."""
     if not _vllm_importable():

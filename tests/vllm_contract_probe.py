@@ -22,7 +22,7 @@ from pathlib import Path
 from eaglet.testing import tiny
 from eaglet.engines.vllm import capture as vllm_backend
 from eaglet.config import load_config
-from eaglet.checks.contracts import _HS
+from eaglet.engines.vllm.capture import CONNECTOR_MODULE as _HS
 from eaglet.doctor import diagnose
 
 
@@ -128,10 +128,12 @@ def model_classes(archs: list[str]) -> dict:
     from vllm.model_executor.models import ModelRegistry
 
     from eaglet.checks.contracts import check_contracts
+    from eaglet.engines.vllm.contracts import CONTRACTS as VLLM_CONTRACTS
 
     out = {}
     for arch in archs:
-        results = check_contracts({"vllm_model": [ModelRegistry._try_load_model_cls(arch)]}, {"extract-vllm"})
+        results = check_contracts({"vllm_model": [ModelRegistry._try_load_model_cls(arch)]}, {"extract-vllm"},
+                                  rows=VLLM_CONTRACTS)
         out[arch] = [r.target for r in results if "{vllm_model}" in r.contract.where and not r.ok]
     return out
 

@@ -38,6 +38,12 @@ def store_engine(meta: dict[str, Any]) -> Any:
     return engine(meta.get("backend", STORE_DEFAULT))
 
 
+def engine_contracts() -> list[Any]:
+    """Every engine's own API contracts (their packages' CONTRACTS), for the doctor to check
+    beside eaglet/checks/contracts.py's common rows."""
+    return [c for e in ENGINES.values() for c in e.CONTRACTS]
+
+
 def contract_stages() -> frozenset[str]:
     """Every engine's own stages of eaglet/checks/contracts.py rows."""
     return frozenset().union(*(e.CONTRACT_STAGES for e in ENGINES.values()))

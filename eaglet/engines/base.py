@@ -83,6 +83,7 @@ class Engine(Protocol):
     TARGET_IN_PROCESS: bool  # the target runs in eaglet's processes (False: the engine sizes its own memory)
     RUNS_TINY_ON_CPU: bool  # a tiny model of the target's family runs in it on a CPU (the shadow run)
     CONTRACT_STAGES: frozenset[str]  # the stages of eaglet/checks/contracts.py rows only this engine calls
+    CONTRACTS: list[Contract]  # its own API contracts (rows in eaglet/checks/contracts.py's form), beside the common table's
     EXPORT_FORMAT: str | None  # the export format it serves a draft from (formats/serving.py), None: none
 
     def run_extract(self, cfg: Config, ctx: StageContext) -> dict[str, Any]:

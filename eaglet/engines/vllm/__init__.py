@@ -7,8 +7,8 @@ eaglet/engines/__init__.py: `run_extract` fills the store through vLLM's hidden-
 (extract.py, capture.py); `state_source` streams an online store's states from the engine
 through a bounded buffer (stream.py); `doctor` checks the installed or served vLLM, its
 arguments and the vLLM eval (checks.py); the eval stage measures the exported draft (export
-format "vllm") in vLLM with `run_eval` (eval.py, decode.py). Its API contracts are the rows of
-stage "extract-vllm" in eaglet/checks/contracts.py, checked only where vLLM is installed.
+format "vllm") in vLLM with `run_eval` (eval.py, decode.py). Its API contracts (`CONTRACTS`,
+contracts.py: stage "extract-vllm") are checked only where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ...context import StageContext
 from ...formats.buffer import buffer_folder
 from ...formats.store import StoreReader
 from .checks import check_vllm, check_vllm_eval, check_vllm_memory
+from .contracts import CONTRACTS
 from .eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .extract import run_extract_vllm
 from .stream import StreamedStates

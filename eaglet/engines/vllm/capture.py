@@ -11,7 +11,7 @@ Two engines run the prompts: `LocalEngine` (vllm.LLM in this process) and `Serve
 (a `vllm serve` the user runs, with the command `serve_command` prints); `EngineProcess`
 drives either from a child process. The extract stage
 (eaglet/engines/vllm/extract.py) drives them; the doctor (eaglet/engines/vllm/checks.py) checks the
-version, the engine arguments and every vLLM API used here (eaglet/checks/contracts.py).
+version, the engine arguments and every vLLM API used here (eaglet/engines/vllm/contracts.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the vLLM version (installed here, or serving at extract.vllm_server) against the
 backend accepts; the target's vLLM model class (the {vllm_model} role of the contract rows);
 the keys of extract.vllm_engine_args against vLLM's EngineArgs; eaglet's layer ids and the
 `vllm serve` command for a server of your own. Only when a new enough vLLM is importable here
-are its contract rows (eaglet/checks/contracts.py, stage "extract-vllm") checked.
+are its contract rows (eaglet/engines/vllm/contracts.py, stage "extract-vllm") checked.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from packaging.version import Version
 
 from . import capture as engine
-from ...checks.contracts import VLLM_MIN, VLLM_TESTED
+from .contracts import VLLM_MIN, VLLM_TESTED
 from ...checks.findings import Probe
 
 

@@ -30,7 +30,7 @@ or the run stops before the rest is extracted.
 
 The target's head (embedding, LM head, final norm) is read from its checkpoint files by
 name, without loading the model (eaglet/targets/head.py): a 1T-parameter target needs only
-these few GB here. The doctor checks every vLLM API eaglet uses (eaglet/checks/contracts.py,
+these few GB here. The doctor checks every vLLM API eaglet uses (eaglet/engines/vllm/contracts.py,
 stage "extract-vllm").
 """
 
