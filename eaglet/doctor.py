@@ -25,15 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
+from .checks.findings import Finding, Probe, Report
+from .checks.selfcheck import REF_MAX_TOKENS
 from .config import Config
 from .distributed import resolve_device
 from .draft.model import DraftConfig, Eagle3Draft
+from .engines import ENGINES, contract_stages, engine, engine_contracts
 from .errors import ConfigError, EagletError, PreflightError
 from .formats.buffer import buffer_folder, connector_itemsize, micro_batch_bytes
 from .formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
 from .formats.datasets import check_data_file, iter_records, row_label
-from .formats.prepared import PreparedData
 from .formats.loaders import speculators_verifier_problem
+from .formats.prepared import PreparedData
 from .formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
 from .targets.chat import (
     Settings,
@@ -51,17 +55,13 @@ from .targets.families import (
     text_config_from_dict,
 )
 from .targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
+from .training.resume import CKPT_DIR
 from .utils import DTYPES, log
-from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
-from .checks.findings import Finding, Probe, Report
-from .checks.selfcheck import REF_MAX_TOKENS
-from .engines import ENGINES, contract_stages, engine, engine_contracts
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
 DOCTOR_RECORDS = 8  # records per data file rendered by the mask check and the disk estimate
 GiB = 2**30
-CKPT_DIR = "checkpoints"  # in the train stage's folder (stages/train.py CKPT_DIR; checks sit below stages)
 
 
 def _gib(n: float) -> str:
@@ -525,7 +525,7 @@ def _peak_writes(have: list[int], ckpt: int, final: int, saves: int | None, keep
 
 
 def _train_disk(p: Probe) -> dict[str, Any] | None:
-    """What training writes into run.dir/train (stages/train.py: checkpoints/ and final/), from
+    """What training writes into run.dir/train (eaglet/training/: checkpoints/ and final/), from
     the draft it builds (`_draft_skeleton`, as the memory check sizes it): `ckpt` one checkpoint's
     bytes, `final` the final draft's, `saves` the checkpoints the run writes (None: not known),
     `have` the bytes of each checkpoint there (newest first), `peak` the most it adds at once

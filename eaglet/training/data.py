@@ -2,7 +2,7 @@
 loading of one micro-batch from a `StateSource` (eaglet/engines/base.py): extract's store, or an
 online store's states from the engine that wrote it (`open_states` asks the engine registry).
 
-Every rank computes the same plan from the seed; the trainer (eaglet/stages/train.py) hands
+Every rank computes the same plan from the seed; the trainer (eaglet/training/loop.py) hands
 its micro-batches to the ranks. `VocabMaskCache` keeps the out-of-vocabulary mask's verdict
 of every sample after its first teacher pass, so later epochs skip the full-vocabulary logits.
 """
