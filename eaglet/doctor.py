@@ -28,17 +28,25 @@ from typing import Any
 from .checks.contracts import CONTRACTS, check_contracts, describe, select_contracts
 from .checks.findings import Finding, Probe, Report
 from .checks.selfcheck import REF_MAX_TOKENS
+from .checks.sizing import (
+    DTYPE_BYTES,
+    draft_need,
+    gib,
+    hidden_and_aux,
+    peak_writes,
+    quant_bits,
+    target_dtype_bytes,
+    train_disk,
+    weight_bytes,
+)
 from .config import Config
 from .distributed import resolve_device
-from .draft.model import DraftConfig, Eagle3Draft
 from .engines import ENGINES, contract_stages, engine, engine_contracts
-from .errors import ConfigError, EagletError, PreflightError
-from .formats.buffer import buffer_folder, connector_itemsize, micro_batch_bytes
-from .formats.checkpoints import checkpoint_bytes, checkpoints, safetensors_bytes
+from .errors import EagletError, PreflightError
+from .formats.buffer import buffer_folder
 from .formats.datasets import check_data_file, iter_records, row_label
 from .formats.loaders import speculators_verifier_problem
-from .formats.prepared import PreparedData
-from .formats.store import HEAD_FILE, TARGET_CONFIG, read_target_config
+from .formats.store import HEAD_FILE, TARGET_CONFIG
 from .targets.chat import (
     Settings,
     check_fast_tokenizer,
@@ -47,28 +55,18 @@ from .targets.chat import (
     process_record,
     resolve_chat_template,
 )
-from .targets.families import (
-    ADD_FAMILY,
-    UnsupportedFamily,
-    resolve_layers,
-    supported,
-    text_config_from_dict,
-)
+from .targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported
 from .targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
-from .training.resume import CKPT_DIR
-from .utils import DTYPES, log
+from .utils import log
 
 TORCH_RANGE = ("2.11", "2.15")  # >= first, < second
 TRANSFORMERS_MIN = "5.17"
 DOCTOR_RECORDS = 8  # records per data file rendered by the mask check and the disk estimate
-GiB = 2**30
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
-
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+def streaming(cfg: Config) -> bool:
+    """An online run whose states an engine outside eaglet's processes computes (and streams)."""
+    return cfg.extract.mode == "online" and not engine(cfg.extract.backend).TARGET_IN_PROCESS
 
 
 # ---- versions and API contracts ---------------------------------------------------------------
@@ -223,7 +221,7 @@ def check_target_config(p: Probe) -> None:
     quant = getattr(p.hf_config, "quantization_config", None) or raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
-        bits = _quant_bits(quant)
+        bits = quant_bits(quant)
         estimate = ("the memory estimate counts its decoder-layer weights at that width" if bits else
                     "the memory estimate (parameters x target.dtype) is an upper bound")
         p.add("info", "quantization", "weights loaded as target.dtype",
@@ -439,12 +437,6 @@ def _estimate_tokens(p: Probe) -> tuple[int | None, str]:
     return int(total), f"estimated from {sum(s['read'] for s in p.sampled)} sampled records and the file sizes"
 
 
-def _hidden_and_aux(p: Probe) -> tuple[int | None, int]:
-    H = p.parts.hidden_size if p.parts is not None else getattr(p.text_config, "hidden_size", None)
-    n_aux = len(p.layers) if p.layers else len(p.cfg.extract.layers or [0, 0, 0])
-    return H, n_aux
-
-
 def _head_bytes(p: Probe, H: int) -> tuple[int, int]:
     """(head.safetensors, target_config.json) as extract writes them (formats.store.write_target_head):
     embed_tokens [V, H], lm_head [V, H] (two copies also for a tied target) and norm [H] in the
@@ -453,7 +445,7 @@ def _head_bytes(p: Probe, H: int) -> tuple[int, int]:
     rows = (int(p.parts.embed_tokens.weight.shape[0]) + int(p.parts.lm_head.weight.shape[0]) if p.parts is not None
             else 2 * V)
     config = len(json.dumps(p.text_config.to_dict(), indent=1, default=str)) if p.text_config is not None else 0
-    return (rows * H + H) * _target_dtype_bytes(p), config
+    return (rows * H + H) * target_dtype_bytes(p), config
 
 
 def _existing(path: Path) -> Path:
@@ -468,11 +460,11 @@ def _store_need(p: Probe) -> tuple[int, str] | None:
     """(bytes extract still has to write into run.dir/extract, what they are): the states
     (none in online mode) and the target head, less what is there already; None without a
     hidden size and a token count."""
-    H, n_aux = _hidden_and_aux(p)
+    H, n_aux = hidden_and_aux(p)
     tokens, source = _estimate_tokens(p)
     if H is None or tokens is None:
         return None
-    store_bytes = _DTYPE_BYTES[p.cfg.extract.store_dtype]
+    store_bytes = DTYPE_BYTES[p.cfg.extract.store_dtype]
     fp8 = p.cfg.extract.store_dtype == "float8_e4m3fn"  # one float32 scale per token and state besides
     per_token = (n_aux + 1) * (H * store_bytes + (4 if fp8 else 0)) + 4 + 1  # states + int32 id + uint8 mask
     states = tokens * per_token
@@ -482,14 +474,14 @@ def _store_need(p: Probe) -> tuple[int, str] | None:
     have = sum(f.stat().st_size for f in store.glob("shard-*.safetensors")) if store.is_dir() and not online else 0
     have_head = sum(f.stat().st_size for f in (store / HEAD_FILE, store / TARGET_CONFIG) if f.is_file())
     need = (0 if online else max(states - have, 0)) + max(head + config - have_head, 0)
-    head_part = (f"{HEAD_FILE} ~{_gib(head)} (embedding and LM head, {_target_dtype_bytes(p)} B a value) + "
+    head_part = (f"{HEAD_FILE} ~{gib(head)} (embedding and LM head, {target_dtype_bytes(p)} B a value) + "
                  f"{TARGET_CONFIG} {config / 1024:.1f} KiB")
     states_part = (f"{tokens:,} tokens x {per_token:,} B: {n_aux}+1 states x {H} x {p.cfg.extract.store_dtype}"
                    + (" + a float32 scale each" if fp8 else "") + f"; tokens {source}")
-    what = (f"~{_gib(need)} to write: "
-            + (f"{head_part}; online mode stores no states (an offline store would add ~{_gib(states)}: {states_part})"
-               if online else f"states ~{_gib(states)} ({states_part}) + {head_part}")
-            + (f"; {_gib(have + have_head)} already stored" if have + have_head else ""))
+    what = (f"~{gib(need)} to write: "
+            + (f"{head_part}; online mode stores no states (an offline store would add ~{gib(states)}: {states_part})"
+               if online else f"states ~{gib(states)} ({states_part}) + {head_part}")
+            + (f"; {gib(have + have_head)} already stored" if have + have_head else ""))
     return need, what
 
 
@@ -505,48 +497,7 @@ def check_disk(p: Probe) -> None:
            "beside the draft); or fewer tokens (prepare.max_records, prepare.max_length) or a smaller store (extract.store_dtype: bfloat16, or float8_e4m3fn: half of it)")
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
     p.add(status, "disk", "the hidden-state store and the target head fit on run.dir's disk",
-          f"{what}; {_gib(free)} free on {where}", fix)
-
-
-def _peak_writes(have: list[int], ckpt: int, final: int, saves: int | None, keep: int) -> int:
-    """The most bytes training adds to its disk at once, over what is there now. Checkpoints
-    come in turn, each complete before the oldest beyond `keep` goes (formats/checkpoints.py
-    save_checkpoint: keep + 1 at once); then the final draft beside the kept ones (formats/draft.py
-    save_final; an old final/ goes only once the new one is written). `have`: the checkpoints
-    there, newest first; `saves`: how many the run writes, None when not known (then enough to
-    reach keep + 1)."""
-    keep = max(keep, 1)
-    held, now, peak = list(have), sum(have), 0
-    for _ in range(keep + 1 if saves is None else min(saves, keep + 1)):
-        held = [ckpt, *held]
-        peak = max(peak, sum(held) - now)
-        held = held[:keep]
-    return max(peak, sum(held) + final - now)
-
-
-def _train_disk(p: Probe) -> dict[str, Any] | None:
-    """What training writes into run.dir/train (eaglet/training/: checkpoints/ and final/), from
-    the draft it builds (`_draft_skeleton`, as the memory check sizes it): `ckpt` one checkpoint's
-    bytes, `final` the final draft's, `saves` the checkpoints the run writes (None: not known),
-    `have` the bytes of each checkpoint there (newest first), `peak` the most it adds at once
-    (`_peak_writes`); the parameter counts and dtypes. None before the target's config is known."""
-    found = _draft_skeleton(p)
-    if found is None:
-        return None
-    draft, t = found[1], p.cfg.train
-    state = draft.state_dict()
-    optimized = [q for q in draft.parameters() if q.requires_grad]
-    ckpt = checkpoint_bytes(state, optimized)
-    # save_final: every weight, the frozen embedding in fp32 like the rest (as the meta draft holds it).
-    final = safetensors_bytes(state) + len(json.dumps(draft.config.to_dict(), indent=1)) + 100
-    folder = p.cfg.run_dir / "train" / CKPT_DIR
-    have = [sum(f.stat().st_size for f in c.rglob("*") if f.is_file()) for c in checkpoints(folder)] \
-        if folder.is_dir() else []
-    saves = -(-t.max_steps // t.ckpt_every) if t.max_steps else None  # every ckpt_every steps and at the end
-    return {"ckpt": ckpt, "final": final, "saves": saves, "have": have,
-            "peak": _peak_writes(have, ckpt, final, saves, t.keep_last),
-            "trainable": sum(q.numel() for q in optimized), "params": sum(q.numel() for q in draft.parameters()),
-            "dtypes": "/".join(sorted({str(q.dtype).removeprefix("torch.") for q in draft.parameters()}))}
+          f"{what}; {gib(free)} free on {where}", fix)
 
 
 def check_train_disk(p: Probe) -> None:
@@ -555,7 +506,7 @@ def check_train_disk(p: Probe) -> None:
     stream buffer (an engine-fed run)."""
     if p.stage is None and p.parts is None:
         return  # the doctor could not resolve the architecture (already a FAIL)
-    d = _train_disk(p)
+    d = train_disk(p)
     if d is None:
         p.add("info", "disk (train)", "the target's config", "none yet (run extract first)")
         return
@@ -566,7 +517,7 @@ def check_train_disk(p: Probe) -> None:
     store = _store_need(p)
     if store is not None and store[0] > 0 and os.stat(_existing(p.cfg.run_dir / "extract")).st_dev == device:
         before += store[0]
-        parts.append(f"the store and target head extract writes first ~{_gib(store[0])}")
+        parts.append(f"the store and target head extract writes first ~{gib(store[0])}")
     if streaming(p.cfg) and os.stat(_existing(buffer_folder(e.stream_dir, p.cfg.run_dir / "train"))).st_dev == device:
         before += int(float(e.stream_buffer_gb) * 1e9)
         parts.append(f"the stream buffer <= {e.stream_buffer_gb:g} GB (extract.stream_buffer_gb)")
@@ -575,19 +526,19 @@ def check_train_disk(p: Probe) -> None:
              if d["saves"] is not None else f"one every train.ckpt_every {t.ckpt_every} steps")
     kept = (f"train.keep_last {t.keep_last}: all kept" if d["saves"] is not None and d["saves"] <= t.keep_last
             else f"train.keep_last {t.keep_last} kept and one more while the next is written")
-    found = (f"~{_gib(need)} at most at once: checkpoints of ~{_gib(d['ckpt'])} each ({d['trainable'] / 1e6:.1f}M "
+    found = (f"~{gib(need)} at most at once: checkpoints of ~{gib(d['ckpt'])} each ({d['trainable'] / 1e6:.1f}M "
              f"trainable params in {d['dtypes']} and AdamW's two moments; {saves}; {kept}) and the final draft "
-             f"~{_gib(d['final'])} ({d['params'] / 1e6:.1f}M params in {d['dtypes']}), together ~{_gib(d['peak'])}"
-             + (f" beyond the {_gib(sum(d['have']))} of checkpoints there" if d["have"] else "")
-             + "".join(f"; + {x}" for x in parts) + f"; {_gib(free)} free on {where} (run.dir {p.cfg.run_dir})")
+             f"~{gib(d['final'])} ({d['params'] / 1e6:.1f}M params in {d['dtypes']}), together ~{gib(d['peak'])}"
+             + (f" beyond the {gib(sum(d['have']))} of checkpoints there" if d["have"] else "")
+             + "".join(f"; + {x}" for x in parts) + f"; {gib(free)} free on {where} (run.dir {p.cfg.run_dir})")
     fewer = []
     if t.keep_last > 1:
-        one_kept = _peak_writes(d["have"], d["ckpt"], d["final"], d["saves"], 1) + before
-        fewer.append(f"train.keep_last 1: ~{_gib(one_kept)}")
+        one_kept = peak_writes(d["have"], d["ckpt"], d["final"], d["saves"], 1) + before
+        fewer.append(f"train.keep_last 1: ~{gib(one_kept)}")
     if d["saves"] is None or d["saves"] > 1:
-        one_saved = _peak_writes(d["have"], d["ckpt"], d["final"], 1, t.keep_last) + before
+        one_saved = peak_writes(d["have"], d["ckpt"], d["final"], 1, t.keep_last) + before
         fewer.append(f"train.ckpt_every {f'>= {t.max_steps}' if t.max_steps else 'above the steps the run takes'}, "
-                     f"one checkpoint at the end: ~{_gib(one_saved)}")
+                     f"one checkpoint at the end: ~{gib(one_saved)}")
     fix = (f"write or keep fewer checkpoints ({'; '.join(fewer)}), or " if fewer else "") + \
         "free space or set run.dir on a larger disk"
     status = "FAIL" if need > free else "warn" if need > 0.8 * free else "ok"
@@ -657,57 +608,19 @@ def _memory_finding(p: Probe, what: str, need: int, breakdown: str, devices: lis
     where the stage then runs. host_fix: the fix on the CPU, where it differs from `fix`."""
     if not devices:
         free = host_free_bytes()
-        expected = f"~{_gib(need)} of host memory ({breakdown}): no GPU, {what} runs on the CPU"
+        expected = f"~{gib(need)} of host memory ({breakdown}): no GPU, {what} runs on the CPU"
         if free is None:
             p.add("info", f"memory ({what})", expected, "this system's available memory could not be read")
             return
         fix = host_fix or fix
         if p.cfg.run.preset != "cpu":  # the sizes the demo runs with on a CPU (eaglet/config.py PRESETS)
             fix += "; or run with --preset cpu (sizes for a CPU; the keys the file sets still win: docs/config.md)"
-        p.add(_memory_status(need, free), f"memory ({what})", expected, f"{_gib(free)} available", fix)
+        p.add(_memory_status(need, free), f"memory ({what})", expected, f"{gib(free)} available", fix)
         return
     free = _free_on(devices)
     names = ", ".join(str(d) for d in devices)
-    p.add(_memory_status(need, free), f"GPU memory ({what})", f"~{_gib(need)} ({breakdown})",
-          f"{_gib(free)} free on {names}", fix)
-
-
-def _target_dtype_bytes(p: Probe) -> int:
-    name = p.cfg.target.dtype
-    if name == "auto":
-        cd = getattr(p.hf_config, "dtype", None) or getattr(p.text_config, "dtype", None)
-        name = str(cd).removeprefix("torch.") if cd is not None else "bfloat16"
-    return _DTYPE_BYTES.get(name, 2)
-
-
-def _quant_bits(quant: Any) -> int | None:
-    """Bits per weight of a checkpoint's quantization_config, where the method says it."""
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
-    method = str(quant.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8"):
-        return 8
-    if method == "mxfp4":
-        return 4
-    if method == "bitsandbytes":
-        return 4 if quant.get("load_in_4bit") else 8 if quant.get("load_in_8bit") else None
-    if method == "compressed-tensors":
-        bits = [g.get("weights", {}).get("num_bits") for g in (quant.get("config_groups") or {}).values()
-                if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
-        return min((x for x in bits if isinstance(x, int)), default=None)
-    return quant.get("bits") if isinstance(quant.get("bits"), int) else None
-
-
-def _weight_bytes(p: Probe, b: int) -> int:
-    """Parameters x target.dtype bytes; a quantized checkpoint's decoder-layer matrices
-    (experts included) at its own bits per weight."""
-    quant = getattr(p.hf_config, "quantization_config", None) or getattr(p.text_config, "quantization_config", None)
-    bits = _quant_bits(quant) if quant else None
-    total = sum(t.numel() for t in p.model.parameters()) * b
-    if bits is None:
-        return total
-    in_layers = sum(t.numel() for layer in p.parts.layers for t in layer.parameters() if t.dim() >= 2)
-    return int(total - in_layers * b + in_layers * bits / 8)
+    p.add(_memory_status(need, free), f"GPU memory ({what})", f"~{gib(need)} ({breakdown})",
+          f"{gib(free)} free on {names}", fix)
 
 
 def check_extract_memory(p: Probe) -> None:
@@ -718,91 +631,24 @@ def check_extract_memory(p: Probe) -> None:
     if p.model is None or p.parts is None:
         return
     e, text_cfg = p.cfg.extract, p.text_config
-    b = _target_dtype_bytes(p)
-    weights = _weight_bytes(p, b)
-    H, n_aux = _hidden_and_aux(p)
+    b = target_dtype_bytes(p)
+    weights = weight_bytes(p, b)
+    H, n_aux = hidden_and_aux(p)
     inter = max(getattr(text_cfg, "intermediate_size", 0) or 0,
                 (getattr(text_cfg, "moe_intermediate_size", 0) or 0) * (getattr(text_cfg, "num_experts_per_tok", 0) or 0))
-    acts = e.batch_tokens * ((10 * H + 3 * inter) * b + (n_aux + 1) * H * _DTYPE_BYTES[e.store_dtype])
+    acts = e.batch_tokens * ((10 * H + 3 * inter) * b + (n_aux + 1) * H * DTYPE_BYTES[e.store_dtype])
     V = int(p.parts.lm_head.weight.shape[0])
     check = REF_MAX_TOKENS * (V * 4 + (p.parts.num_layers + 1) * H * b) if e.selfcheck_samples > 0 else 0
     need = weights + acts + check
     lower = f"lower extract.batch_tokens (now {e.batch_tokens})"
     _memory_finding(p, "extract", need,
-                    f"weights {_gib(weights)} + activations {_gib(acts)} for extract.batch_tokens={e.batch_tokens} "
-                    f"+ self-check {_gib(check)}; rough",
+                    f"weights {gib(weights)} + activations {gib(acts)} for extract.batch_tokens={e.batch_tokens} "
+                    f"+ self-check {gib(check)}; rough",
                     _devices(p.cfg.target.device, p.cfg.target.device_map),
                     f"spread the target with target.device_map: auto, or {lower}",
-                    f"{lower}" + (f"; the weights alone take {_gib(weights)}: a machine with more memory, or a GPU"
+                    f"{lower}" + (f"; the weights alone take {gib(weights)}: a machine with more memory, or a GPU"
                                   if weights > 0.5 * need else "")
                     + (", or extract.selfcheck_samples 0" if check > 0.25 * need else ""))
-
-
-def _text_config_for_train(p: Probe) -> Any:
-    if p.text_config is not None:
-        return p.text_config
-    folder = p.cfg.run_dir / "extract"
-    if not (folder / TARGET_CONFIG).is_file():
-        return None
-    return text_config_from_dict(read_target_config(folder))
-
-
-def _draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
-    """(the target's text config, the draft training builds from it on the meta device: its
-    shapes and dtypes, no memory); None before the target's config is known. Built once per
-    probe: the memory, disk and stream checks all size it."""
-    import torch
-
-    if p.draft is not None:
-        return p.draft
-    text_cfg = _text_config_for_train(p)
-    if text_cfg is None:
-        return None
-    t = p.cfg.train
-    _, n_aux = _hidden_and_aux(p)
-    dcfg = DraftConfig.from_target_config(text_cfg, draft_vocab_size=min(p.cfg.vocab.size, int(text_cfg.vocab_size)),
-                                          num_layers=t.draft_layers, fc_norm=t.fc_norm, norm_output=t.norm_output,
-                                          num_aux=n_aux)
-    with torch.device("meta"):
-        p.draft = text_cfg, Eagle3Draft(dcfg)
-    return p.draft
-
-
-def _draft_need(p: Probe) -> tuple[int, str, Any, int] | None:
-    """Training's memory on one device: (bytes, breakdown, the draft's DraftConfig, trainable
-    parameters); None before the target's config is known."""
-    import torch
-
-    found = _draft_skeleton(p)
-    if found is None:
-        return None
-    text_cfg, draft = found
-    t, dcfg = p.cfg.train, draft.config
-    V, Vd = int(text_cfg.vocab_size), dcfg.draft_vocab_size
-    _, n_aux = _hidden_and_aux(p)
-    trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
-    frozen = sum(q.numel() for q in draft.parameters() if not q.requires_grad)
-    H, I = dcfg.hidden_size, dcfg.intermediate_size
-    states = trainable * 16 + frozen * 4  # fp32 weights + grads + AdamW moments; frozen embedding
-    head = V * dcfg.target_hidden_size * 2  # the target's LM head (teacher), bf16
-    # Kept for backward per token and TTT step: ~16 H-wide and 4 I-wide activations (2H-wide
-    # q/k/v input, norms, attention, SwiGLU) in the autocast dtype, and the draft logits with
-    # their fp32 softmax for the loss.
-    act_bytes = 4 if t.precision == "fp32" or (t.precision == "auto" and not torch.cuda.is_available()) else 2
-    acts = t.max_tokens * (t.ttt_steps * ((16 * H + 4 * I) * act_bytes + 3 * Vd * 4)
-                           + n_aux * dcfg.target_hidden_size * 4)
-    teacher = min(t.teacher_chunk, t.max_tokens) * (V if t.mask_out_of_vocab else Vd) * 4 * 2  # chunks of a micro-batch
-    online = 0
-    if p.cfg.extract.mode == "online" and engine(p.cfg.extract.backend).TARGET_IN_PROCESS and p.model is not None:
-        # The target runs beside the draft: its weights and one micro-batch's forward.
-        b = _target_dtype_bytes(p)
-        online = _weight_bytes(p, b) + t.max_tokens * 10 * dcfg.target_hidden_size * b
-    need = states + head + acts + teacher + online
-    breakdown = (f"draft {trainable / 1e6:.1f}M trainable params with AdamW {_gib(states)} + target LM head "
-                 f"{_gib(head)} + activations {_gib(acts)} for train.max_tokens={t.max_tokens} x "
-                 f"ttt_steps={t.ttt_steps} + teacher {_gib(teacher)}"
-                 + (f" + the target beside it (extract.mode online) {_gib(online)}" if online else "") + "; rough")
-    return need, breakdown, dcfg, trainable
 
 
 def check_train_memory(p: Probe) -> None:
@@ -810,7 +656,7 @@ def check_train_memory(p: Probe) -> None:
 
     if p.stage is None and p.parts is None:
         return  # the doctor could not resolve the architecture (already a FAIL)
-    found = _draft_need(p)
+    found = draft_need(p, target_beside=p.cfg.extract.mode == "online" and not streaming(p.cfg))
     if found is None:
         p.add("info", "memory (train)", "the target's config", "none yet (run extract first)")
         return
@@ -819,168 +665,10 @@ def check_train_memory(p: Probe) -> None:
     dev = resolve_device(t.device) if t.device != "auto" else None
     devices = [] if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda") else \
         [torch.device("cuda", (dev.index or 0) if dev is not None else 0)]
-    if streaming(p.cfg) and devices:  # vLLM's share of the GPU is its own: check_stream compares the rest
+    if streaming(p.cfg) and devices:  # the engine's share of the GPU is its own: its doctor compares the rest
         return
     _memory_finding(p, "train", need, breakdown, devices,
                     f"lower train.max_tokens (now {t.max_tokens}) or train.ttt_steps (now {t.ttt_steps})")
-
-
-# ---- engine-fed runs (extract.mode online, backend vllm) -------------------------------------------
-
-# Rates measured on one H200 (bench/results/README.md), which the plan scales by FLOPs:
-# the target's forward at Llama-3-8B's dims (8.03B parameters) in bf16, batches of 8 x 2048
-# (2026-12-01-h200-fp8, bench/extract_throughput.py), and the draft's training step at
-# Kimi-K2's dims (hidden 7168, intermediate 18432, draft vocabulary 32000, kv width 1024,
-# 7 TTT steps; 2026-11-30-h200-h c7, bench/train_throughput.py --preset kimi-k2 --tokens 4096).
-FORWARD_REF = {"tokens_per_s": 34.6e3, "active_params": 8.03e9}
-TRAIN_REF = {"tokens_per_s": 18.6e3, "hidden": 7168, "inter": 18432, "draft_vocab": 32000, "kv": 1024, "ttt": 7}
-H200_BYTES = 141e9  # the GPU the plan assumes where none is visible
-
-
-def streaming(cfg: Config) -> bool:
-    """An online run whose states an engine outside eaglet's processes computes (and streams)."""
-    return cfg.extract.mode == "online" and not engine(cfg.extract.backend).TARGET_IN_PROCESS
-
-
-def _draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
-    """Training FLOPs per token of an EAGLE-3 draft layer (attention over the sequence left out:
-    a ratio between drafts is what is used): fc over 3H, then per TTT step q/k/v from 2H, o,
-    the MLP and the LM head, forward and backward."""
-    step = 2 * H * H + 2 * 2 * H * kv + H * H + 3 * H * inter + H * vocab
-    return 6.0 * 3 * H * H + ttt * 6.0 * step
-
-
-def _mean_tokens(p: Probe) -> tuple[float, str]:
-    """Tokens per sample: the prepared data's mean when prepare has run, else prepare.max_length."""
-    folder = p.cfg.run_dir / "prepare"
-    try:
-        lengths = PreparedData(folder).lengths
-        if len(lengths):
-            return float(lengths.mean()), f"the prepared data's mean ({len(lengths)} samples)"
-    except Exception:  # noqa: BLE001 - not prepared yet
-        pass
-    return float(p.cfg.prepare.max_length), "prepare.max_length (no prepared data yet: an upper bound)"
-
-
-def _stream_buffer(p: Probe) -> None:
-    """The buffer must hold two micro-batches (one computed while the other trains); under
-    torchrun the in-process engine cannot serve every rank."""
-    e, train_cfg = p.cfg.extract, p.cfg.train
-    hidden, n_aux = _hidden_and_aux(p)
-    one = micro_batch_bytes(train_cfg.max_tokens, 1, n_aux, hidden, DTYPES[e.store_dtype], connector_itemsize(p.cfg.target.dtype))
-    bound = float(e.stream_buffer_gb) * 1e9
-    where = buffer_folder(e.stream_dir, p.cfg.run_dir / "train")
-    what = (f"two micro-batches of train.max_tokens {train_cfg.max_tokens} ({n_aux} + 1 states of width {hidden}, "
-            f"{e.store_dtype}, with vLLM's connector files): {2 * one / 1e9:.3g} GB")
-    if one > bound:
-        fix = f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}, or lower train.max_tokens"
-        p.add("FAIL", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: not even one", fix,
-              error=ConfigError(f"extract.stream_buffer_gb {e.stream_buffer_gb} holds {bound / 1e9:.3g} GB, and one "
-                                f"micro-batch of train.max_tokens {train_cfg.max_tokens} needs {one / 1e9:.3g} GB of it",
-                                fix=fix))
-    elif 2 * one > bound:
-        p.add("warn", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb}: one; the engine waits "
-              "for training", f"set extract.stream_buffer_gb to at least {2 * one / 1e9:.3g}")
-    else:
-        p.add("ok", "stream buffer", what, f"extract.stream_buffer_gb {e.stream_buffer_gb} in {where}: "
-              f"{bound / one:.0f} micro-batches")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not e.vllm_server:
-        p.add("FAIL", "stream engine", "under torchrun, one vLLM server for every rank", "the in-process engine",
-              "start `vllm serve` with the command the doctor prints and set extract.vllm_server")
-
-
-def check_stream(p: Probe) -> None:
-    """An engine-fed run (extract.mode online, backend vllm): its buffer, then its plan: GPU
-    memory per rank of the engine (weights, KV cache and the hidden-state cache vLLM fills for
-    eaglet) and what it leaves the draft on the same GPUs; disk; the hours per 100k
-    conversations from the rates measured here scaled by FLOPs."""
-    import torch
-
-    if not streaming(p.cfg) or p.parts is None:
-        return
-    _stream_buffer(p)
-    if p.model is None:
-        return
-    e, t = p.cfg.extract, p.cfg.train
-    args = {**e.vllm_engine_args}
-    gpus = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1)) * int(
-        args.get("data_parallel_size", 1))
-    util = float(args.get("gpu_memory_utilization", 0.9))
-    if torch.cuda.is_available():
-        mem, mem_from = float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
-    else:
-        mem, mem_from = H200_BYTES, "no GPU here: an H200's 141 GB assumed"
-    text_cfg, H = p.text_config, p.parts.hidden_size
-    _, n_aux = _hidden_and_aux(p)
-    b = _target_dtype_bytes(p)
-    params = sum(q.numel() for q in p.model.parameters())
-    experts = sum(q.numel() for n, q in p.model.named_parameters() if ".experts." in n)
-    quant = getattr(p.hf_config, "quantization_config", None) or getattr(text_cfg, "quantization_config", None)
-    bits = _quant_bits(quant) if quant else None
-    if bits is not None and experts:  # a quantized MoE (Kimi-K2.5: int4 experts, a bf16 scale per 32 weights)
-        weights = int(experts * (bits / 8 + 2 / 32) + (params - experts) * b)
-    else:
-        weights = _weight_bytes(p, b)
-    E, k = getattr(text_cfg, "n_routed_experts", None) or getattr(text_cfg, "num_experts", None), getattr(
-        text_cfg, "num_experts_per_tok", None)
-    active = params - (experts * (1 - k / E) if E and k else 0)
-    L = p.parts.num_layers
-    tp = int(args.get("tensor_parallel_size", 1))
-    if getattr(text_cfg, "kv_lora_rank", None):  # MLA: the latent cache, whole on every tensor-parallel rank
-        kv = L * (text_cfg.kv_lora_rank + text_cfg.qk_rope_head_dim) * 2
-        kv_what = f"MLA latent {text_cfg.kv_lora_rank}+{text_cfg.qk_rope_head_dim} x {L} layers"
-    else:
-        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        hd = getattr(text_cfg, "head_dim", None) or H // text_cfg.num_attention_heads
-        kv = L * 2 * max(heads // tp, 1) * hd * 2
-        kv_what = f"K and V, {max(heads // tp, 1)} heads x {hd} x {L} layers"
-    hs = (n_aux + 1) * H * 2
-    per_gpu_weights = weights / gpus
-    cache = util * mem - per_gpu_weights - 0.05 * mem  # vLLM's activations and graphs: ~5%, rough
-    mean, mean_from = _mean_tokens(p)
-    if cache <= 0:
-        p.add("FAIL", "engine memory", f"weights {_gib(per_gpu_weights)} per GPU within gpu_memory_utilization "
-              f"{util} of {_gib(mem)} ({mem_from})", f"{_gib(util * mem)}",
-              "more GPUs (tensor_parallel_size), or a higher gpu_memory_utilization")
-        return
-    tokens = cache / (kv + hs)
-    p.add("info", "engine memory (per GPU)",
-          f"vLLM on {gpus} GPU(s) at gpu_memory_utilization {util} of {_gib(mem)} ({mem_from})",
-          f"weights {_gib(per_gpu_weights)} ({params / 1e9:.1f}B parameters, {active / 1e9:.1f}B active); KV cache "
-          f"{kv / 1024:.1f} KiB a token ({kv_what}) and hidden-state cache {hs / 1024:.1f} KiB a token ({n_aux} + 1 "
-          f"states of {H}) share the other {_gib(cache)}: {tokens / 1e3:.0f}k tokens, {tokens / mean:.0f} requests of "
-          f"{mean:.0f} tokens in flight (extract.vllm_requests {e.vllm_requests}); rough")
-    found = _draft_need(p)
-    if found is not None:
-        need, breakdown, dcfg, _ = found
-        left = (1 - util) * mem
-        status = "ok" if need <= 0.9 * left else "warn" if need <= left else "FAIL"
-        if not torch.cuda.is_available():
-            status = "info" if status == "ok" else status
-        p.add(status, "draft beside the engine (per GPU)", f"~{_gib(need)} ({breakdown})",
-              f"{_gib(left)} left by gpu_memory_utilization {util} of {_gib(mem)}",
-              "lower gpu_memory_utilization in extract.vllm_engine_args, or train.max_tokens")
-        ref = _draft_flops(TRAIN_REF["hidden"], TRAIN_REF["inter"], TRAIN_REF["draft_vocab"], TRAIN_REF["kv"],
-                           TRAIN_REF["ttt"])
-        draft_flops = _draft_flops(dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size,
-                                   dcfg.num_key_value_heads * dcfg.head_dim, t.ttt_steps)
-        train_rate = TRAIN_REF["tokens_per_s"] * ref / draft_flops
-        engine_rate = FORWARD_REF["tokens_per_s"] * FORWARD_REF["active_params"] / max(active, 1.0)
-        tokens_100k = 1e5 * mean * t.epochs
-        shared = tokens_100k * (1 / engine_rate + 1 / train_rate) / gpus / 3600
-        apart = tokens_100k * max(1 / engine_rate, 1 / train_rate) / gpus / 3600
-        p.add("info", "hours per 100k conversations",
-              f"{mean:.0f} tokens each ({mean_from}) x train.epochs {t.epochs}, on {gpus} GPU(s)",
-              f"{shared:.1f} h with the draft on the engine's GPUs (engine ~{engine_rate / 1e3:.1f}k tokens/s a GPU, "
-              f"training ~{train_rate / 1e3:.1f}k: the two take turns), {apart:.1f} h on as many GPUs again for the "
-              "draft; from rates measured on one H200 scaled by FLOPs (doctor FORWARD_REF, TRAIN_REF): an estimate")
-    d = _train_disk(p)
-    p.add("info", "disk (engine-fed)", "no store: the buffer, the head and the checkpoints",
-          f"buffer <= {e.stream_buffer_gb:g} GB in {buffer_folder(e.stream_dir, p.cfg.run_dir / 'train')}; "
-          + (f"checkpoints and the final draft ~{_gib(d['peak'])} at most at once (train.keep_last {t.keep_last}: "
-             "the disk (train) line checks them); " if d is not None else "")
-          + "an offline store would be "
-          f"{(n_aux + 1) * H * _DTYPE_BYTES.get(e.store_dtype, 2) / 1e3:.1f} KB a token")
 
 
 # ---- running the checks -------------------------------------------------------------------------------
@@ -1013,7 +701,6 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_train_disk, ("train",)),
     (check_extract_memory, ("extract",)),
     (check_train_memory, ("train",)),
-    (check_stream, ("extract", "train")),
 ]
 
 

@@ -36,6 +36,7 @@ from ..errors import CorruptDataError
 from ..utils import atomic_write_json, fsync_dir, sha256_file
 from .version import CHECKPOINT_VERSION, KEY as VERSION_KEY, check_version
 
+CKPT_DIR = "checkpoints"  # the folder of a run's checkpoints, in its train output folder
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.safetensors"

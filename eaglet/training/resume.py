@@ -29,14 +29,12 @@ from ..distributed import resolve_device
 from ..draft.model import Eagle3Draft
 from ..draft.step import extend_schedule, lr_lambda, peak_lr
 from ..errors import CorruptDataError, ResumeError
-from ..formats.checkpoints import Checkpoint, newest_intact
+from ..formats.checkpoints import CKPT_DIR, Checkpoint, newest_intact
 from ..formats.draft import FINAL_DIR
 from ..formats.store import StoreReader
 from ..utils import log
 from .build import uses_bf16
 from .metrics import LOG_FILE, TB_DIR
-
-CKPT_DIR = "checkpoints"
 
 # The train.* settings a resume may change. They set what is logged, evaluated and kept, or how
 # the same sums are computed: the device, the parallel strategy, compilation, the attention
