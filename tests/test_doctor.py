@@ -778,3 +778,27 @@ def test_engine_fed_plan_for_kimi_k25():
     assert squeezed["draft beside the engine (per GPU)"].status == "FAIL"
     tiny_buffer = {f.check: f for f in diagnose(load_config(path, ["extract.stream_buffer_gb=0.1"]), "train").findings}
     assert tiny_buffer["stream buffer"].status == "FAIL" and tiny_buffer["stream buffer"].error is not None
+
+
+PLAN_LINES = {"stream buffer", "engine memory (per GPU)", "draft beside the engine (per GPU)",
+              "hours per 100k conversations", "disk (engine-fed)"}
+
+
+def test_the_engine_fed_plan_is_the_vllm_engine_s(monkeypatch):
+    """The plan of a run that streams from vLLM comes from the vLLM engine's `doctor`
+    (eaglet/engines/vllm/plan.py), for the doctor and the extract and train preflights, not eval's;
+    with that engine's doctor a no-op the lines are gone, and an online HF run has none."""
+    from pathlib import Path
+
+    import eaglet.engines.vllm as vllm_engine
+    from eaglet.config import load_config
+    from eaglet.doctor import diagnose
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "kimi-k25" / "eaglet.yaml"
+    cfg = load_config(path, ["extract.vllm_server=null"])
+    for stage in (None, "extract", "train"):
+        assert PLAN_LINES <= {f.check for f in diagnose(cfg, stage).findings}, stage
+    assert not PLAN_LINES & {f.check for f in diagnose(cfg, "eval").findings}
+    assert not PLAN_LINES & {f.check for f in diagnose(load_config(path, ["extract.backend=hf"]), "train").findings}
+    monkeypatch.setattr(vllm_engine, "doctor", lambda probe: None)
+    assert not PLAN_LINES & {f.check for f in diagnose(cfg, "train").findings}
