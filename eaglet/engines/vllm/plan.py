@@ -150,7 +150,7 @@ def check_stream(p: Probe) -> None:
               f"{mean:.0f} tokens each ({mean_from}) x train.epochs {t.epochs}, on {gpus} GPU(s)",
               f"{shared:.1f} h with the draft on the engine's GPUs (engine ~{engine_rate / 1e3:.1f}k tokens/s a GPU, "
               f"training ~{train_rate / 1e3:.1f}k: the two take turns), {apart:.1f} h on as many GPUs again for the "
-              "draft; from rates measured on one H200 scaled by FLOPs (doctor FORWARD_REF, TRAIN_REF): an estimate")
+              "draft; from rates measured on one H200 scaled by FLOPs (checks/sizing.py FORWARD_REF, TRAIN_REF): an estimate")
     d = train_disk(p)
     p.add("info", "disk (engine-fed)", "no store: the buffer, the head and the checkpoints",
           f"buffer <= {e.stream_buffer_gb:g} GB in {buffer_folder(e.stream_dir, p.cfg.run_dir / 'train')}; "
