@@ -169,7 +169,9 @@ def test_buffer_never_exceeds_its_bound(assets, tmp_path):
     stats = _manifest(cfg)["stats"]["stream"]
     assert 0 < peak[0] <= stats["buffer_bound_bytes"]
     assert stats["buffer_peak_bytes"] <= stats["buffer_bound_bytes"]
-    assert peak[0] > mb  # more than one micro-batch was ahead at some point: the bound did the limiting
+    # more than one micro-batch was ahead at some point, so the bound did the limiting: by the
+    # stream's own count (the watcher polls, and on a busy machine can miss the moment)
+    assert stats["buffer_peak_bytes"] > mb
 
 
 def test_a_buffer_too_small_for_one_micro_batch_is_refused(assets, tmp_path):
