@@ -5,7 +5,7 @@
 
 Writes a bf16 store of random states at `--hidden` with three captured layers and samples of
 20-200 tokens (as `eaglet extract` would), packs them into micro-batches of `--tokens` in the
-order an epoch does, and loads `--batches` of them the way training does (train_data.read_batch:
+order an epoch does, and loads `--batches` of them the way training does (training.data.read_batch:
 the store's reads and the host's copies into pinned memory; then send_batch: the copy to the
 GPU, which the host only enqueues) after a stand-in for the device's step: the calling thread
 waits `--step-ms` with the GIL released, as a host whose GPU is behind waits for it. Timed for

@@ -114,7 +114,7 @@ EAGLET_SWITCHES = {
                        "from those, so TTT steps 1.. run over every row too (--all-step-rows).",
     "--all-step-rows": "eaglet with TTT steps 1.. over every row instead of the rows some step from 1 on counts "
                        "(Batch.active_rows); the LM head still over the counted rows.",
-    "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (train_data.VocabMaskCache, from a "
+    "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (training.data.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
     "--plain-optimizer": "eaglet with torch's fused AdamW over fp32 gradients (train.unroll_optimizer false: the "
                          "unroll's bf16 gradients cast into .grad, the weights cast again each step) instead of "

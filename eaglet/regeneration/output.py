@@ -130,7 +130,7 @@ def check_resume(out: Path, settings: dict[str, Any]) -> None:
                               fix=f"rerun with {was}, or give a new --out (or delete {out}* to start afresh)")
         return
     if written:
-        log(f"[warning] regenerate: {out} has records but no {path.name} (an older eaglet made it): the settings they "
+        log(f"[warning] regenerate: {out} has records but no {path.name} (not written by this regenerate): the settings they "
             "were made with cannot be checked; this run's are recorded")
     if before != settings:
         path.parent.mkdir(parents=True, exist_ok=True)  # the output's folder, made once nothing refused the run

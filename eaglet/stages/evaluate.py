@@ -2,7 +2,7 @@
 
     eaglet eval CONFIG            # or as the last stage of `eaglet run`
 
-Prompts: the training run's held-out samples (`train_data.split_ids` with train.eval_fraction and
+Prompts: the training run's held-out samples (`training.data.split_ids` with train.eval_fraction and
 run.seed, over the same sample ids training split), the first `eval.num_prompts` of them,
 each cut where its first assistant turn starts (the first loss-masked token), so a prompt
 ends with the chat template's generation prompt.
