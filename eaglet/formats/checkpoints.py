@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CorruptDataError
 from ..utils import atomic_write_json, fsync_dir, sha256_file
-from .version import CHECKPOINT_VERSION, KEY as VERSION_KEY, check_version
+from .version import CHECKPOINT_VERSION, KEY as VERSION_KEY, check_version, recorded_version
 
 CKPT_DIR = "checkpoints"  # the folder of a run's checkpoints, in its train output folder
 MODEL_FILE = "model.safetensors"
@@ -202,11 +202,7 @@ def _readable_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def _check_version(folder: Path, state: dict[str, Any] | None) -> None:
-    """FormatVersionError unless `state` (None: unreadable, left to the damage checks) is of CHECKPOINT_VERSION."""
-    if state is not None:
-        check_version(state.get(VERSION_KEY), CHECKPOINT_VERSION, "the checkpoint", folder,
-                      fix=f"start training afresh with `eaglet train CONFIG --force` (or remove {folder.parent})")
+_AFRESH = "start training afresh with `eaglet train CONFIG --force` (or remove {})"
 
 
 def read_checkpoint(folder: Path, device: torch.device | str | None = None, check: bool = True) -> Checkpoint:
@@ -219,13 +215,15 @@ def read_checkpoint(folder: Path, device: torch.device | str | None = None, chec
     if check:
         try:
             verify(folder)
-        except CorruptCheckpointError:
-            _check_version(folder, _readable_state(folder))
+        except CorruptCheckpointError:  # another eaglet's checkpoint is refused as such, not as damaged
+            check_version(recorded_version(folder / STATE_FILE), CHECKPOINT_VERSION, "the checkpoint", folder,
+                          fix=_AFRESH.format(folder.parent))
             raise
     state = _readable_state(folder)
     if state is None or not isinstance(state.get("step"), int):
         raise CorruptCheckpointError(folder, f"{STATE_FILE}: unreadable")
-    _check_version(folder, state)
+    check_version(state.get(VERSION_KEY), CHECKPOINT_VERSION, "the checkpoint", folder,
+                  fix=_AFRESH.format(folder.parent))
     ckpt = Checkpoint(folder, state, check)
     if device is None:
         return ckpt
