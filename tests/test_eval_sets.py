@@ -363,6 +363,7 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     from eaglet.engines.vllm.decode import SpecCounts
     from eaglet.errors import CorruptDataError
     from eaglet.formats.draft import FINAL_DIR, load_final
+    from eaglet.formats.checked import write_files
     from eaglet.formats.serving import export_draft
     from eaglet.engines import vllm as vllm_engine
     from eaglet.engines.vllm import eval as eval_vllm
@@ -423,11 +424,10 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     assert len(made) == started  # no engine was started
 
     raw[-1] ^= 0x01
-    weights.write_bytes(bytes(raw))  # intact again, in an export written before checksums (no checksums.json)
-    (weights.parent / "checksums.json").unlink()
+    weights.write_bytes(bytes(raw))  # intact again, but written without a key vLLM's loader reads
     config = json.loads((weights.parent / "config.json").read_text())
     del config["target_hidden_size"]  # vLLM's loader would take its own default
-    (weights.parent / "config.json").write_text(json.dumps(config))
+    write_files(weights.parent, {"config.json": json.dumps(config).encode(), "model.safetensors": bytes(raw)})
     cfg.eval.in_process = False
     with pytest.raises(InputError, match=f"the run's export {weights.parent} would not load as vLLM .*"
                                          "'target_hidden_size'.*`eaglet export CONFIG --force`"):

@@ -153,6 +153,18 @@ def test_a_folder_eaglet_wrote_without_its_checksums_json_is_refused(run):
                               "`eaglet vocab CONFIG --force`")
 
 
+def test_the_runs_own_export_without_its_checksums_json_is_refused_where_eval_serves_it(run):
+    """The export an engine eval serves when eval.draft is unset is the run's own: without its
+    checksums.json it is refused like any folder eaglet wrote (a draft from elsewhere need not
+    have one)."""
+    (run / "export" / "vllm" / "checksums.json").unlink()
+    with pytest.raises(CorruptDataError) as e:
+        read_eval_draft(str(run / "export" / "vllm"), own=True)
+    assert e.value.line() == (f"missing file {run / 'export' / 'vllm' / 'checksums.json'}; export it again: "
+                              "`eaglet export CONFIG --force` in the run that made it")
+    read_eval_draft(str(run / "export" / "vllm"))  # the same folder named in eval.draft: read unverified
+
+
 def test_a_damaged_header_in_a_draft_from_elsewhere_is_named_not_a_library_error(run, tmp_path):
     """A draft eaglet did not write (no checksums.json) is read unverified; a damaged header there
     is still CorruptDataError naming the file, not SafetensorError."""

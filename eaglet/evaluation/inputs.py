@@ -154,8 +154,8 @@ def read_eval_draft(path: str, own: bool = False) -> Loaded:
     every weight finite) and holding what its engine's loader reads
     (eaglet/formats/loaders.py), so that eval measures the draft the engine would serve;
     raises CorruptDataError or InputError naming the file and what is wrong. `own`: the run's own
-    export (the vLLM eval's draft without eval.draft), read the same way."""
-    loaded = load_draft(path, finite=True)
+    export (an engine eval's draft without eval.draft), which must have its checksums.json."""
+    loaded = load_draft(path, finite=True, own=own)
     meta = loaded[2]
     problems = PROBLEMS[meta["format"]](meta["folder"])
     if problems:

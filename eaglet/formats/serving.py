@@ -285,10 +285,12 @@ def _sglang_config(cfg: DraftConfig, ids: list[int], dtype_name: str) -> dict[st
 Loaded = tuple[DraftConfig, dict[str, Tensor], dict[str, Any]]
 
 
-def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False) -> Loaded:
+def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False, own: bool = False) -> Loaded:
     """Read an EAGLE-3 draft in either format (detected from config.json), its files checked
     against the folder's checksums.json when it has one (CorruptDataError, with `fix`, when not);
-    `finite`: refuse a weight with a NaN or an inf too (CorruptDataError naming file and tensor).
+    `own`: an export this run wrote, which must have its checksums.json (a draft from elsewhere
+    need not); `finite`: refuse a weight with a NaN or an inf too (CorruptDataError naming file
+    and tensor).
 
     Returns (DraftConfig, state dict under eaglet's names, meta). The state dict holds every
     weight of Eagle3Draft(cfg) except embed_tokens.weight when the checkpoint has none
@@ -299,7 +301,7 @@ def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False) -> Lo
     num_speculative_tokens, dtype, missing, folder (the export folder read).
     `path` may also be a folder holding a vllm/ or sglang/ export (vllm/ is preferred)."""
     folder = resolve_folder(Path(path))
-    checked = CheckedFolder(folder, fix, own=False)  # a draft from elsewhere has no checksums.json
+    checked = CheckedFolder(folder, fix, own=own)
     config = checked.json(CONFIG_FILE)
     weights = _read_weights(checked)
     fmt = detect_format(config, weights)

@@ -59,7 +59,7 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
             verifier_architectures=architectures, num_speculative_tokens=cfg.export.speculative_tokens,
             include_embed=include_embed, dtype=cfg.export.dtype,
         )
-        dcfg, state, meta = load_draft(folder)
+        dcfg, state, meta = load_draft(folder, own=True)
         back = Eagle3Draft(dcfg)
         back.load_state_dict({**state, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
         err = _reload_error(model, back.eval())
