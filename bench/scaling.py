@@ -32,7 +32,7 @@ import torch
 
 from eaglet.config import TrainSection
 from eaglet.distributed import barrier, init_distributed
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import parallelize, resolve_strategy
 from eaglet.draft.step import SkippedSteps, TeacherHead, lr_lambda, micro_batch, optimizer_step, peak_lr, resolve_compile
 from eaglet.testing.synthetic import PRESETS, synthetic_batch

@@ -67,13 +67,13 @@ from torch._dynamo.utils import counters
 
 from eaglet.config import TrainSection
 from eaglet.draft import compiling
-from eaglet.draft.attention import compile_flex_attention, resolve_attn_impl
+from eaglet.draft.eagle3.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.loss import compile_soft_ce
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import Parallel, parallelize
 from eaglet.draft.step import (SkippedSteps, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda,
                                micro_batch, optimizer_step, resolve_compile)
-from eaglet.draft.unroll import use_fast_unroll
+from eaglet.draft.eagle3.unroll import use_fast_unroll
 from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch,
                                       synthetic_loss_mask)
 

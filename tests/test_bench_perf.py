@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import run_script
 
-from eaglet.draft.model import DraftConfig
+from eaglet.draft.eagle3.model import DraftConfig
 from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
     import torch
 
     from eaglet.draft.loss import active_rows, head_rows
-    from eaglet.draft.model import DraftConfig
+    from eaglet.draft.eagle3.model import DraftConfig
 
     shape = PRESETS["tiny"]
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
@@ -99,7 +99,7 @@ def test_synthetic_batch_keeps_the_in_vocabulary_share_asked_for(wide):
     import torch
 
     from eaglet.draft.loss import teacher_targets
-    from eaglet.draft.model import DraftConfig
+    from eaglet.draft.eagle3.model import DraftConfig
 
     shape = dict(PRESETS["tiny"])
     if wide:

@@ -26,7 +26,7 @@ from eaglet.config import load_config
 from eaglet.formats.serving import load_draft
 from eaglet.formats.store import HEAD_FILE
 from eaglet.draft.loss import step_mask, teacher_targets, ttt_loss
-from eaglet.draft.model import Eagle3Draft
+from eaglet.draft.eagle3.model import Eagle3Draft
 from eaglet.formats.store import StoreReader
 from eaglet.training.build import build_draft
 from eaglet.training.loop import Trainer

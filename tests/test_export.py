@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eaglet.formats.serving import export_draft, load_draft, name_map
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"

@@ -32,7 +32,8 @@ from eaglet.engines.hf.capture import capture, head_meta, pad_batch, save_target
 from eaglet.formats.store import HEAD_FILE
 from eaglet.targets.families import FAMILIES, UnsupportedFamily, family_of, markdown_table
 from eaglet.draft.loss import teacher_targets
-from eaglet.draft.model import DraftConfig, draft_intermediate_size
+from eaglet.draft.layers import draft_intermediate_size
+from eaglet.draft.eagle3.model import DraftConfig
 from eaglet.targets.load import TargetParts, load_target
 from eaglet.targets.families import resolve_layers
 

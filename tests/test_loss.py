@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eaglet.draft.loss import simulated_acceptance_length, step_mask, teacher_targets, ttt_loss
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -9,10 +9,10 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from eaglet.draft import attention as A
-from eaglet.draft import model as M
-from eaglet.draft.model import DraftConfig, Eagle3Draft
-from eaglet.draft.attention import KVCache, ttt_attention, ttt_dense_mask
+from eaglet.draft.eagle3 import attention as A
+from eaglet.draft.eagle3 import model as M
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.attention import KVCache, ttt_attention, ttt_dense_mask
 
 # CPU flex_attention runs unfused (eager); that is what these tests want.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

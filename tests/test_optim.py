@@ -181,7 +181,7 @@ def test_auto_learning_rate_is_the_measured_rate_scaled_by_width(hidden):
     """train.lr auto (the default): 1.2e-3 at width 576, where the A/B measured it, scaled as
     1/width; a number is used as given."""
     from eaglet.config import TrainSection, load_config
-    from eaglet.draft.model import DraftConfig, Eagle3Draft
+    from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
     from eaglet.draft.step import build_optimizer, peak_lr
 
     draft = Eagle3Draft(DraftConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=32,

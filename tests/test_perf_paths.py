@@ -6,7 +6,7 @@
   former formula (kept here as the reference) gives, bit for bit;
 - merge_diagonal_stacked (the compiled path's merge) matches _merge_diagonal and the dense
   reference attention;
-- the fast unroll (eaglet/draft/unroll.py) gives the model's reference_ttt_steps' logits, loss
+- the fast unroll (eaglet/draft/eagle3/unroll.py) gives the model's reference_ttt_steps' logits, loss
   and gradients, over every row and over the rows the loss counts (fp64);
 - the fast unroll compiled (use_fast_unroll(compile=True)) + the compiled soft CE: the same
   losses and gradients as eager, one graph
@@ -32,16 +32,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import eaglet.draft.attention as attention
+import eaglet.draft.eagle3.attention as attention
 import eaglet.draft.compiling as compiling
 import eaglet.draft.loss as loss_mod
 from eaglet.config import TrainSection
 from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
 from eaglet.draft.casts import cast_linears, linear
-from eaglet.draft.model import DecoderLayer, DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DecoderLayer, DraftConfig, Eagle3Draft
 from eaglet.draft.step import Batch, TeacherHead, device_head_rows, micro_batch, optimizer_step
-from eaglet.draft.unroll import FastUnroll, use_fast_unroll
-from eaglet.draft.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
+from eaglet.draft.eagle3.unroll import FastUnroll, use_fast_unroll
+from eaglet.draft.eagle3.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
 from eaglet.draft.parallelize import parallelize
 
 pytestmark = pytest.mark.usefixtures("one_thread")

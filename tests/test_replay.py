@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.engines.hf import replay
 from eaglet.engines.hf.replay import agreement_runs, continuations, reference_replay_tree, replay_chain, replay_tree, \
     side_of, target_side

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from conftest import killed_copy, tiny_pipeline_upto_vocab, train_on_copy
 from eaglet import pipeline
 from eaglet.config import TrainSection, load_config
-from eaglet.draft.model import DraftConfig
+from eaglet.draft.eagle3.model import DraftConfig
 from eaglet.draft.step import extend_schedule, lr_lambda
 from eaglet.errors import ConfigError, CorruptDataError, DivergedError, FormatVersionError, ResumeError
 from eaglet.formats import checkpoints as ck

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from eaglet.draft.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.engines.hf.decode import (
     DraftRunner,
     SpecSettings,

@@ -30,7 +30,7 @@ def check_skip(strategy: str, optimizer: str) -> None:
     it to rank 0). Every rank must skip step 2 (its weights and AdamW moments, its shards under
     fsdp, as they were), take steps 1 and 3, and count one skip; ddp's replicas stay equal."""
     from eaglet.config import TrainSection
-    from eaglet.draft.model import DraftConfig, Eagle3Draft
+    from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
     from eaglet.draft.parallelize import parallelize
     from eaglet.draft.step import SkippedSteps, TeacherHead, micro_batch, optimizer_step
     from eaglet.testing.synthetic import synthetic_batch

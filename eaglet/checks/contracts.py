@@ -67,7 +67,7 @@ import torch
 
 from ..config import Config
 from ..distributed import resolve_device
-from ..draft.attention import resolve_attn_impl
+from ..draft.eagle3.attention import resolve_attn_impl
 
 PIN = "pip install 'torch>=2.11,<2.15' 'transformers>=5.17' (the versions eaglet is tested with)"
 
@@ -165,7 +165,7 @@ CONTRACTS: list[Contract] = [
              "conversations chat_template add_generation_prompt",
              "chat._render_empty: the generation prompt of an empty conversation (apply_chat_template refuses [])",
              stages=("prepare",), passes=""),
-    # -- train: the draft's TTT attention (eaglet/draft/attention.py) and its config
+    # -- train: the draft's TTT attention (eaglet/draft/eagle3/attention.py) and its config
     Contract("torch.nn.attention.flex_attention:flex_attention",
              "^query ^key ^value block_mask scale enable_gqa return_aux|return_lse",
              "attention._flex_with_lse: flex attention with its log-sum-exp (return_aux in new torch, return_lse in old)",

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..draft.loss import teacher_targets
-from ..draft.model import is_moe_config
+from ..draft.layers import is_moe_config
 from ..errors import VerificationError
 from ..formats.store import StoreReader, dequantize_states, quantize_states
 from ..targets.load import TargetParts

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.eagle3.model import DraftConfig, Eagle3Draft
 from ..formats.checkpoints import CKPT_DIR, checkpoint_bytes, checkpoints, safetensors_bytes
 from ..formats.prepared import PreparedData
 from ..formats.store import TARGET_CONFIG, read_target_config

@@ -1,5 +1,5 @@
 """Once-cast weights and accumulating weight-gradient GEMMs: how the fast TTT unroll
-(eaglet/draft/unroll.py) uses the draft's linear weights under bf16 autocast.
+(eaglet/draft/eagle3/unroll.py) uses the draft's linear weights under bf16 autocast.
 
 Under autocast each of the k steps' products would cast the fp32 weight itself; compiled,
 every step's graph repeats that cast, and the backward turns each step's bf16 gradient into

@@ -1,6 +1,6 @@
 """Teacher distributions and the TTT loss of EAGLE-3 training. Pure tensor functions.
 
-Alignment (row t of the draft's step j; see eaglet/draft/model.py):
+Alignment (row t of the draft's step j; see eaglet/draft/eagle3/model.py):
 
     input token          x[t+1+j]
     predicts             x[t+2+j]

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ..distributed import DistEnv, dist_env
-from .model import Eagle3Draft
-from .unroll import use_fast_unroll
+from .eagle3.model import Eagle3Draft
+from .eagle3.unroll import use_fast_unroll
 
 STRATEGIES = ("none", "ddp", "fsdp")
 
@@ -164,7 +164,7 @@ def parallelize(draft: Eagle3Draft, teacher: nn.Module, strategy: str, device: t
     """Move the draft and teacher to `device` and wrap them for `strategy` (see the module doc).
 
     `frozen_dtype`: the dtype the frozen embedding is kept in (the target's); None keeps it.
-    The draft's training call gets the fast TTT unroll first (eaglet/draft/unroll.py), its
+    The draft's training call gets the fast TTT unroll first (eaglet/draft/eagle3/unroll.py), its
     pieces torch.compiled when `compile`, before any wrapper, as torchtitan compiles its blocks
     before sharding them. A single process goes through here too (strategy 'none': nothing is
     wrapped).

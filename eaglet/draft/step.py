@@ -26,10 +26,10 @@ from ..config import TrainSection
 from ..distributed import all_reduce_sum, dist_env
 from ..utils import to_device
 from .loss import TTTLoss, active_rows, head_rows, simulated_acceptance_length, teacher_targets, ttt_loss
-from .model import Eagle3Draft
+from .eagle3.model import Eagle3Draft
 from .optim import UnrollAdamW, attach_unroll_copies
 from .parallelize import Parallel
-from .unroll import unroll_linears
+from .eagle3.unroll import unroll_linears
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import EvalSection
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..engines.hf.decode import (
     DraftRunner,
     SpecSettings,

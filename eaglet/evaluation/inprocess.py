@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, EvalSection
 from ..context import StageContext
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..formats.eval_sets import EvalItem, by_category, run_rounds
 from ..utils import log
 from .decoding import Decoding

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, EvalSection
 from ..distributed import resolve_device
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..engines.states import split_source
 from ..errors import InputError
 from ..formats.draft import FINAL_DIR, load_final

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.eagle3.model import DraftConfig, Eagle3Draft
 from ..errors import CorruptDataError
 from .checked import CheckedFolder, first_nonfinite, write_files
 

@@ -78,7 +78,8 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from ..draft.model import DraftConfig, Eagle3Draft, rope_type, target_rope
+from ..draft.layers import rope_type, target_rope
+from ..draft.eagle3.model import DraftConfig, Eagle3Draft
 from ..errors import CorruptDataError
 from ..utils import DTYPES
 from .checked import CHECKSUMS, CheckedFolder, first_nonfinite, write_files

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
 from ..formats.loaders import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem

@@ -24,7 +24,7 @@ random config (`tiny_config`) that the tests in tests/test_families.py then run 
 extraction, the self-check, the doctor's shadow run and a few training steps.
 
 The draft is a dense Llama-style layer for every family; its sizes follow the rule in
-`eaglet.draft.model.DraftConfig.from_target_config` (MLA targets: head_dim 128, H/128 heads, 8 KV
+`eaglet.draft.eagle3.model.DraftConfig.from_target_config` (MLA targets: head_dim 128, H/128 heads, 8 KV
 heads; MoE targets: the dense layers' width, else 4 x H rounded up to 256).
 
     python -m eaglet.targets.families   # prints the table of docs/families.md

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..draft.model import DraftConfig
+from ..draft.eagle3.model import DraftConfig
 from ..draft.step import Batch, device_head_rows
 from ..formats.prepared import Sample
 

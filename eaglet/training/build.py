@@ -2,7 +2,7 @@
 
     model = build_draft(cfg, store, d2t, t2d, head)   # fresh, or train.init_from's weights
 
-The draft is the target's shape (eaglet/draft/model.py `DraftConfig.from_target_config`) unless
+The draft is the target's shape (eaglet/draft/eagle3/model.py `DraftConfig.from_target_config`) unless
 train.init_from names a trained one; either way its embedding is the target's and its
 vocabulary maps are this run's.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Config, TrainSection
-from ..draft.model import DraftConfig, Eagle3Draft
+from ..draft.eagle3.model import DraftConfig, Eagle3Draft
 from ..formats.serving import load_draft
 from ..formats.store import StoreReader, TargetHead, read_target_config
 from ..targets.families import text_config_from_dict

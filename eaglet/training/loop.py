@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..config import Config, TrainSection
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
 from ..draft.compiling import CompileWatch, use_compile_cache
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, LossTotals, SkippedSteps, TeacherHead, build_optimizer, forward_loss,
                           freeze_survivors, lr_lambda, micro_batch, optimizer_step, resolve_compile)

@@ -26,7 +26,7 @@ import torch
 
 from ..config import Config, TrainSection
 from ..distributed import resolve_device
-from ..draft.model import Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
 from ..draft.step import extend_schedule, lr_lambda, peak_lr
 from ..errors import CorruptDataError, ResumeError
 from ..formats.checkpoints import CKPT_DIR, Checkpoint, newest_intact

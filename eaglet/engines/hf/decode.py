@@ -60,8 +60,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...draft.model import Eagle3Draft
-from ...draft.attention import KVCache
+from ...draft.eagle3.model import Eagle3Draft
+from ...draft.eagle3.attention import KVCache
 from ...targets.load import TargetParts
 
 # ---- transformers API detection -------------------------------------------------------------

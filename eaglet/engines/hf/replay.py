@@ -10,7 +10,7 @@ draft sees on an accepted path is known before any decoding: the target's states
 continuation, and that continuation's tokens. A cycle that starts at row Q-1 (Q tokens committed,
 see eaglet/engines/hf/decode.py) drafts step j from row Q-1 at position Q+j, attending to the
 committed rows (the target's states) and to its own earlier steps. That is exactly what row Q-1
-of the draft's TTT unroll computes at step j (eaglet/draft/model.py: step j of row t runs at
+of the draft's TTT unroll computes at step j (eaglet/draft/eagle3/model.py: step j of row t runs at
 position t+1+j, over step 0's keys up to t and its own row's earlier steps). So one target forward
 over prompt + continuation and one k-step unroll over every row give, for every row, how many
 steps in a row agree with the continuation; walking the cycles from the prompt's end then gives
@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...draft.model import Attend, Eagle3Draft
+from ...draft.eagle3.model import Attend, Eagle3Draft
 from .decode import (DraftRunner, TargetRunner, cache_kwarg, cut_at_eos, draft_tree, follow, forward_params,
                       new_cache, uniform)
 

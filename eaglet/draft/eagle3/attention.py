@@ -32,12 +32,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from ..layers import acc
+
 ATTN_IMPLS = ("auto", "flex", "chunked", "naive")
-
-
-def acc(x: Tensor) -> Tensor:
-    """x in its accumulation dtype: fp32, or fp64 when the inputs are (tests compare in fp64)."""
-    return x if x.dtype == torch.float64 else x.float()
 
 
 def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:

@@ -2,7 +2,7 @@
 
     unroll = use_fast_unroll(model, compile=True)     # model(...) now runs it; parallelize does this
 
-`Eagle3Draft.reference_ttt_steps` (eaglet/draft/model.py) runs every step over every row, each
+`Eagle3Draft.reference_ttt_steps` (eaglet/draft/eagle3/model.py) runs every step over every row, each
 with its own products. This unroll, installed on the model from outside as `model.unroll`,
 computes the same logits (tests hold it to the reference) and skips what they do not need:
 
@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import TTTAttend, merge_diagonal_stacked
-from .casts import Weights, cast_linears, linear, sharded
-from .compiling import compile_piece
+from ..casts import Weights, cast_linears, linear, sharded
+from ..compiling import compile_piece
 from .model import MLP, DecoderLayer, Eagle3Draft, SelfAttention, shift_ids
 
 Casts = Literal["accumulate", "sum", "per_product"]

@@ -20,34 +20,29 @@ step j takes the token x[t+1+j] (the input shifted by one more each step), the h
 state of step j-1 (step 0: fc of the target's states at row t), and the position
 position[t] + 1 + j, i.e. the position of its input token. Its query sees the step-0 keys
 of rows <= t in the same document, and its own row's keys of steps 1..j (the "diagonal");
-nothing else (eaglet/draft/attention.py). This is exactly what a KV-cached chain of drafts
+nothing else (eaglet/draft/eagle3/attention.py). This is exactly what a KV-cached chain of drafts
 sees at inference time. `reference_ttt_steps` is that unroll written out plainly: the
 reference that tests hold the fast unroll to. Training installs the fast one from outside
-(eaglet/draft/unroll.py: shared embedding products, the rows each step needs, once-cast
+(eaglet/draft/eagle3/unroll.py: shared embedding products, the rows each step needs, once-cast
 weights, compiled pieces) as `unroll`, and the training call (`forward`) runs it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, TTTAttend, acc, cached_attention
+from .attention import KVCache, TTTAttend, cached_attention
+from ..layers import (MLA_KEYS, MLP, RMSNorm, apply_rope, draft_intermediate_size, rope_inv_freq, rope_type,
+                     target_rope)
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-# Config attributes that mark a mixture-of-experts target / a multi-head latent attention
-# (MLA: DeepSeek-V2/V3, Kimi-K2) target.
-_MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_intermediate_size")
-_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -120,7 +115,7 @@ class DraftConfig:
         """
         c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         hidden = int(c.hidden_size)
-        if any(getattr(c, k, None) is not None for k in _MLA_KEYS):
+        if any(getattr(c, k, None) is not None for k in MLA_KEYS):
             head_dim = 128 if hidden % 128 == 0 else hidden // int(c.num_attention_heads)
             heads = hidden // head_dim
             kv_heads = 8 if heads % 8 == 0 else heads
@@ -148,128 +143,6 @@ class DraftConfig:
             raise TypeError(f"unknown DraftConfig fields: {sorted(unknown)}")
         fields.update(overrides)
         return cls(**fields)
-
-
-def is_moe_config(c: Any) -> bool:
-    return any(getattr(c, k, None) for k in _MOE_KEYS)
-
-
-def draft_intermediate_size(c: Any) -> int:
-    """The draft's MLP width for a target text config (rule in DraftConfig.from_target_config)."""
-    if not is_moe_config(c):
-        return int(c.intermediate_size)
-    if getattr(c, "intermediate_size_mlp", None):
-        return int(c.intermediate_size_mlp)
-    if getattr(c, "moe_intermediate_size", None) and getattr(c, "intermediate_size", None):
-        return int(c.intermediate_size)
-    return -(-4 * int(c.hidden_size) // 256) * 256
-
-
-def target_rope(c: Any) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or 4.x fields."""
-    params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    # transformers 5 keeps one dict per layer type for some models; take the full-attention one.
-    if params and all(isinstance(v, dict) for v in params.values()):
-        params = dict(params.get("full_attention") or next(iter(params.values())))
-    theta = float(params.pop("rope_theta", None) or getattr(c, "rope_theta", None) or 10000.0)
-    params.pop("partial_rotary_factor", None)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    return theta, (None if kind == "default" else {"rope_type": kind, **params})
-
-
-# ---- rotary embedding ---------------------------------------------------------------------
-
-
-def rope_type(scaling: dict[str, Any] | None) -> str:
-    kind = "default" if not scaling else (scaling.get("rope_type") or scaling.get("type") or "default")
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
-    return kind
-
-
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int
-) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim/2] fp32, attention scaling) as transformers computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = rope_type(scaling)
-    if kind == "default":
-        return inv_freq, 1.0
-    assert scaling is not None
-    if kind == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if kind == "llama3":
-        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled), 1.0
-    # yarn (the transformers formula, DeepSeek's mscale variant included)
-    old_len = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_position_embeddings / old_len
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attn = scaling.get("attention_factor")
-    if attn is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def corr_dim(rotations: float) -> float:
-        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
-    if scaling.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, head_dim - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
-    return inv_freq, float(attn)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BHTD: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
-    return x_BHTD * cos_BTD[:, None] + rotate_half(x_BHTD) * sin_BTD[:, None]
-
-
-# ---- building blocks ----------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm: normalise in fp32 (fp64 stays), cast back, then scale (HF's rounding)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = acc(x)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SelfAttention(nn.Module):
@@ -375,7 +248,7 @@ class Eagle3Draft(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
         self._inv_freq_on: dict[torch.device, Tensor] = {}
-        # A faster TTT unroll of this draft installed from outside (eaglet/draft/unroll.py):
+        # A faster TTT unroll of this draft installed from outside (eaglet/draft/eagle3/unroll.py):
         # called with `reference_ttt_steps`' arguments, it yields the same logits.
         self.unroll: Callable[..., Iterator[Tensor]] | None = None
         self.reset_parameters()
