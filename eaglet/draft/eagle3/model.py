@@ -226,6 +226,8 @@ Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class Eagle3Draft(nn.Module):
+    ALGORITHM = "eagle3"  # its package in eaglet/draft/__init__.py DRAFT_TYPES
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
