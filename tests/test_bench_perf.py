@@ -173,7 +173,7 @@ def test_host_profile_lists_where_a_steps_host_time_goes(tmp_path):
     assert top["fn"].endswith("(step)") and top["calls_per_step"] == 1
     assert top["cum_ms"] == pytest.approx(hp["host_ms_per_step"], rel=0.2)
     names = [r["fn"] for r in hp["by_cum"]]
-    assert any("draft/unroll.py" in n and n.endswith("(__call__)") for n in names), names  # the TTT unroll
+    assert any("eagle3/unroll.py" in n and n.endswith("(__call__)") for n in names), names  # the TTT unroll
     assert any("run_backward" in n for n in names), names
     assert sorted((r["own_ms"] for r in hp["by_own"]), reverse=True) == [r["own_ms"] for r in hp["by_own"]]
 
