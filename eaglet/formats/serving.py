@@ -103,7 +103,7 @@ def load_draft(path: str | Path, fix: str = REBUILD, finite: bool = False, own: 
     naming file and tensor).
 
     Returns (the draft config, state dict under eaglet's names, meta): the type's `from_serving`
-    (EAGLE-3: eaglet/draft/eagle3/from_serving.py). The state dict holds every weight of the
+    (EAGLE-3: eaglet/draft/eagle3/read_export.py). The state dict holds every weight of the
     draft except embed_tokens.weight when the checkpoint has none (meta["missing"] then lists
     it: copy the target's embedding in). Tensors keep their stored dtype.
     meta: algorithm (the draft type's name), format, aux_layer_ids (HF output_hidden_states
@@ -159,6 +159,16 @@ def serving_type(config: dict[str, Any], weights: dict[str, Tensor] | None = Non
     titles = ", ".join(kind.TITLE for kind in DRAFT_TYPES.values())
     raise ValueError(f"config.json is no export of a draft type eaglet reads ({titles}): speculators_model_type "
                      f"{config.get('speculators_model_type')!r}, architectures {config.get('architectures')}")
+
+
+def export_type(path: str | Path) -> Any:
+    """The draft type of the export at `path` (`load_draft`'s folders), told by its config.json alone."""
+    folder = resolve_folder(Path(path))
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{folder / CONFIG_FILE}: not readable as JSON ({e})") from e
+    return serving_type(config)[0]
 
 
 def resolve_folder(path: Path) -> Path:

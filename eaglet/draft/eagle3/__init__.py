@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .from_serving import from_serving, serving_format
+from .read_export import from_serving, serving_format
 from .model import DraftConfig, Eagle3Draft
 from .propose import Eagle3Proposer
 from .replay import chain_hits, replay_tree
-from .serving import serving
+from .serving import reload_logits, serving
 
 NAME = "eagle3"
 TITLE = "EAGLE-3"
 SERVING_METHOD = "eagle3"
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "from_config", "proposer", "serving", "from_serving", "serving_format",
-           "chain_hits", "replay_tree"]
+           "reload_logits", "chain_hits", "replay_tree"]
 
 
 def from_config(draft_config: dict[str, Any]) -> Eagle3Draft:

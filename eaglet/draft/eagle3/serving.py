@@ -1,6 +1,6 @@
 """EAGLE-3's serving formats: the config.json and weights of an export (`serving`).
 eaglet/formats/serving.py writes them, with their checksums, and reads them back as files;
-from_serving.py turns them into a draft again. The weights are renamed by one generated name
+read_export.py turns them into a draft again. The weights are renamed by one generated name
 map per format (`name_map`: eaglet's state-dict names -> checkpoint names, built from
 Eagle3Draft's own state dict), and read back through the inverse of the same map.
 
@@ -230,3 +230,14 @@ def _sglang_config(cfg: DraftConfig, ids: list[int], dtype_name: str) -> dict[st
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": ids,
     }
+
+
+@torch.no_grad()
+def reload_logits(draft: Eagle3Draft) -> list[Tensor]:
+    """The draft's logits on one fixed random input (two TTT steps), by which export compares a
+    reloaded export with the trained draft."""
+    g = torch.Generator().manual_seed(0)
+    c = draft.config
+    aux = torch.randn(1, 16, c.num_aux * c.target_hidden_size, generator=g)
+    ids = torch.randint(0, c.vocab_size, (1, 16), generator=g)
+    return draft.ttt_forward(aux, ids, num_steps=2, attn_impl="naive")
