@@ -20,12 +20,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save
-
-from typing import Any
-
 from torch import nn
 
 from ..draft import DRAFT_TYPES, draft_type
