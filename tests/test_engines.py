@@ -164,7 +164,8 @@ COMPARES = [
     re.compile(rf"[\"']({ENGINE_NAMES})[\"']\s*(==|!=)"),  # "vllm" == ...
     re.compile(r"\.get\(\s*[\"']backend[\"']"),  # meta.get("backend") and a compare somewhere later
 ]
-# Export format names ("vllm", "sglang": a draft type's serving formats, eaglet/draft/eagle3/serving.py FORMATS), which are formats, not engines.
+# Export format names ("vllm", "sglang": a draft type's serving formats, eaglet/draft/eagle3/serving.py
+# FORMATS), which are formats, not engines.
 FORMAT_COMPARES = {
     "eaglet/draft/eagle3/serving.py": ('fmt == "vllm"', 'fmt == "sglang"'),
     "eaglet/draft/eagle3/read_export.py": ('fmt == "vllm"',),
