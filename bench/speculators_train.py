@@ -137,7 +137,7 @@ def speculators_config(dcfg: Any, aux_layer_ids: list[int], verifier: str, archi
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    from eaglet.formats.serving import llama_fields
+    from eaglet.draft.eagle3.serving import llama_fields
 
     fields = {k: v for k, v in llama_fields(dcfg, "float32").items() if k not in ("model_type", "torch_dtype")}
     tl = LlamaConfig(**fields)

@@ -164,9 +164,11 @@ COMPARES = [
     re.compile(rf"[\"']({ENGINE_NAMES})[\"']\s*(==|!=)"),  # "vllm" == ...
     re.compile(r"\.get\(\s*[\"']backend[\"']"),  # meta.get("backend") and a compare somewhere later
 ]
-# Export format names ("vllm", "sglang": eaglet/formats/serving.py FORMATS), which are formats, not engines.
+# Export format names ("vllm", "sglang": a draft type's serving formats, eaglet/draft/eagle3/serving.py
+# FORMATS), which are formats, not engines.
 FORMAT_COMPARES = {
-    "eaglet/formats/serving.py": ('fmt == "vllm"', 'fmt == "sglang"'),
+    "eaglet/draft/eagle3/serving.py": ('fmt == "vllm"', 'fmt == "sglang"'),
+    "eaglet/draft/eagle3/read_export.py": ('fmt == "vllm"',),
     "eaglet/stages/export.py": ("fmt == 'vllm'",),
 }
 

@@ -5,6 +5,7 @@ serve commands; and speculators 0.9.0's own loader runs the vLLM export to eagle
 .venv-speculators, made by scripts/speculators_venv.sh), for an untied and a tied target.
 The checks against the engines' loaders themselves: tests/test_serving_engines.py."""
 
+import importlib
 import json
 import os
 import shlex
@@ -17,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eaglet.formats.serving import export_draft, load_draft, name_map
+from eaglet.draft.eagle3.serving import name_map
+from eaglet.formats.serving import export_draft, load_draft
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,7 +305,7 @@ def tied_target(root: Path) -> Eagle3Draft:
     with torch.no_grad():
         target.model.embed_tokens.weight.copy_(m.embed_tokens.weight)
     target.save_pretrained(root / "target")
-    save_final(root / "train" / FINAL_DIR, m.state_dict(), c, [2, 4, 5])
+    save_final(root / "train" / FINAL_DIR, m.state_dict(), c, [2, 4, 5], "eagle3")
     (root / "extract").mkdir()
     meta = described({"layers": [2, 4, 5], "hidden_size": c.hidden_size, "dtype": "bfloat16"})
     write_files(root / "extract", {INDEX: json.dumps({"meta": meta, "shards": []}).encode(),
@@ -363,7 +365,7 @@ def test_export_stage_on_a_tied_target_names_it_and_ends_with_the_serve_commands
 def test_export_stage_fails_on_an_export_its_engine_would_not_load(tmp_path, monkeypatch):
     """A name map that the reader follows (so the logits round-trip) but SGLang does not: its
     `midlayer` rename would turn midlayers.0.* into names it has no parameter for."""
-    from eaglet.formats import serving
+    serving = importlib.import_module("eaglet.draft.eagle3.serving")  # the module: the package's `serving` is its function
 
     tied_target(tmp_path)
     monkeypatch.setitem(serving.CHECKPOINT_NAME, "sglang", lambda n: n.replace("layers.0.", "midlayers.0."))

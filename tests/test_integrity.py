@@ -251,7 +251,7 @@ def test_non_finite_weights_in_the_trained_draft_are_refused_by_export_and_eval(
     state = draft.state_dict()
     state["fc.weight"] = state["fc.weight"].clone()
     state["fc.weight"][0, 0] = float("nan")
-    save_final(final, state, draft.config, aux)
+    save_final(final, state, draft.config, aux, "eagle3")
     with pytest.raises(CorruptDataError) as e:
         load_final(final)
     code, line = cli._error_line(e.value)

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
-from eaglet.engines.hf import replay
-from eaglet.engines.hf.replay import agreement_runs, continuations, reference_replay_tree, replay_chain, replay_tree, \
-    side_of, target_side
-from eaglet.engines.hf.decode import DraftRunner, SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
+from eaglet.draft.eagle3 import tree_batch
+from eaglet.draft.eagle3.propose import Eagle3Proposer
+from eaglet.draft.eagle3.replay import reference_replay_tree
+from eaglet.engines.hf.replay import agreement_runs, continuations, replay_chain, replay_tree, side_of, target_side
+from eaglet.engines.hf.decode import SpecSettings, TargetRunner, acceptance_stats, plain_generate, \
     speculative_generate
 from eaglet.testing.tiny import build_model
 
@@ -80,7 +81,7 @@ def test_batched_continuations_are_the_batch1_greedy_decode(target, setup):
 @pytest.mark.parametrize("eos", [False, True], ids=["no-eos", "eos"])
 def test_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     side, draft = setup
-    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(draft)
     # an EOS: a token each continuation produces somewhere in its second half (so outputs end early)
     stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)}) if eos else []
     s = SpecSettings("chain", chain_tokens=K, max_new_tokens=NEW)
@@ -104,7 +105,7 @@ def test_tree_replay_gives_the_decoders_accepted_counts(target, setup, eos):
     """Greedy trees: the decoder's own tree drafting, followed along the known continuation
     instead of verified by the target, gives the decoder's accepted counts and tokens."""
     side, draft = setup
-    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(draft)
     stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)}) if eos else []
     s = SpecSettings("tree", max_new_tokens=NEW, tree_top_k=2, tree_depth=K, tree_total_tokens=5)
     runs = replay_tree(draft, side, top_k=2, depth=K, total_tokens=5, eos=stop)
@@ -159,7 +160,7 @@ def test_replay_of_a_reduced_draft_vocabulary_maps_through_d2t(target, setup, re
     replay's accepted counts and tokens are the decoder's, for chains and trees, prompt by prompt;
     a continuation's token outside the draft vocabulary is never accepted."""
     side, _ = setup
-    tr, dr = TargetRunner(target, AUX), DraftRunner(reduced)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(reduced)
     stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)}) if eos else []
     chain = replay_chain(reduced, side, eos=stop, attn_impl="naive")
     tree = replay_tree(reduced, side, top_k=2, depth=K, total_tokens=5, eos=stop)
@@ -215,8 +216,8 @@ def test_batched_tree_replay_is_the_per_prompt_replay(setup, sampled_side, tempe
         side = sampled_side
     stop = sorted({s[len(p) + NEW // 2 + 3] for p, s in zip(PROMPTS, side.sequences)})
     sizes = []
-    run = replay.TreeBatch.run
-    monkeypatch.setattr(replay.TreeBatch, "run", lambda self, *a: sizes.append(len(self.prompts)) or run(self, *a))
+    run = tree_batch.TreeBatch.run
+    monkeypatch.setattr(tree_batch.TreeBatch, "run", lambda self, *a: sizes.append(len(self.prompts)) or run(self, *a))
     counts, cut = set(), 0
     for top_k, total, eos in ((2, 5, []), (3, 7, stop), (10, 60, stop)):
         ref = reference_replay_tree(draft, side, top_k, K, total, eos=eos)
@@ -257,7 +258,7 @@ def test_a_sampled_tree_replays_exactly_what_the_decoder_gave(target, setup):
     """At temperature 1 the output token decides a tree's path: replaying the decoder's own
     sampled output gives its accepted count for every cycle."""
     _, draft = setup
-    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(draft)
     s = SpecSettings("tree", temperature=1.0, max_new_tokens=NEW + K, tree_top_k=4, tree_depth=K, tree_total_tokens=12)
     counts = []
     for seed, p in enumerate(PROMPTS):
@@ -283,7 +284,7 @@ def test_a_sampled_chains_acceptance_chances_are_the_decoders_rates(target, setu
     with torch.no_grad():
         sharp.lm_head.weight.mul_(10.0)
     temp = 1.0
-    tr, dr = TargetRunner(sharp, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(sharp, AUX), Eagle3Proposer(draft)
     s = SpecSettings("chain", chain_tokens=K, temperature=temp, max_new_tokens=NEW + K)
     trials = []  # (chance, accepted) of every draft step the decoder verified
     for seed in range(8):
@@ -315,7 +316,7 @@ def test_a_sampled_chains_acceptance_chances_are_the_decoders_rates(target, setu
 
 def test_replay_of_a_shorter_chain_and_fewer_tokens(target, setup):
     side, draft = setup
-    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(draft)
     s = SpecSettings("chain", chain_tokens=2, max_new_tokens=20)
     for p, (accepted, tokens) in zip(PROMPTS, replay_chain(draft, side, k=2, max_new_tokens=20, attn_impl="naive")):
         g = speculative_generate(tr, dr, p, s)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
+from eaglet.draft.eagle3.propose import Eagle3Proposer, draft_tree
 from eaglet.engines.hf.decode import (
-    DraftRunner,
     SpecSettings,
     TargetRunner,
     Tree,
@@ -35,7 +35,6 @@ from eaglet.engines.hf.decode import (
     ancestor_mask,
     cache_kwarg,
     chain_tree,
-    draft_tree,
     keep_cache_rows,
     new_cache,
     pick_among_children,
@@ -76,7 +75,7 @@ def target():
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 8, 77]
 
 
-def start(tr: TargetRunner, dr: DraftRunner, prompt: list[int]):
+def start(tr: TargetRunner, dr: Eagle3Proposer, prompt: list[int]):
     """Prefill both sides; (hidden, draft logits, pending token, Q, target cache)."""
     cache = new_cache()
     dr.reset()
@@ -135,7 +134,7 @@ def test_draft_tree_structure_and_scores_against_plain_chain(target):
     draft = make_draft(target)
     with torch.no_grad():
         draft.lm_head.weight.mul_(50)  # sharper draft distributions: scores differ clearly
-    tr, dr = TargetRunner(target, AUX), DraftRunner(draft)
+    tr, dr = TargetRunner(target, AUX), Eagle3Proposer(draft)
     hidden, dlogits, pending, Q, _ = start(tr, dr, PROMPT)
     k, depth, total = 3, 4, 12
     tree = draft_tree(dr, hidden, dlogits, pending, Q, k, depth, total)
@@ -224,7 +223,7 @@ TREE = SpecSettings("tree", tree_top_k=3, tree_depth=4, tree_total_tokens=12, ma
 def test_lossless_with_random_draft(target, settings, draft_vocab):
     tr = TargetRunner(target, AUX)
     base = plain_generate(tr, PROMPT, settings.max_new_tokens)
-    g = speculative_generate(tr, DraftRunner(make_draft(target, draft_vocab)), PROMPT, settings)
+    g = speculative_generate(tr, Eagle3Proposer(make_draft(target, draft_vocab)), PROMPT, settings)
     assert first_difference(g.tokens, base.tokens) is None
     assert len(g.tokens) == settings.max_new_tokens
     assert sum(a + 1 for a in g.accepted) + 1 >= len(g.tokens)
@@ -245,7 +244,7 @@ def test_lossless_with_sliding_window_layers(family, kw):
     base = plain_generate(tr, PROMPT, 24).tokens
     for s in (SpecSettings("chain", chain_tokens=3, max_new_tokens=24),
               SpecSettings("tree", tree_top_k=3, tree_depth=3, tree_total_tokens=8, max_new_tokens=24)):
-        g = speculative_generate(tr, DraftRunner(make_draft(model)), PROMPT, s)
+        g = speculative_generate(tr, Eagle3Proposer(make_draft(model)), PROMPT, s)
         assert g.tokens == base
 
 
@@ -284,7 +283,7 @@ def test_oracle_draft_reaches_tau_ceiling(target, settings):
     n = settings.max_new_tokens
     greedy = plain_generate(tr, PROMPT, n + settings.num_positions + 2).tokens
     draft = make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)
-    _assert_at_ceiling(speculative_generate(tr, DraftRunner(draft), PROMPT, settings), greedy, settings)
+    _assert_at_ceiling(speculative_generate(tr, Eagle3Proposer(draft), PROMPT, settings), greedy, settings)
 
 
 def subset_oracle_draft(target, oracle: list[int], size: int = 160, seed: int = 4) -> tuple[OracleDraft, list[int]]:
@@ -322,8 +321,8 @@ def test_subset_vocab_oracle_draft_reaches_tau_ceiling(target, settings):
     for t in set(greedy):  # a mapping that ignores d2t, or reads a neighbour's offset, gets this token wrong
         i = used.index(t)
         assert d2t[i] >= 2 and d2t[i] not in (d2t[i - 1], d2t[(i + 1) % len(d2t)]), (t, i)
-    _assert_at_ceiling(speculative_generate(tr, DraftRunner(draft), PROMPT, settings), greedy, settings)
-    assert DraftRunner(draft).draft_to_target.tolist() == used
+    _assert_at_ceiling(speculative_generate(tr, Eagle3Proposer(draft), PROMPT, settings), greedy, settings)
+    assert Eagle3Proposer(draft).draft_to_target.tolist() == used
 
 
 class NoisyOracleDraft(OracleDraft):
@@ -349,13 +348,13 @@ def test_partially_right_draft_is_lossless(target, settings):
     n = settings.max_new_tokens
     greedy = plain_generate(tr, PROMPT, n + settings.num_positions + 2).tokens
     draft = make_draft(target, cls=NoisyOracleDraft, oracle=PROMPT + greedy)
-    g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings)
+    g = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, settings)
     assert g.tokens == greedy[:n]
     tau = acceptance_stats(g.accepted, settings.num_positions)["tau"]
     assert 1.5 < tau < settings.num_positions + 1
     assert len(set(g.accepted)) >= 3  # runs of several different lengths were accepted
     if settings.method == "tree":  # a second-ranked child was accepted: better than the chain
-        chain = speculative_generate(tr, DraftRunner(draft), PROMPT, replace(CHAIN, chain_tokens=settings.tree_depth))
+        chain = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, replace(CHAIN, chain_tokens=settings.tree_depth))
         assert tau > acceptance_stats(chain.accepted, settings.num_positions)["tau"]
 
 
@@ -365,7 +364,7 @@ def test_chain_of_one_reproduces_greedy(target):
     base = plain_generate(tr, PROMPT, 30)
     greedy = plain_generate(tr, PROMPT, 40).tokens
     for draft in (make_draft(target, 300), make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)):
-        g = speculative_generate(tr, DraftRunner(draft), PROMPT, s)
+        g = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, s)
         assert g.tokens == base.tokens
     assert g.accepted == [1] * len(g.accepted)  # the oracle's single token is always right
 
@@ -375,7 +374,7 @@ def test_eos_stops_both_decoders(target):
     full = plain_generate(tr, PROMPT, 20).tokens
     eos = full[6]
     base = plain_generate(tr, PROMPT, 20, eos_token_ids=[eos])
-    g = speculative_generate(tr, DraftRunner(make_draft(target)), PROMPT, CHAIN, eos_token_ids=[eos])
+    g = speculative_generate(tr, Eagle3Proposer(make_draft(target)), PROMPT, CHAIN, eos_token_ids=[eos])
     assert base.tokens == full[: full.index(eos) + 1] == g.tokens
 
 
@@ -389,7 +388,7 @@ def test_progress_hears_of_every_cycle_and_counts_the_tokens_the_output_keeps(ta
     oracle = make_draft(target, cls=OracleDraft, oracle=PROMPT + greedy)
     for draft, eos in ((oracle, []), (oracle, [greedy[8]]), (make_draft(target, 300), [])):
         calls: list[int] = []
-        g = speculative_generate(tr, DraftRunner(draft), PROMPT, settings, eos, progress=calls.append)
+        g = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, settings, eos, progress=calls.append)
         assert len(calls) == 1 + g.verify_forwards and min(calls) >= 0
         assert sum(calls) == len(g.tokens)
     assert len(g.tokens) == settings.max_new_tokens  # the random draft ran to the end
@@ -467,7 +466,7 @@ def test_speculative_sampling_matches_target_distribution(method):
             lp = [torch.log_softmax(target(torch.tensor([prompt + seq])).logits[0, -1].double() / T, -1)
                   for seq in ([], [a], [a, b])]
             exact[a, b] = (lp[0][a] + lp[1][b] + lp[2]).exp()
-    tr, dr = TargetRunner(target, [0, 1, 2]), DraftRunner(draft)
+    tr, dr = TargetRunner(target, [0, 1, 2]), Eagle3Proposer(draft)
     s = SpecSettings(method, chain_tokens=2, tree_top_k=2, tree_depth=2, tree_total_tokens=4,
                      temperature=T, max_new_tokens=3)
     gen = torch.Generator().manual_seed(7)
@@ -536,7 +535,7 @@ def test_cache_kwarg_detection(target):
     for wrapped in (_NewStyle(target), _OldStyle(target)):
         tr = TargetRunner(wrapped, AUX)
         assert tr.logits_to_keep == (type(wrapped) is _NewStyle)
-        g = speculative_generate(tr, DraftRunner(make_draft(target)), PROMPT, SpecSettings("tree", 3, 3, 3, 8, 0.0, 16))
+        g = speculative_generate(tr, Eagle3Proposer(make_draft(target)), PROMPT, SpecSettings("tree", 3, 3, 3, 8, 0.0, 16))
         assert g.tokens == base
 
 
@@ -567,7 +566,7 @@ def _eval_setup(tmp_path):
         w.add(rng.integers(20, 400, n), [0] * start + [1] * (n - start), 0, i)
     w.close()
     draft = make_draft(target, 300)
-    save_final(tmp_path / "train" / FINAL_DIR, draft.state_dict(), draft.config, [1, 3, 4])
+    save_final(tmp_path / "train" / FINAL_DIR, draft.state_dict(), draft.config, [1, 3, 4], "eagle3")
     cfg = Config()
     cfg.target.path = str(target_dir)
     cfg.train.eval_fraction = 0.5
@@ -725,8 +724,8 @@ def test_heldout_prompts_are_each_evaluated_once(tmp_path):
 def test_timed_decoding_splits_the_seconds_by_phase_and_changes_nothing(target):
     tr = TargetRunner(target, AUX)
     draft = make_draft(target, 300)
-    plain = speculative_generate(tr, DraftRunner(draft), PROMPT, CHAIN)
-    timed = speculative_generate(tr, DraftRunner(draft), PROMPT, CHAIN, timed=True)
+    plain = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, CHAIN)
+    timed = speculative_generate(tr, Eagle3Proposer(draft), PROMPT, CHAIN, timed=True)
     assert (timed.tokens, timed.accepted) == (plain.tokens, plain.accepted) and plain.phases == {}
     assert set(timed.phases) == {"draft", "verify", "accept", "prefill"}
     assert all(v >= 0 for v in timed.phases.values()) and timed.phases["verify"] > 0

@@ -1,5 +1,5 @@
 """One evaluation's measurement by decoding: the target decodes each prompt speculatively with
-the draft (eaglet/engines/hf/decode.py) and, for the baseline and the lossless check, plainly;
+the draft's proposer (its type's `proposer`; eaglet/engines/hf/decode.py) and, for the baseline and the lossless check, plainly;
 each prompt gives a record (tau, acceptance per draft position, speeds, the lossless verdict)
 and `Decoding.aggregate` sums records up. replaying.py measures the same counts by replay.
 Change here what a record or an aggregate holds."""
@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from ..config import EvalSection
-from ..draft.eagle3.model import Eagle3Draft
+from ..draft import draft_type_of
 from ..engines.hf.decode import (
-    DraftRunner,
     SpecSettings,
     TargetRunner,
     acceptance_stats,
@@ -42,11 +41,13 @@ def _top2_gap(runner: TargetRunner, tokens: Sequence[int]) -> float:
 class Decoding:
     """The target and draft of one evaluation, with its settings: decodes prompts into records."""
 
-    def __init__(self, target: nn.Module, tokenizer: Any, draft: Eagle3Draft, aux_layers: Sequence[int],
+    def __init__(self, target: nn.Module, tokenizer: Any, draft: nn.Module, aux_layers: Sequence[int],
                  ecfg: EvalSection, seed: int, eos_token_ids: Sequence[int] | None, verbose: bool):
         self.runner = TargetRunner(target, aux_layers)
         _check_compatible(self.runner, draft, aux_layers)
-        self.drafter = DraftRunner(draft.to(device=self.runner.device, dtype=self.runner.dtype).eval())
+        self.draft = draft.to(device=self.runner.device, dtype=self.runner.dtype).eval()
+        self.drafter = draft_type_of(draft).proposer(self.draft)
+        self.replay_note: str | None = None  # why eval.replay was not taken (the draft's type does not replay)
         self.s = SpecSettings.from_eval(ecfg)
         self.check = self.s.temperature <= 0 and ecfg.lossless_check
         self.run_plain = ecfg.baseline or self.check
@@ -207,10 +208,11 @@ class Decoding:
             "eos_token_ids": self.eos,
             "seed": self.seed,
             "versions": _versions(),
+            **({"replay_note": self.replay_note} if self.replay_note else {}),
         }
 
 
-def _check_compatible(runner: TargetRunner, draft: Eagle3Draft, aux_layers: Sequence[int]) -> None:
+def _check_compatible(runner: TargetRunner, draft: nn.Module, aux_layers: Sequence[int]) -> None:
     c = draft.config
     vocab = int(runner.parts.lm_head.weight.shape[0])
     problems = []

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..config import Config, EvalSection
 from ..context import StageContext
-from ..draft.eagle3.model import Eagle3Draft
+from ..draft import draft_type_of
+from ..engines.hf.replay import replay_note
 from ..formats.eval_sets import EvalItem, by_category, run_rounds
 from ..utils import log
 from .decoding import Decoding
@@ -24,17 +25,23 @@ from .replaying import Replaying
 from .results import against_untrained, number_text, summary_line
 
 
-def measurement(target: nn.Module, tokenizer: Any, draft: Eagle3Draft, aux_layers: Sequence[int], ecfg: EvalSection,
+def measurement(target: nn.Module, tokenizer: Any, draft: nn.Module, aux_layers: Sequence[int], ecfg: EvalSection,
                 seed: int, eos_token_ids: Sequence[int] | None, verbose: bool) -> Decoding:
-    """The measurement `ecfg` asks for: decoding, or replay (eval.replay)."""
-    return (Replaying if ecfg.replay else Decoding)(target, tokenizer, draft, aux_layers, ecfg, seed, eos_token_ids,
-                                                    verbose)
+    """The measurement `ecfg` asks for: decoding, or replay (eval.replay) where the draft's type
+    replays eval.method; where it does not, decoding, with the note saying so in its settings."""
+    note = replay_note(draft, ecfg.method) if ecfg.replay else None
+    d = (Replaying if ecfg.replay and note is None else Decoding)(target, tokenizer, draft, aux_layers, ecfg, seed,
+                                                                  eos_token_ids, verbose)
+    if note is not None:
+        log(f"[eval] {note}")
+        d.replay_note = note
+    return d
 
 
 def evaluate_draft(
     target: nn.Module,
     tokenizer: Any,
-    draft: Eagle3Draft,
+    draft: nn.Module,
     aux_layers: Sequence[int],
     prompts: Sequence[Sequence[int]],
     ecfg: EvalSection,
@@ -66,7 +73,7 @@ def evaluate_draft(
 def evaluate_items(
     target: nn.Module,
     tokenizer: Any,
-    draft: Eagle3Draft,
+    draft: nn.Module,
     aux_layers: Sequence[int],
     items: Sequence[EvalItem],
     ecfg: EvalSection,
@@ -97,15 +104,17 @@ def evaluate_items(
     return result
 
 
-def untrained_like(trained: Eagle3Draft, seed: int) -> Eagle3Draft:
-    """A randomly initialised draft of `trained`'s shape with its target-copied embedding and
-    vocabulary maps: the floor a trained draft is compared with."""
+def untrained_like(trained: nn.Module, seed: int) -> nn.Module:
+    """A randomly initialised draft of `trained`'s type and shape (its type's `from_config`, then
+    the module's reset_parameters) with its target-copied embedding and vocabulary maps: the
+    floor a trained draft is compared with."""
     torch.manual_seed(seed)
-    untrained = Eagle3Draft(trained.config)
+    untrained = draft_type_of(trained).from_config(trained.config.to_dict())
     untrained.reset_parameters()
     with torch.no_grad():
-        for name in ("embed_tokens.weight", "d2t", "t2d"):
-            untrained.state_dict()[name].copy_(trained.state_dict()[name])
+        for name in ("embed_tokens.weight", "d2t", "t2d"):  # the vocabulary maps where the type has them
+            if name in trained.state_dict():
+                untrained.state_dict()[name].copy_(trained.state_dict()[name])
     return untrained
 
 
@@ -136,6 +145,8 @@ def in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tup
         result["reference"] = {"draft": "untrained, same shape", **ref["aggregate"],
                                **against_untrained(result, ref),
                                "prompts": [{"item": r["item"], "tau": r["tau"]} for r in ref["prompts"]]}
+        if "replay_note" in ref["settings"]:
+            result["reference"]["replay_note"] = ref["settings"]["replay_note"]
         if "by_category" in ref:
             result["reference"]["tau_by_category"] = {c: a["tau"] for c, a in ref["by_category"].items()}
         log(f"[eval] untrained draft: tau {number_text(result['reference']['tau'], 3)} on {len(firsts)} prompt(s), "

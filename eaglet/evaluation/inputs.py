@@ -15,7 +15,6 @@ from torch import nn
 
 from ..config import Config, EvalSection
 from ..distributed import resolve_device
-from ..draft.eagle3.model import Eagle3Draft
 from ..engines.states import split_source
 from ..errors import InputError
 from ..formats.draft import FINAL_DIR, load_final
@@ -36,7 +35,7 @@ class EvalInputs:
     prompt rendering, and what the result records of them."""
 
     items: list[EvalItem]
-    draft: Eagle3Draft | None  # None: not loaded (the vLLM eval alone)
+    draft: nn.Module | None  # None: not loaded (the vLLM eval alone)
     aux_layers: list[int]
     target: Any
     tokenizer: Any
@@ -131,7 +130,7 @@ def prompt_renderer(cfg: Config) -> tuple[Any, Callable[[list[dict[str, str]]], 
 
 
 def load_eval_models(cfg: Config, upstream: dict[str, Any], dtype: str
-                     ) -> tuple[Eagle3Draft, list[int], nn.Module, dict[str, Any], str]:
+                     ) -> tuple[nn.Module, list[int], nn.Module, dict[str, Any], str]:
     """The draft (eval.draft, else the run's trained one in `upstream`'s train/final/) and the target
     in `dtype` on eval.device: (draft, aux layer ids, target, the target's info, the folder the draft
     came from). The draft is read and checked (checksums, finite weights, eval.draft's loader
@@ -157,17 +156,17 @@ def read_eval_draft(path: str, own: bool = False) -> Loaded:
     export (an engine eval's draft without eval.draft), which must have its checksums.json."""
     loaded = load_draft(path, finite=True, own=own)
     meta = loaded[2]
-    problems = PROBLEMS[meta["format"]](meta["folder"])
+    problems = PROBLEMS[meta["algorithm"]][meta["format"]](meta["folder"])
     if problems:
         what, fix = ((f"the run's export {meta['folder']}", "export it again: `eaglet export CONFIG --force`") if own
                      else (f"eval.draft {meta['folder']}", "export the draft again (`eaglet export CONFIG`), or name "
                                                           "another in eval.draft"))
-        raise InputError(f"{what} would not load as {ENGINES[meta['format']]} loads it: " + "; ".join(problems),
+        raise InputError(f"{what} would not load as {ENGINES[meta['algorithm']][meta['format']]} loads it: " + "; ".join(problems),
                          fix=fix)
     return loaded
 
 
-def exported_draft(loaded: Loaded, target: nn.Module) -> tuple[Eagle3Draft, list[int], str]:
+def exported_draft(loaded: Loaded, target: nn.Module) -> tuple[nn.Module, list[int], str]:
     """An export folder's draft (`read_eval_draft`), with the target's (scaled) embedding where the
     export has none."""
     parts = TargetParts.of(target)

@@ -36,9 +36,9 @@ class Replaying(Decoding):
                            temperature=s.temperature, seed=seed, progress=bar.update)
         bar.batch(self.done + 1, self.done + len(prompts), "the draft's replay")
         if s.method == "tree":
-            runs = replay_tree(self.drafter.draft, side, s.tree_top_k, s.tree_depth, s.tree_total_tokens, eos=self.eos)
+            runs = replay_tree(self.draft, side, s.tree_top_k, s.tree_depth, s.tree_total_tokens, eos=self.eos)
         else:
-            runs = replay_chain(self.drafter.draft, side, eos=self.eos, seed=seed)
+            runs = replay_chain(self.draft, side, eos=self.eos, seed=seed)
         records = []
         for prompt, (accepted, tokens) in zip(prompts, runs, strict=True):
             records.append(self._record(self.done, prompt, tokens, accepted, 0.0))  # nothing decoded: no time

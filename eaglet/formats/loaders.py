@@ -2,7 +2,10 @@
 
     sglang_problems(folder) -> list[str]    # against SGLang's LlamaForCausalLMEagle3 (SGLANG_SOURCE)
     vllm_problems(folder) -> list[str]      # against vLLM's Eagle3LlamaForCausalLM (VLLM_SOURCE)
-    serve_commands(target, {"vllm": folder, ...}, k) -> {"vllm": "vllm serve ...", "sglang": "python -m ..."}
+    serve_commands("eagle3", target, {"vllm": folder, ...}, k) -> {"vllm": "vllm serve ...", "sglang": "python -m ..."}
+
+Each loader's rows are keyed by the draft type they load (PROBLEMS, ENGINES, SERVE_COMMANDS:
+its train.algorithm name), so that another draft type adds its own beside EAGLE-3's.
 
 Neither engine runs on the machines eaglet is tested on, so each loader is written down here as
 data, read from its source at a pinned release: the config keys it reads, the rename it applies
@@ -334,9 +337,15 @@ def vllm_problems(folder: str | Path) -> list[str]:
     return problems
 
 
-PROBLEMS: dict[str, Callable[[str | Path], list[str]]] = {"vllm": vllm_problems, "sglang": sglang_problems}
-ENGINES = {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
-           "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"}
+# draft type (its train.algorithm name) -> serving format -> the check of its engine's loader / that loader.
+# A draft type adds its rows here with its loaders.
+PROBLEMS: dict[str, dict[str, Callable[[str | Path], list[str]]]] = {
+    "eagle3": {"vllm": vllm_problems, "sglang": sglang_problems},
+}
+ENGINES: dict[str, dict[str, str]] = {
+    "eagle3": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
+               "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"},
+}
 
 
 # ---- the verifier as speculators reads it -------------------------------------------------------
@@ -370,10 +379,16 @@ def speculators_verifier_problem(folder: str | Path) -> str | None:
 # ---- serving ------------------------------------------------------------------------------------
 
 
-def serve_commands(target: str, exports: dict[str, str | Path], num_speculative_tokens: int) -> dict[str, str]:
+def serve_commands(algorithm: str, target: str, exports: dict[str, str | Path], num_speculative_tokens: int
+                   ) -> dict[str, str]:
     """format -> the shell command that serves `target` (the hub id or path the server loads it
-    by) with the export folder of that format as its EAGLE-3 draft, a chain of
-    `num_speculative_tokens` draft tokens per step.
+    by) with the export folder of that format as its draft of type `algorithm` (SERVE_COMMANDS'
+    rows), a chain of `num_speculative_tokens` draft tokens per step."""
+    return SERVE_COMMANDS[algorithm](target, exports, num_speculative_tokens)
+
+
+def eagle3_serve_commands(target: str, exports: dict[str, str | Path], num_speculative_tokens: int) -> dict[str, str]:
+    """`serve_commands` of an EAGLE-3 draft.
 
     vLLM 0.25 (config/speculative.py): --speculative-config takes SpeculativeConfig's fields as
     JSON: method "eagle3", model (the draft folder), num_speculative_tokens. SGLang 0.5.23
@@ -390,3 +405,9 @@ def serve_commands(target: str, exports: dict[str, str | Path], num_speculative_
                          f"--speculative-draft-model-path {q(str(exports['sglang']))} --speculative-num-steps {k} "
                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
     return out
+
+
+# draft type -> the serve commands of its exports (a draft type adds its row with its loaders)
+SERVE_COMMANDS: dict[str, Callable[[str, dict[str, str | Path], int], dict[str, str]]] = {
+    "eagle3": eagle3_serve_commands,
+}

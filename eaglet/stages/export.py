@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..config import Config
-from ..draft.eagle3.model import Eagle3Draft
+from ..draft import draft_type, draft_type_of
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
 from ..formats.loaders import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem
@@ -60,20 +61,21 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
             include_embed=include_embed, dtype=cfg.export.dtype,
         )
         dcfg, state, meta = load_draft(folder, own=True)
-        back = Eagle3Draft(dcfg)
+        back = draft_type(meta["algorithm"]).from_config(dcfg.to_dict())
         back.load_state_dict({**state, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
         err = _reload_error(model, back.eval())
         tol = 1e-4 if cfg.export.dtype == "float32" else 0.1
         if err > tol:
             raise RuntimeError(f"export {fmt}: the reloaded draft's logits differ from the trained draft's by {err:.3g}")
-        problems = PROBLEMS[fmt](folder)
+        problems = PROBLEMS[meta["algorithm"]][fmt](folder)
         if problems:
-            raise RuntimeError(f"export {fmt}: {folder} would not load as {ENGINES[fmt]} loads it: "
+            raise RuntimeError(f"export {fmt}: {folder} would not load as {ENGINES[meta['algorithm']][fmt]} loads it: "
                                + "; ".join(problems))
         out[fmt] = {"path": str(folder), "reload_max_logit_error": err, "dtype": meta.get("dtype")}
         log(f"[export] {fmt}: {folder} (reloaded, max logit error {err:.2e}; matches its engine's loader)")
     _warn_about_the_verifier(cfg, verifier, "vllm" in out)
-    commands = serve_commands(verifier, {fmt: v["path"] for fmt, v in out.items()}, cfg.export.speculative_tokens)
+    commands = serve_commands(draft_type_of(model).NAME, verifier, {fmt: v["path"] for fmt, v in out.items()},
+                              cfg.export.speculative_tokens)
     for fmt, command in commands.items():
         out[fmt]["serve_command"] = command
         log(f"[export] serve with {'vLLM' if fmt == 'vllm' else 'SGLang'}: {command}")
@@ -109,12 +111,8 @@ def _warn_about_the_verifier(cfg: Config, verifier: str, vllm: bool) -> None:
 
 
 @torch.no_grad()
-def _reload_error(a: Eagle3Draft, b: Eagle3Draft) -> float:
-    """Max |logit difference| of two drafts on one random input, compared in fp32."""
-    g = torch.Generator().manual_seed(0)
-    c = a.config
-    aux = torch.randn(1, 16, c.num_aux * c.target_hidden_size, generator=g)
-    ids = torch.randint(0, c.vocab_size, (1, 16), generator=g)
-    la = a.float().ttt_forward(aux, ids, num_steps=2, attn_impl="naive")
-    lb = b.float().ttt_forward(aux, ids, num_steps=2, attn_impl="naive")
-    return max(float((x - y).abs().max()) for x, y in zip(la, lb))
+def _reload_error(a: nn.Module, b: nn.Module) -> float:
+    """Max |logit difference| of two drafts of one type on the same random input (its type's
+    `reload_logits`), compared in fp32."""
+    logits = draft_type_of(a).reload_logits
+    return max(float((x - y).abs().max()) for x, y in zip(logits(a.float()), logits(b.float())))

@@ -22,6 +22,7 @@ from typing import Any
 from ..config import Config
 from ..context import StageContext
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
+from ..draft import draft_type_of
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.vocab import load_vocab
 from ..training.build import build_draft
@@ -47,7 +48,7 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     stats = trainer.run(fingerprint, resume_settings(cfg, env.world_size), extend=ctx.extend)
     state = trainer.parallel.full_state()
     if env.is_main:
-        save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers)
+        save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers, draft_type_of(model).NAME)
     barrier()
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return stats

@@ -1,19 +1,20 @@
-"""Speculative decoding with a transformers target and an EAGLE-3 draft, in process, batch 1.
+"""Speculative decoding with a transformers target and a draft, in process, batch 1.
 
 The eval stage, the demo and the doctor measure a draft with this file; it is a measuring
 instrument, not a serving engine. One decoding cycle:
 
-    draft    propose a chain of k tokens, or an EAGLE-2 dynamic tree, from the draft's state
+    draft    propose a chain of k tokens (the draft's Proposer, eaglet/draft/base.py), or a
+             tree where its type offers one (EAGLE-3's EAGLE-2 dynamic tree, `propose_tree`)
     verify   one target forward over [pending token] + proposals (a tree under a tree mask)
     accept   walk the proposals against the target: greedy match at T=0, rejection sampling
              at T>0; the target adds one bonus token
     commit   keep the accepted path in the target's KV cache; feed the accepted positions'
              captured target states to the draft, extending its KV cache
 
-Indexing (as in model.py): the draft's row s takes the target's state at position s and
-token s+1, at position s+1, and predicts token s+2. With Q tokens committed to both caches
-and the pending token x[Q] (sampled, not yet run through the target), the draft's last row
-is row Q-1 and its output predicts x[Q+1]. A draft node at depth d sits at position Q+d.
+Indexing (the Proposer's): with Q tokens committed to both caches and the pending token x[Q]
+(sampled, not yet run through the target), the draft has committed rows 0..Q-1, row s holding
+the target's state at position s and the token x[s+1]. A draft node at depth d sits at
+position Q+d.
 
 Target KV cache: a transformers `DynamicCache()` made without a config, so every layer is a
 plain `DynamicLayer` holding all keys/values as [B, Hkv, S, D] (sliding-window layers get
@@ -25,8 +26,9 @@ accepted path: for a chain that is a prefix slice, for a tree an index_select of
 `Cache.crop` cannot gather, and its argument changed meaning across versions (5.24 accepts
 only negative "tokens to remove").
 
-Draft KV cache: `draft.attention.KVCache`. The tree's draft rows are dropped after each cycle
-(crop back to Q); the accepted positions are then re-fed with the *target's* states.
+Draft state: the proposer's own (EAGLE-3: its KV cache, eaglet/draft/eagle3/propose.py). Its
+proposals leave the committed rows as they were; the accepted positions are then committed
+with the *target's* states (`extend`).
 
 Tree verification mask: a 4D additive float mask [1, 1, N, Q+N] in the model's dtype (0 =
 attend, finfo.min = masked): transformers 5.x passes any 4D mask through unchanged
@@ -42,8 +44,8 @@ transformers API differences detected at run time: the cache keyword of the mode
 
 Sampling (T > 0): a chain is drafted by sampling the draft (temperature T) and verified by
 standard speculative rejection sampling against the draft's distribution mapped onto the
-target vocabulary via d2t (accept x with min(1, p(x)/q(x)), else resample from
-norm(max(p - q, 0))). The EAGLE-2 tree is built from top-k (deterministic) proposals, so
+target vocabulary via the proposer's draft_to_target (accept x with min(1, p(x)/q(x)), else resample from
+norm(max(p - q, 0))). EAGLE-3's EAGLE-2 tree is built from top-k (deterministic) proposals, so
 its q is a point mass: each child in turn is accepted with the current p(x), else p(x) is
 zeroed and p renormalised (what official EAGLE does). Both leave the target's output
 distribution unchanged.
@@ -60,8 +62,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...draft.eagle3.model import Eagle3Draft
-from ...draft.eagle3.attention import KVCache
+from ...draft.base import Proposer
+from ...draft.proposals import Tree, chain_tree, cut_at_eos, follow
+from ...errors import ConfigError
 from ...targets.load import TargetParts
 
 # ---- transformers API detection -------------------------------------------------------------
@@ -119,31 +122,6 @@ def _sync(device: torch.device) -> None:
 # ---- trees ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Tree:
-    """Proposals as a tree in verification order: node 0 is the root (the pending token),
-    every parent comes before its children (a chain is parents [-1, 0, 1, ...])."""
-
-    tokens: list[int]  # target token ids
-    parents: list[int]  # parent node, -1 for the root
-    depths: list[int]  # root 0; a node at depth d sits at position Q + d
-    scores: list[float] = field(default_factory=list)  # cumulative draft log-prob (tree drafts)
-
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
-
-    def children(self, node: int) -> list[int]:
-        """Children of `node`, best cumulative score first (verification order for a chain)."""
-        kids = [i for i, p in enumerate(self.parents) if p == node]
-        if self.scores:
-            kids.sort(key=lambda i: -self.scores[i])
-        return kids
-
-
 def ancestor_mask(parents: Sequence[int]) -> Tensor:
     """bool [N, N]: row i is True at i and at every ancestor of i (parents before children)."""
     n = len(parents)
@@ -155,11 +133,6 @@ def ancestor_mask(parents: Sequence[int]) -> Tensor:
             mask[i] = mask[p]
         mask[i, i] = True
     return mask
-
-
-def chain_tree(root: int, tokens: Sequence[int]) -> Tree:
-    n = len(tokens) + 1
-    return Tree([root, *tokens], list(range(-1, n - 1)), list(range(n)))
 
 
 # ---- target side ------------------------------------------------------------------------------
@@ -250,150 +223,6 @@ class TargetRunner:
         return logits.float(), torch.cat([b[0].to(self.device) for b in box if b is not None], dim=-1)
 
 
-# ---- draft side -------------------------------------------------------------------------------
-
-
-class DraftRunner:
-    """The draft with its KV cache kept across cycles (one row per committed position)."""
-
-    def __init__(self, draft: Eagle3Draft):
-        self.draft = draft
-        self.device = draft.fc.weight.device
-        self.dtype = draft.fc.weight.dtype
-        self.cache = KVCache(len(draft.layers))
-        vd = draft.config.draft_vocab_size
-        self.draft_to_target = draft.draft_to_target(torch.arange(vd, device=draft.d2t.device)).to(self.device)
-
-    def reset(self) -> None:
-        self.cache = KVCache(len(self.draft.layers))
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    @torch.no_grad()
-    def extend(self, aux_NA: Tensor, next_tokens: Sequence[int], first_row: int) -> tuple[Tensor, Tensor]:
-        """Commit rows first_row.. (target states aux_NA, tokens x[s+1], positions s+1); returns
-        the last row's (hidden [H], logits [draft_vocab] fp32), which predict the next token."""
-        n = aux_NA.shape[0]
-        if self.cache.length != first_row:
-            raise RuntimeError(f"draft cache holds {self.cache.length} rows, expected {first_row}")
-        hidden = self.draft.project_aux(aux_NA.to(self.device, self.dtype)[None])
-        ids = torch.tensor([list(next_tokens)], device=self.device)
-        pos = torch.arange(first_row + 1, first_row + 1 + n, device=self.device)[None]
-        h, logits = self.draft.forward_step(hidden, ids, pos, self.cache)
-        return h[0, -1], logits[0, -1].float()
-
-    @torch.no_grad()
-    def step(self, hidden_NH: Tensor, tokens: Sequence[int], positions: Sequence[int],
-             mask_NS: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Uncommitted rows (draft proposals): (hidden [N, H], logits [N, draft_vocab] fp32)."""
-        ids = torch.tensor([list(tokens)], device=self.device)
-        pos = torch.tensor([list(positions)], device=self.device)
-        h, logits = self.draft.forward_step(hidden_NH[None], ids, pos, self.cache, mask_NS)
-        return h[0], logits[0].float()
-
-
-def draft_chain(
-    runner: DraftRunner, hidden: Tensor, logits: Tensor, root: int, prefix: int, k: int,
-    temperature: float = 0.0, generator: torch.Generator | None = None,
-) -> tuple[Tree, list[Tensor]]:
-    """k chained draft tokens after the pending token `root` (at position `prefix`).
-
-    Greedy: argmax; T > 0: sampled from softmax(logits / T). Returns the chain as a Tree and,
-    at T > 0, each step's draft distribution (over the draft vocabulary, CPU fp64)."""
-    tokens, qs = [], []
-    for i in range(k):
-        if i > 0:
-            h, lg = runner.step(hidden[None], [tokens[-1]], [prefix + i])
-            hidden, logits = h[0], lg[0]
-        if temperature > 0:
-            q = torch.softmax(logits.double().cpu() / temperature, -1)
-            d = int(torch.multinomial(q, 1, generator=generator))
-            qs.append(q)
-        else:
-            d = int(logits.argmax())
-        tokens.append(int(runner.draft_to_target[d]))
-    runner.cache.crop(prefix)
-    return chain_tree(root, tokens), qs
-
-
-def draft_tree(
-    runner: DraftRunner, hidden: Tensor, logits: Tensor, root: int, prefix: int,
-    top_k: int, depth: int, total_tokens: int,
-) -> Tree:
-    """EAGLE-2 dynamic tree after the pending token `root` (at position `prefix`).
-
-    Depth 1: the top_k tokens of the root's draft distribution, scored by log-prob. Each
-    further depth: the top_k nodes of the previous depth (by cumulative log-prob) run through
-    the draft in one forward (each row sees the prefix and its own ancestors' rows), each
-    offers its top_k children, scored parent score + log-prob. After `depth` levels the best
-    `total_tokens` of all candidates are kept, ordered by (score desc, depth asc): a child's
-    score never exceeds its parent's, so the kept set contains every kept node's ancestors.
-
-    Compared with official EAGLE's `topK_genrate`: its `depth` counts the forwards after
-    the root's, so its longest path is depth + 1 (`depth` here is the longest path); its
-    `total_token` counts the root (`total_tokens` here does not: N = total_tokens + 1).
-    """
-    k = min(top_k, logits.shape[-1])
-    # candidate pool; parent -1 = the root
-    tok: list[int] = []
-    parent_of: list[int] = []
-    dep: list[int] = []
-    score: list[float] = []
-    anc: list[set[int]] = []  # ancestors-or-self among pool nodes
-    row_of: dict[int, int] = {}  # pool node -> its draft-cache row (expanded nodes)
-    hid_of: dict[int, Tensor] = {}  # expanded pool node -> its output hidden
-
-    def add(parent: int, d: int, draft_ids: Tensor, scores: Tensor) -> list[int]:
-        new = []
-        for did, s in zip(draft_ids.tolist(), scores.tolist()):
-            i = len(tok)
-            tok.append(int(runner.draft_to_target[did]))
-            parent_of.append(parent)
-            dep.append(d)
-            score.append(float(s))
-            anc.append((anc[parent] if parent >= 0 else set()) | {i})
-            new.append(i)
-        return new
-
-    logp = torch.log_softmax(logits, -1)
-    top = logp.topk(k)
-    frontier = add(-1, 1, top.indices, top.values)
-    for d in range(2, depth + 1):
-        rows_before = runner.length - prefix
-        tree_rows = [n for n, _ in sorted(row_of.items(), key=lambda kv: kv[1])]
-        mask = torch.zeros(len(frontier), prefix + rows_before + len(frontier), dtype=torch.bool)
-        mask[:, :prefix] = True
-        for r, node in enumerate(frontier):
-            for c, other in enumerate(tree_rows):
-                mask[r, prefix + c] = other in anc[node]
-            mask[r, prefix + rows_before + r] = True
-        h_in = torch.stack([hid_of[parent_of[n]] if parent_of[n] >= 0 else hidden for n in frontier])
-        h_out, lg = runner.step(h_in, [tok[n] for n in frontier], [prefix + d - 1] * len(frontier), mask)
-        for r, node in enumerate(frontier):
-            row_of[node] = rows_before + r
-            hid_of[node] = h_out[r]
-        lp = torch.log_softmax(lg, -1).topk(k)  # [F, k]
-        cum = torch.tensor([score[n] for n in frontier], device=lp.values.device)[:, None] + lp.values
-        candidates: list[int] = []
-        for r, node in enumerate(frontier):
-            candidates += add(node, d, lp.indices[r], cum[r])
-        best = torch.tensor([score[c] for c in candidates]).topk(min(k, len(candidates))).indices.tolist()
-        frontier = [candidates[b] for b in best]
-    runner.cache.crop(prefix)
-
-    kept = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:total_tokens]
-    kept.sort(key=lambda i: (dep[i], i))  # parents before children
-    where = {node: j + 1 for j, node in enumerate(kept)}
-    return Tree(
-        tokens=[root] + [tok[i] for i in kept],
-        parents=[-1] + [0 if parent_of[i] < 0 else where[parent_of[i]] for i in kept],
-        depths=[0] + [dep[i] for i in kept],
-        scores=[0.0] + [score[i] for i in kept],
-    )
-
-
 # ---- acceptance -------------------------------------------------------------------------------
 
 
@@ -445,20 +274,6 @@ def pick_among_children(p: Tensor, child_tokens: Sequence[int], generator: torch
             break
         p = p / total
     return None, _sample(p, generator)
-
-
-def follow(tree: Tree, next_token: Callable[[int], int]) -> list[int]:
-    """The tree nodes accepted when every node's next token is `next_token(node)` (greedy: the
-    target's argmax there): from the root, the child holding that token, while there is one."""
-    path: list[int] = []
-    node = 0
-    while kids := tree.children(node):
-        want = next_token(node)
-        node = next((c for c in kids if tree.tokens[c] == want), -1)
-        if node < 0:
-            break
-        path.append(node)
-    return path
 
 
 def accept(
@@ -537,15 +352,6 @@ def _finished(tokens: list[int], new: Sequence[int], max_new_tokens: int, eos: s
     return len(tokens) >= max_new_tokens or any(t in eos for t in new)
 
 
-def cut_at_eos(tokens: Sequence[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """The first max_new_tokens of `tokens`, ending at the first EOS among them."""
-    out = list(tokens[:max_new_tokens])
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[: i + 1]
-    return out
-
-
 def _first_token(logits_V: Tensor, temperature: float, generator: torch.Generator | None) -> int:
     if temperature <= 0:
         return int(logits_V.argmax())
@@ -568,18 +374,37 @@ def _kept(before: int, new: Sequence[int], max_new_tokens: int, eos: set[int]) -
     return n
 
 
+TreeProposals = Callable[[int, int, int, int, int], Tree]  # (root, prefix, top_k, depth, total_tokens) -> Tree
+
+
+def proposals_of(draft: Proposer, method: str) -> TreeProposals | None:
+    """None for eval.method chain (the proposer's `propose`); for tree, the proposer's
+    `propose_tree` (EAGLE-3's EAGLE-2 tree), a ConfigError naming eval.method when it has none."""
+    if method == "chain":
+        return None
+    if method != "tree":
+        raise ValueError(f"unknown drafting method {method!r} (expected 'chain' or 'tree')")
+    tree = getattr(draft, "propose_tree", None)
+    if tree is None:
+        raise ConfigError(f"eval.method tree: this draft type's proposer ({type(draft).__name__}) drafts no tree; "
+                          "set eval.method: chain")
+    return tree
+
+
 def speculative_generate(
-    target: TargetRunner, draft: DraftRunner, prompt: Sequence[int], s: SpecSettings,
+    target: TargetRunner, draft: Proposer, prompt: Sequence[int], s: SpecSettings,
     eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None, timed: bool = False,
     progress: Progress | None = None,
 ) -> Generation:
-    """Decode `prompt` speculatively; see the module docstring for the cycle. timed: also the
+    """Decode `prompt` speculatively with any draft type's proposer (`draft`: its type's
+    `proposer(module)`); see the module docstring for the cycle. timed: also the
     seconds spent drafting and verifying (`Generation.phases`; on a GPU each phase then ends
     with a device sync, which slows decoding a little). progress: called after the prefill and
     after every cycle with the number of new tokens committed (counted as the output keeps them:
     the calls sum to len(tokens)); it adds no device sync, as the accepted count is on the host."""
     if not prompt:
         raise ValueError("speculative decoding needs a non-empty prompt")
+    tree_proposals = proposals_of(draft, s.method)
     eos = set(eos_token_ids)
     _sync(target.device)
     t0 = time.perf_counter()
@@ -592,7 +417,7 @@ def speculative_generate(
     tokens = [pending]
     if progress is not None:
         progress(1)
-    hidden, dlogits = draft.extend(aux, list(prompt[1:]) + [pending], 0)
+    draft.extend(aux, list(prompt[1:]) + [pending], 0)
     Q = P  # rows committed to both caches; `pending` sits at position Q
     accepted: list[int] = []
     new = tokens
@@ -611,14 +436,13 @@ def speculative_generate(
     lap("")  # the prefill is behind us
     while not _finished(tokens, new, s.max_new_tokens, eos):
         qs: list[Tensor] = []
-        if s.method == "chain":
-            tree, qs = draft_chain(draft, hidden, dlogits, pending, Q, s.chain_tokens, s.temperature, generator)
+        if tree_proposals is None:
+            proposed, qs = draft.propose(pending, Q, s.chain_tokens, s.temperature, generator)
+            tree = chain_tree(pending, proposed)
             mask = None
-        elif s.method == "tree":
-            tree = draft_tree(draft, hidden, dlogits, pending, Q, s.tree_top_k, s.tree_depth, s.tree_total_tokens)
-            mask = None if tree.is_chain() else target.tree_mask(tree, Q)
         else:
-            raise ValueError(f"unknown drafting method {s.method!r} (expected 'chain' or 'tree')")
+            tree = tree_proposals(pending, Q, s.tree_top_k, s.tree_depth, s.tree_total_tokens)
+            mask = None if tree.is_chain() else target.tree_mask(tree, Q)
         lap("draft")
         logits, aux = target.forward(cache, tree.tokens, [Q + d for d in tree.depths], mask)
         assert aux is not None
@@ -636,7 +460,7 @@ def speculative_generate(
             progress(_kept(len(tokens), new, s.max_new_tokens, eos) - len(tokens))
         tokens += new
         lap("accept")
-        hidden, dlogits = draft.extend(aux[keep], new, Q)
+        draft.extend(aux[keep], new, Q)
         lap("draft")
         Q += len(keep)
         pending = bonus

@@ -1,7 +1,7 @@
-"""Speculative decoding inside vLLM: the target with an exported EAGLE-3 draft, and vLLM's own
+"""Speculative decoding inside vLLM: the target with an exported draft, and vLLM's own
 acceptance counters.
 
-    dec = VllmDecoder(target="MODEL", draft="RUN/export/vllm", k=7, max_model_len=4096)
+    dec = VllmDecoder(target="MODEL", draft="RUN/export/vllm", method="eagle3", k=7, max_model_len=4096)
     tokens, seconds, counts = dec.generate(prompts, max_tokens=256, batch=16)
     counts.summary()   # mean acceptance length and acceptance per position, as vLLM counts them
 
@@ -35,7 +35,6 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-METHOD = "eagle3"
 
 
 @dataclass
@@ -97,16 +96,18 @@ def spec_counts(metrics: Iterable[Any]) -> SpecCounts:
     return out
 
 
-def speculative_config(draft: str, k: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for an eaglet export: EAGLE-3, a chain of k draft tokens."""
-    return {"method": METHOD, "model": str(draft), "num_speculative_tokens": int(k)}
+def speculative_config(draft: str, k: int, method: str) -> dict[str, Any]:
+    """vLLM's `speculative_config` for an eaglet export: its speculative method (the draft type's
+    SERVING_METHOD), a chain of k draft tokens."""
+    return {"method": method, "model": str(draft), "num_speculative_tokens": int(k)}
 
 
 class VllmDecoder:
-    """vllm.LLM on the target, with the draft (`draft`: an export folder) or without it; greedy."""
+    """vllm.LLM on the target, with the draft (`draft`: an export folder, served by vLLM's
+    speculative `method`) or without it; greedy."""
 
-    def __init__(self, target: str, *, draft: str | None = None, k: int = 0, max_model_len: int,
-                 dtype: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False,
+    def __init__(self, target: str, *, draft: str | None = None, method: str | None = None, k: int = 0,
+                 max_model_len: int, dtype: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False,
                  revision: str | None = None, engine_args: dict[str, Any] | None = None):
         from vllm import LLM
 
@@ -120,7 +121,9 @@ class VllmDecoder:
         if revision:
             args["revision"] = revision
         if draft is not None:
-            args["speculative_config"] = speculative_config(draft, k)
+            if method is None:
+                raise ValueError(f"the draft {draft} needs vLLM's speculative method that serves it")
+            args["speculative_config"] = speculative_config(draft, k, method)
         self.args = args
         self.llm = LLM(**args)
 

@@ -4,7 +4,8 @@
 
 After the in-process eval, the same prompts (eaglet/formats/eval_sets.py: the same set, each
 later turn asked after the engine's own answer) are decoded by vLLM, greedy, with the export
-(`<run>/export/vllm`, or eval.draft) as its EAGLE-3 draft and k = eval.chain_tokens:
+(`<run>/export/vllm`, or eval.draft) as its draft (served by its draft type's SERVING_METHOD) and
+k = eval.chain_tokens:
 
 1. acceptance: one pass per category (MT-bench) at the largest batch size, and one pass at
    batch 1, read from vLLM's own counters (eaglet/engines/vllm/decode.py);
@@ -40,6 +41,7 @@ from ...errors import InputError, VerificationError
 from ...utils import log
 from ...context import StageContext
 from ...formats.eval_sets import run_rounds
+from ...formats.serving import export_type
 
 MAX_DIVERGENCES = 10  # first divergences listed per comparison
 
@@ -78,8 +80,9 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
     text = lambda t: tokenizer.decode(t, skip_special_tokens=True)
     n_prompts = sum(it.turns for it in inp.items)
 
-    log(f"[eval] vLLM: starting an engine with the draft {folder} (k={k})")
-    dec = VllmDecoder(draft=folder, k=k, **engine)
+    method = export_type(folder).SERVING_METHOD
+    log(f"[eval] vLLM: starting an engine with the draft {folder} ({method}, k={k})")
+    dec = VllmDecoder(draft=folder, method=method, k=k, **engine)
     dec.generate([inp.render([{"role": "user", "content": "Hello"}])], 8, 1)  # warm-up, not counted
     by_cat: dict[str, SpecCounts] = {}
     # every prompt is decoded once for the acceptance, then with and without the draft at each batch size
