@@ -219,24 +219,41 @@ def greedy_speculative(tr: TargetRunner, proposer, prompt: list[int], max_new: i
 
 
 def test_greedy_decoding_with_the_proposer_is_the_targets_own():
-    """build() on a tiny target, then a greedy chain decoder around the proposer: the target's
-    greedy output exactly. A draft made to copy the target's head accepts some proposals, so
-    rows are committed after accepted ones too."""
+    """build() on a tiny target, a few steps of `loss` on the target's own greedy continuation
+    (every row at every depth), then a greedy chain decoder around the proposer: the target's
+    greedy output exactly, with cycles that accept all k proposals (rows committed after
+    accepted proposals, not only after the bonus)."""
     target = build_model("llama", seed=0)
-    cfg = SimpleNamespace(peagle=SimpleNamespace(layers=2, depths=4, down_sample_ratio=0.7, down_sample_ratio_min=0.2,
-                                                 mask_token_id=None))
-    draft = peagle.build(cfg, target.config, draft_vocab_size=target.config.vocab_size, num_aux=3).eval()
+    cfg = SimpleNamespace(peagle=SimpleNamespace(layers=2, depths=4, down_sample_ratio=1.0, down_sample_ratio_min=1.0,
+                                                 mask_token_id=None), train=SimpleNamespace(attn_impl="chunked"))
+    torch.manual_seed(0)
+    draft = peagle.build(cfg, target.config, draft_vocab_size=target.config.vocab_size, num_aux=3)
     assert draft_type_of(draft) is peagle and draft.config.num_layers == 2 and draft.config.num_depths == 4
     assert draft.config.mask_token_id == auto_mask_token_id(target.config)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        draft.lm_head.weight.copy_(target.lm_head.weight)
-    tr = TargetRunner(target, [2, 4, 5] if target.config.num_hidden_layers > 5 else [0, 1, 2])
+    tr = TargetRunner(target, [0, 1, 2])
     prompt = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 8, 77]
     want = plain_generate(tr, prompt, 24).tokens
-    got, accepted = greedy_speculative(tr, peagle.proposer(draft), prompt, 24, k=4)
+    seq = prompt + want
+    T = len(seq)
+    logits, aux = tr.forward(new_cache(), seq, range(T))
+    batch = SimpleNamespace(aux=aux[None], input_ids=torch.tensor([seq]), position_ids=torch.arange(T)[None],
+                            doc_ids=torch.zeros(1, T, dtype=torch.long), loss_mask=torch.ones(1, T, dtype=torch.bool),
+                            rows=None)
+    teacher, in_vocab = torch.softmax(logits, -1)[None], torch.ones(1, T, dtype=torch.bool)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    first = None
+    for _ in range(50):
+        result = peagle.loss(draft, draft, batch, teacher, in_vocab, cfg, False)
+        first = first if first is not None else float(result.total)
+        opt.zero_grad()
+        result.total.backward()
+        opt.step()
+    assert float(result.total) < first and [int(n) for n in result.counts] == [T - 2 - d for d in range(4)]
+    got, accepted = greedy_speculative(tr, peagle.proposer(draft.eval()), prompt, 24, k=4)
     assert got == want
-    assert len(accepted) < 24
+    assert max(accepted) == 4
 
 
 # ---- (c) the sampled depth rows ----------------------------------------------------------------
