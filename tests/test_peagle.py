@@ -138,6 +138,18 @@ def test_loss_matches_written_out_reference(attn_impl):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=lambda s, name=name: f"{name}: {s}")
 
 
+def test_flex_attention_gives_the_reference_logits():
+    """The GPU's attention (flex; eager and forward-only on a CPU) over two 128-row blocks."""
+    m = tiny_draft().double()
+    aux, ids, pos, docs, loss_mask, *_ = packed_batch(T=200)
+    rows = sample_depth_rows(loss_mask, docs, 4, 0.7, 0.2, seed=3)
+    with torch.no_grad():
+        naive = m(aux, ids, pos, docs, depth_rows=rows, attn_impl="naive")
+        flex = m(aux, ids, pos, docs, depth_rows=rows, attn_impl="flex")
+    for a, b in zip(naive, flex, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_loss_runs_with_depths_that_keep_no_rows():
     """A micro-batch too short for the later depths: they run over no rows, count nothing, and
     mask_hidden still gets a (zero) gradient wherever some depth >= 1 ran."""

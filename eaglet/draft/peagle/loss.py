@@ -19,7 +19,8 @@ depth d only if its elements of depths 1..d all count. The draw is made on the h
 
 Loss: per depth the mean soft cross-entropy over its counted elements (eaglet/draft/loss.py's
 soft CE), and total = their mean over all counted elements of all depths, as speculators'
-loss averages over every sampled element: no position decay. Accuracies: per depth, plain
+loss averages over every sampled element: no position decay (train.gamma is EAGLE-3's), and no
+acceptance term (train.accept_loss is EAGLE-3's; speculators' P-EAGLE has none). Accuracies: per depth, plain
 (each depth is conditioned on the accepted prefix as EAGLE-3's steps are: its context is the
 target's states up to the anchor).
 """
