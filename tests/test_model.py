@@ -476,7 +476,9 @@ def test_moe_intermediate_size_rule():
     mixtral = transformers.MixtralConfig(hidden_size=200, intermediate_size=200, num_local_experts=4,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     assert DraftConfig.from_target_config(mixtral, 100).intermediate_size == 1024  # 4 x 200 -> 256-multiple
-    assert M.is_moe_config(mixtral) and not M.is_moe_config(transformers.LlamaConfig())
+    from eaglet.draft.layers import is_moe_config
+
+    assert is_moe_config(mixtral) and not is_moe_config(transformers.LlamaConfig())
 
 
 def test_multimodal_wrapper_uses_the_text_config():

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..draft import draft_type
 from ..errors import InputError
 
 ADD_FAMILY = "eaglet/targets/families.py"
@@ -336,8 +337,6 @@ def extraction_layers(cfg: Any, num_layers: int) -> list[int]:
     """The layers extraction captures: those of train.algorithm's type, then those of each type in
     extract.draft_types that are not among them yet, in that order (train.algorithm eagle3 with
     no extra types: exactly extract.layers resolved). Training selects its type's columns."""
-    from ..draft import draft_type  # here: the draft packages import torch, this module does not
-
     out: list[int] = []
     for name in [cfg.train.algorithm, *cfg.extract.draft_types]:
         out += [i for i in type_layers(draft_type(name), cfg, num_layers) if i not in out]

@@ -7,7 +7,7 @@ in train.* (draft_layers, fc_norm, norm_output, ttt_steps, gamma, accept_loss, s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +18,6 @@ from .loss import active_rows, head_rows, ttt_loss
 from .model import DraftConfig, Eagle3Draft
 from .unroll import unroll_linears as _unroll_linears
 from .unroll import use_fast_unroll
-
-if TYPE_CHECKING:
-    from ..step import Batch
 
 HEAD_ROWS = "head_rows_{}"  # Batch.rows key of step j's head rows
 ACTIVE_ROWS = "active_rows"  # Batch.rows key of the rows steps 1.. run over
@@ -83,10 +80,11 @@ def num_positions(cfg: Config) -> int:
     return cfg.train.ttt_steps
 
 
-def loss(module: nn.Module, draft: nn.Module, batch: Batch, teacher_BTV: Tensor, in_vocab_BT: Tensor, cfg: Config,
+def loss(module: nn.Module, draft: nn.Module, batch: Any, teacher_BTV: Tensor, in_vocab_BT: Tensor, cfg: Config,
          compiled: bool) -> PositionLoss:
-    """The TTT unroll of `module` over the batch and its loss (`ttt_loss`). A draft in training
-    mode reads its states with train.state_noise added."""
+    """The TTT unroll of `module` over `batch` (a step.Batch: the step imports the draft types,
+    so not they it) and its loss (`ttt_loss`). A draft in training mode reads its states with
+    train.state_noise added."""
     train_cfg = cfg.train
     noise = train_cfg.state_noise
     aux = batch.aux
