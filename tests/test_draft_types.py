@@ -264,3 +264,47 @@ def test_a_checkpoint_of_another_type_is_not_resumed(tmp_path):
     assert "dflash.block_size: None -> 16" in line  # the type's own section is the fingerprint's
     assert _fingerprint("train.algorithm=dflash", "dflash.gamma=4")["dflash.gamma"] == 4.0
     assert "dflash.gamma" not in _fingerprint("dflash.gamma=4")  # another type's section: not this run's
+
+
+# ---- the generic step around the type ---------------------------------------------------------------
+
+def test_host_rows_go_to_the_device_as_the_type_made_them():
+    """Batch.rows: the type's dict, its tensors of each dtype sent in one copy, back in its order,
+    shapes and values."""
+    from eaglet.draft.step import HostRows, send_rows
+
+    rows = {"b": torch.arange(5), "mask": torch.tensor([True, False, True]), "a": torch.arange(6).view(2, 3) * 7,
+            "weights": torch.rand(4), "empty": torch.zeros(0, dtype=torch.int64)}
+    packed = HostRows.pack(rows)
+    assert len(packed.flat) == 3  # one tensor (one copy) per dtype
+    got = send_rows(packed, torch.device("cpu"))
+    assert list(got) == list(rows)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in rows.items())
+    assert HostRows.pack(None) is None and send_rows(None, torch.device("cpu")) is None
+
+
+def test_the_state_noise_is_added_in_training_only():
+    """forward_loss asks the type for its loss; EAGLE-3 adds train.state_noise to the states of
+    a draft in training mode only: an evaluation (draft.eval()) sees the states as stored."""
+    from eaglet.draft.eagle3.model import Eagle3Draft
+    from eaglet.draft.parallelize import parallelize
+    from eaglet.draft.step import TeacherHead, forward_loss
+    from eaglet.testing.synthetic import synthetic_batch
+
+    dims = DraftConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, vocab_size=64, draft_vocab_size=32)
+    torch.manual_seed(0)
+    head = torch.randn(dims.vocab_size, dims.target_hidden_size)
+    par = parallelize(Eagle3Draft(dims), TeacherHead(head, chunk=16), "none", torch.device("cpu"))
+    b = synthetic_batch(dims, 64, 32, torch.device("cpu"), torch.float32, seed=1, head=head, ttt_steps=2)
+    off = torch.autocast("cpu", enabled=False)
+
+    def total(noise: float, training: bool) -> float:
+        cfg = Config(train=TrainSection(ttt_steps=2, attn_impl="chunked", state_noise=noise))
+        par.draft.train(training)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return float(forward_loss(par, par.module, b, cfg, off).total)
+
+    assert total(0.5, training=False) == total(0.0, training=False) == total(0.0, training=True)
+    assert total(0.5, training=True) != total(0.0, training=True)
