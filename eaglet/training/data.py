@@ -175,6 +175,8 @@ def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool, c
     as train.algorithm's type (or `kind`, a DraftType) reads it: the captured states it takes
     (`aux_columns`, chosen on the host) and its `host_rows` (Batch.rows); without, every state
     and no rows."""
+    if kind is not None and cfg is None:
+        raise ValueError("read_batch: a draft type reads the batch as the config says; pass cfg with kind")
     kind = kind if kind is not None or cfg is None else draft_type(cfg.train.algorithm)
     columns = None if kind is None else aux_columns(store, kind, cfg)
 
@@ -191,7 +193,8 @@ def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool, c
         if columns is None or key not in ("aux", "aux_scale"):
             return piece
         index = torch.tensor(columns, device=piece.device)
-        return piece.unflatten(-1, (len(store.layers), -1)).index_select(1, index).flatten(1)
+        raw = piece.view(torch.uint8) if piece.element_size() == 1 else piece  # fp8: moved as bytes
+        return raw.unflatten(-1, (len(store.layers), -1)).index_select(1, index).flatten(1).view(piece.dtype)
 
     # a store's samples one part each (an fp8 one's states as stored, dequantized on the device);
     # one forward of the target, or one entry of a stream: one part, packed
