@@ -31,6 +31,7 @@ from .loss import PositionLoss, simulated_acceptance_length, teacher_targets
 from .optim import UnrollAdamW, attach_unroll_copies
 from .parallelize import Parallel
 
+
 @dataclass
 class Batch:
     aux: torch.Tensor  # [1, N, A]
@@ -73,14 +74,6 @@ def send_rows(packed: HostRows | None, device: torch.device) -> dict[str, Tensor
         pieces = to_device(flat, device).split([math.prod(shape) for _, shape in shapes])
         parts.update({key: piece.view(shape) for (key, shape), piece in zip(shapes, pieces, strict=True)})
     return {key: parts[key] for key, _, _ in packed.layout}
-
-
-def device_rows(cfg: Config, loss_mask_BT: Tensor, doc_ids_BT: Tensor, seed: int, device: torch.device
-                ) -> dict[str, Tensor] | None:
-    """train.algorithm's `host_rows` of host tensors, made on the host and sent in one copy per
-    dtype (pinned on a GPU): what `load_batch` gives a Batch."""
-    rows = draft_type(cfg.train.algorithm).host_rows(loss_mask_BT, doc_ids_BT, cfg, seed)
-    return send_rows(HostRows.pack(rows), device)
 
 
 class TeacherHead(nn.Module):
