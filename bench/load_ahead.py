@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eaglet.config import load_config
 from eaglet.distributed import resolve_device
 from eaglet.formats.store import StoreReader, StoreWriter
 from eaglet.training.data import Prefetch, epoch_plan, read_batch, send_batch
@@ -46,7 +47,7 @@ N_AUX = 3
 def write_store(folder: Path, hidden: int, tokens: int, seed: int = 0) -> dict[int, int]:
     """A store of random bf16 states with about `tokens` tokens; its sample lengths."""
     meta = {"input_hash": "bench", "hidden_size": hidden, "n_aux": N_AUX, "layers": [1, 2, 3],
-            "dtype": "bfloat16", "final_state": "post_norm"}
+            "num_target_layers": 8, "dtype": "bfloat16", "final_state": "post_norm"}
     w = StoreWriter(folder, meta, shard_bytes=1 << 30, fsync=False)
     g, lengths, total, i = np.random.default_rng(seed), {}, 0, 0
     while total < tokens:
@@ -63,7 +64,8 @@ def run(store: StoreReader, plan: list[list[int]], tokens: int, step_s: float, d
     """(seconds per micro-batch, seconds of it the caller spent loading), after the first
     micro-batch (a run's first read has no step before it to hide behind)."""
     cuda = device.type == "cuda"
-    read = (lambda ids: read_batch(store, ids, max_tokens=tokens, pin=cuda, ttt_steps=7))
+    cfg = load_config(None, ["train.ttt_steps=7", "extract.layers=[1, 2, 3]"])  # EAGLE-3 over the store's layers
+    read = (lambda ids: read_batch(store, ids, max_tokens=tokens, pin=cuda, cfg=cfg))
     pre = Prefetch(read, plan, depth, device) if depth > 0 else None
     to, loading, t0 = device if cuda else torch.device("meta"), 0.0, 0.0
     try:

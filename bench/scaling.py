@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from eaglet.config import TrainSection
+from eaglet.config import Config, TrainSection
 from eaglet.distributed import barrier, init_distributed
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import parallelize, resolve_strategy
@@ -93,7 +93,7 @@ def run_phase(strategy: str, world: int, cfg: DraftConfig, tc: TrainSection, arg
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         loss = torch.zeros((), device=device)
         for a, b in enumerate(batches):
-            loss += micro_batch(par, b, tc, autocast, sync=a == len(batches) - 1).total.detach()
+            loss += micro_batch(par, b, Config(train=tc), autocast, sync=a == len(batches) - 1).total.detach()
         optimizer_step(par, opt, sched, tc, skipped=skipped)
         return loss
 

@@ -99,7 +99,8 @@ from torch import Tensor, nn
 
 from eaglet.config import Config, load_config
 from eaglet.distributed import resolve_device
-from eaglet.draft.loss import step_mask, teacher_targets
+from eaglet.draft.eagle3.loss import step_mask
+from eaglet.draft.loss import teacher_targets
 from eaglet.draft.step import Batch, lr_lambda
 from eaglet.formats.store import TARGET_CONFIG, StoreReader, TargetHead, read_target_head
 from eaglet.formats.vocab import load_vocab
@@ -248,7 +249,7 @@ def speculators_inputs(b: Batch, ttt_steps: int, in_vocab: Tensor | None = None,
 
 
 def eaglet_counts(b: Batch, in_vocab: Tensor, ttt_steps: int) -> Tensor:
-    """Rows eaglet's loss counts per TTT step [k] (eaglet.draft.loss.step_mask)."""
+    """Rows eaglet's loss counts per TTT step [k] (eaglet.draft.eagle3.loss.step_mask)."""
     return torch.stack([step_mask(b.loss_mask, in_vocab, b.doc_ids, j).sum() for j in range(ttt_steps)])
 
 

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from eaglet.config import TrainSection
+from eaglet.config import Config, TrainSection
 from eaglet.draft import compiling
 from eaglet.draft.eagle3.attention import compile_flex_attention, resolve_attn_impl
 from eaglet.draft.loss import compile_soft_ce
@@ -73,7 +73,8 @@ from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.draft.parallelize import Parallel, parallelize
 from eaglet.draft.step import (SkippedSteps, TeacherHead, build_optimizer, forward_loss, freeze_survivors, lr_lambda,
                                micro_batch, optimizer_step, resolve_compile)
-from eaglet.draft.eagle3.unroll import use_fast_unroll
+from eaglet.draft.eagle3.training import ACTIVE_ROWS, HEAD_ROWS
+from eaglet.draft.eagle3.unroll import unroll_linears, use_fast_unroll
 from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch,
                                       synthetic_loss_mask)
 
@@ -110,10 +111,10 @@ EAGLET_SWITCHES = {
     "--per-step-embeds": "eaglet with each TTT step making layer 0's q/k/v products of its token embeddings "
                          "(FastUnroll embeds_once False) instead of making them once and shifting them.",
     "--all-head-rows": "eaglet with the LM head over every row of every step instead of the rows each step's loss "
-                       "can count (Batch.head_rows: trained tokens within their document); the active rows come "
+                       "can count (Batch.rows' head rows: trained tokens within their document); the active rows come "
                        "from those, so TTT steps 1.. run over every row too (--all-step-rows).",
     "--all-step-rows": "eaglet with TTT steps 1.. over every row instead of the rows some step from 1 on counts "
-                       "(Batch.active_rows); the LM head still over the counted rows.",
+                       "(Batch.rows' active rows); the LM head still over the counted rows.",
     "--known-vocab-mask": "eaglet with the out-of-vocabulary mask's verdicts known (training.data.VocabMaskCache, from a "
                           "run's second epoch on): the teacher over the draft columns only, the mask still applied.",
     "--plain-optimizer": "eaglet with torch's fused AdamW over fp32 gradients (train.unroll_optimizer false: the "
@@ -427,7 +428,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     # with --plain-optimizer and with the flags that bring back a per-step cast or a separate clip
     plain = args.plain_optimizer or args.per_product_casts or args.summed_weight_grads or args.clip_pass
     opt = build_optimizer(draft, replace(tc, unroll_optimizer=not plain), "none", device, device.type == "cuda",
-                          compiled)
+                          compiled, unroll_linears(draft))
+    run_cfg = Config(train=tc)  # what the step reads: train.algorithm (eagle3) and train.*
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, 10**6))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     packings = [packed_doc_lens(args.tokens, args.doc_tokens, seed=i) for i in range(args.packed)] or [None]
@@ -440,8 +442,8 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         with torch.no_grad():
             known = par.teacher(b.final, draft.t2d, draft.d2t)[1]
         shares.append(float(known.float().mean()))
-        if args.all_step_rows:
-            b.active_rows = None
+        if args.all_step_rows and b.rows is not None:
+            del b.rows[ACTIVE_ROWS]
         if args.known_vocab_mask:  # the batch's verdicts known, as from a run's second epoch on (VocabMaskCache)
             b.in_vocab = known
     b, in_vocab_rows = batches[0], shares[0]  # the first micro-batch's figures below
@@ -454,7 +456,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     def step() -> torch.Tensor:  # no host sync, as in the trainer between logging steps
         timer.start_step()
-        out = micro_batch(timed, next(turn), tc, autocast, sync=True)
+        out = micro_batch(timed, next(turn), run_cfg, autocast, sync=True)
         timer.mark("backward")
         optimizer_step(par, opt, sched, tc, clip_in_step=not args.clip_pass, skipped=skipped)
         timer.mark("optimizer")
@@ -462,7 +464,7 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     check = None
     if reference is not None:
-        check = _check_against_eager(reference, par, b, tc, autocast, device, frozen)
+        check = _check_against_eager(reference, par, b, run_cfg, autocast, device, frozen)
         reference = None  # its device copy is freed before the timed steps
     res = _timed_loop(step, args.warmup, args.steps, device, timer)
     if args.breakdown:
@@ -481,21 +483,22 @@ def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
                trainable_params_m=sum(p.numel() for g in opt.param_groups for p in g["params"]) / 1e6,
                in_vocab_rows=in_vocab_rows,
                loss_share=float(b.loss_mask.float().mean()),
-               head_rows_share=None if b.head_rows is None else
-               sum(len(r) for r in b.head_rows) / (len(b.head_rows) * b.tokens),
-               active_rows_share=None if b.active_rows is None else len(b.active_rows) / b.tokens)
+               head_rows_share=None if b.rows is None else
+               sum(len(b.rows[HEAD_ROWS.format(j)]) for j in range(tc.ttt_steps)) / (tc.ttt_steps * b.tokens),
+               active_rows_share=None if b.rows is None or ACTIVE_ROWS not in b.rows else
+               len(b.rows[ACTIVE_ROWS]) / b.tokens)
     return res
 
 
-def _check_against_eager(reference: Eagle3Draft, par: Parallel, b: Any, tc: TrainSection, autocast: torch.autocast,
+def _check_against_eager(reference: Eagle3Draft, par: Parallel, b: Any, run_cfg: Config, autocast: torch.autocast,
                          device: torch.device, frozen: torch.dtype) -> dict[str, Any]:
     """Losses of one forward of the compiled draft and of an eager copy with the same weights
     (read back once, before the timed steps)."""
     ref_par = parallelize(reference, par.teacher, "none", device, frozen_dtype=frozen, compile=False)
     reference.unroll.embeds_once, reference.unroll.casts = par.draft.unroll.embeds_once, par.draft.unroll.casts
     with torch.no_grad():
-        want = forward_loss(ref_par, reference, b, tc, autocast)
-    got = forward_loss(par, par.module, b, tc, autocast)  # with grad: the graphs training uses
+        want = forward_loss(ref_par, reference, b, run_cfg, autocast)
+    got = forward_loss(par, par.module, b, run_cfg, autocast)  # with grad: the graphs training uses
     w = torch.stack([want.total] + want.losses).float().cpu()
     g = torch.stack([got.total] + got.losses).detach().float().cpu()
     del got, want, ref_par

@@ -28,8 +28,9 @@ from .doctor import run_doctor
 from .config import PRESETS, Config, RegenerateSection, describe_defaults, dump_config, load_config
 from .demo import run_demo
 from .distributed import dist_env, keep_group_at_exit
+from .draft import DRAFT_TYPES, draft_type
 from .engines import engine
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EagletError, one_line
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, EagletError, one_line
 from .pipeline import PREFLIGHT_STAGES, STAGE_NAMES, run_all, run_stage, run_summary
 from .shadow import shadow_findings
 from .stages.regenerate import run_regenerate
@@ -159,9 +160,14 @@ def _error_line(e: BaseException) -> tuple[int, str]:
 
 
 def _loaded(path: str | None, overrides: list[str], preset: str | None) -> Config:
-    """The config, with extract.backend a registered engine's name (config cannot ask the registry)."""
+    """The config, with extract.backend a registered engine's name and train.algorithm and
+    extract.draft_types registered draft types' (config cannot ask the registries)."""
     cfg = load_config(path, overrides, preset)
     engine(cfg.extract.backend)  # a ConfigError naming the registered engines for any other name
+    draft_type(cfg.train.algorithm)  # a ConfigError naming the registered draft types for any other name
+    unknown = [name for name in cfg.extract.draft_types if name not in DRAFT_TYPES]
+    if unknown:
+        raise ConfigError(f"extract.draft_types {unknown} are not draft types eaglet trains: {', '.join(DRAFT_TYPES)}")
     return cfg
 
 

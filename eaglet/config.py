@@ -216,9 +216,16 @@ class ExtractSection:
         "targets too big for one GPU); every rank runs every batch and rank 0 writes the store. None: data parallel."
     )
     layers: list[int] | None = _f(
-        None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3].",
-        _ge(0)
+        None, "Decoder layers whose *input* states are captured (HF output_hidden_states indices); default [2, L//2, L-3]. "
+        "The layers of a draft type that reads extract.layers (eagle3); a type with its own (dflash.target_layers) "
+        "reads those.", _ge(0)
     )
+    # names in the draft-type registry (eaglet/draft/__init__.py DRAFT_TYPES, which config sits
+    # below): the command checks them once the config is read (eaglet/cli.py)
+    draft_types: list[str] = _f(
+        [], "Further draft types (train.algorithm's names) whose layers the store also holds, so that one store "
+        "trains several types: it captures the union of train.algorithm's layers and these types' (training reads "
+        "its own type's columns). Empty: train.algorithm's alone.")
     batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).", _ge(1))
     max_batch_size: int = _f(64, "Most samples in one forward batch.", _ge(1))
     shard_mb: float = _f(
@@ -254,6 +261,12 @@ class VocabSection:
 
 @dataclass
 class TrainSection:
+    # a name in the draft-type registry (eaglet/draft/__init__.py DRAFT_TYPES, which config sits
+    # below): the command checks it once the config is read (eaglet/cli.py), the registry at every use
+    algorithm: str = _f(
+        "eagle3", "Draft type trained, by its name in the draft-type registry: 'eagle3' (EAGLE-3: a chain drafted step "
+        "by step, trained with training-time test; its keys are the train.* below), 'dflash' (DFlash: a block drafted "
+        "in one forward; keys in dflash.*), 'peagle' (P-EAGLE: parallel drafting; keys in peagle.*).")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).", _ge(1))
     seed: int | None = _f(
         None, "Seed of the draft's initialisation, micro-batch order and state noise (None: run.seed). The held-out "
@@ -341,6 +354,52 @@ class TrainSection:
         "vocabulary, as speculators trains, and the teacher computes the draft columns only (a quarter of the "
         "work for a 128k target and a 32k draft).")
     tensorboard: bool = _f(True, "Also log to TensorBoard (when the tensorboard package is installed).")
+
+
+@dataclass
+class DFlashSection:
+    """train.algorithm dflash's keys (eaglet/draft/dflash/)."""
+
+    block_size: int = _f(
+        16, "Tokens per drafted block: the anchor (a verified token) and block_size - 1 drafted positions, all drafted "
+        "in one forward (served with num_speculative_tokens = block_size - 1).", Range(2, 64))
+    layers: int = _f(5, "Decoder layers in the DFlash draft.", Range(1, 64))
+    gamma: float = _f(
+        7.0, "Decay of the per-position loss weights: drafted position k (1..block_size-1) weighs exp(-(k-1)/gamma).",
+        _gt(0))
+    max_anchors: int = _f(
+        512, "Most blocks trained per packed micro-batch: anchors drawn at random among the trained tokens (each "
+        "micro-batch's draw fixed by train.seed and its samples).", _ge(1))
+    mask_token_id: int | None = _f(
+        None, "Token id whose embedding fills the drafted positions of a block (a row of the target's embedding). "
+        "None: chosen from the tokenizer and the target (the dflash package's rule).", _ge(0))
+    causal: bool = _f(
+        False, "Causal attention inside a block (each drafted position sees the earlier ones only); false: "
+        "bidirectional, as vLLM serves a DFlash draft unless its config sets causal.")
+    target_layers: list[int] | None = _f(
+        None, "The target layers whose states the draft reads (HF output_hidden_states indices, extracted in place of "
+        "extract.layers, added to the store's layers). None: the dflash package's choice for the target's depth and "
+        "dflash.layers.",
+        _ge(0))
+
+
+@dataclass
+class PEagleSection:
+    """train.algorithm peagle's keys (eaglet/draft/peagle/)."""
+
+    layers: int = _f(4, "Decoder layers in the P-EAGLE draft.", Range(1, 64))
+    depths: int = _f(
+        8, "Positions drafted in parallel per anchor (depth 0 reads the target's state, depths 1.. a learned "
+        "shared state and the mask token).", Range(2, 64))
+    down_sample_ratio: float = _f(
+        0.7, "Depth d trains a share max(r^d, down_sample_ratio_min) of the trained positions, r this ratio, drawn at "
+        "random per micro-batch from depth d-1's positions one further on, so deep positions cost less.",
+        Range(0, 1, lo_open=True))
+    down_sample_ratio_min: float = _f(
+        0.2, "Least share of the trained positions any depth trains (see down_sample_ratio).", Range(0, 1, lo_open=True))
+    mask_token_id: int | None = _f(
+        None, "Token id fed at the drafted depths (a row of the target's embedding). None: chosen from the tokenizer "
+        "and the target (the peagle package's rule).", _ge(0))
 
 
 @dataclass
@@ -463,6 +522,8 @@ class Config:
     extract: ExtractSection = field(default_factory=ExtractSection)
     vocab: VocabSection = field(default_factory=VocabSection)
     train: TrainSection = field(default_factory=TrainSection)
+    dflash: DFlashSection = field(default_factory=DFlashSection)
+    peagle: PEagleSection = field(default_factory=PEagleSection)
     export: ExportSection = field(default_factory=ExportSection)
     eval: EvalSection = field(default_factory=EvalSection)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
@@ -478,6 +539,11 @@ class Config:
         """The section's keys that decide what its stage writes (all but those marked hashed=False)."""
         skip = unhashed_keys(name)
         return {k: v for k, v in self.section(name).items() if k not in skip}
+
+    def type_section(self, name: str) -> dict[str, Any] | None:
+        """The section draft type `name` keeps its own keys in (the section of its name: dflash,
+        peagle), or None for a type without one (eagle3: its keys are train.*)."""
+        return self.section(name) if name in _sections() else None
 
     @property
     def run_dir(self) -> Path:
@@ -804,7 +870,8 @@ def dump_config(cfg: Config) -> str:
 CONFIG_PAGE = """# The run config
 
 One YAML file configures a run: a section per stage (`run`, `target`, `prepare`, `extract`,
-`vocab`, `train`, `export`, `eval`, `regenerate`), every key typed and documented below. A key
+`vocab`, `train`, `export`, `eval`, `regenerate`) and one per draft type with keys of its own
+(`dflash`, `peagle`: read when train.algorithm names it), every key typed and documented below. A key
 left out takes its default; an unknown key, a value of the wrong type or a value outside the
 key's range (in brackets below, e.g. `>= 1`, `in [0, 1)`) is an error that names the key and
 the closest valid one. A float may be written as YAML 1.1 reads it or not (`1e-3`, `3.0e-5`, `2`).

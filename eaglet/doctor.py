@@ -55,7 +55,7 @@ from .targets.chat import (
     process_record,
     resolve_chat_template,
 )
-from .targets.families import ADD_FAMILY, UnsupportedFamily, resolve_layers, supported
+from .targets.families import ADD_FAMILY, UnsupportedFamily, extraction_layers, supported
 from .targets.load import TargetParts, build_meta_model, hub_kwargs, local_folder, target_source
 from .utils import log
 
@@ -293,7 +293,7 @@ def check_layers(p: Probe) -> None:
         return
     L = p.parts.num_layers
     try:
-        p.layers = resolve_layers(p.cfg.extract.layers, L)
+        p.layers = extraction_layers(p.cfg, L)
     except ValueError as e:
         p.add("FAIL", "captured layers", f"distinct ids in 0..{L - 1} (the state entering that decoder layer)",
               str(e), f"set extract.layers to ids in 0..{L - 1}, or leave it unset for [2, L//2, L-3]")

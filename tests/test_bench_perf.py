@@ -76,7 +76,7 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
     the rows TTT steps 1.. run over."""
     import torch
 
-    from eaglet.draft.loss import active_rows, head_rows
+    from eaglet.draft.eagle3.loss import active_rows, head_rows
     from eaglet.draft.eagle3.model import DraftConfig
 
     shape = PRESETS["tiny"]
@@ -86,8 +86,8 @@ def test_synthetic_batch_trains_on_the_loss_share_asked_for():
         assert b.loss_mask.float().mean().item() == pytest.approx(share, abs=0.01)
         assert not b.loss_mask[0, 0] or share == 1.0  # a turn starts with its prompt
         want = head_rows(b.loss_mask, b.doc_ids, 3)
-        assert [r.tolist() for r in b.head_rows] == [r.tolist() for r in want]
-        assert b.active_rows.tolist() == active_rows(want).tolist()
+        assert [b.rows[f"head_rows_{j}"].tolist() for j in range(3)] == [r.tolist() for r in want]
+        assert b.rows["active_rows"].tolist() == active_rows(want).tolist()
         assert len(want[0]) < 2048
 
 
@@ -134,9 +134,9 @@ def test_packed_documents_of_varying_lengths():
     assert abs(b.loss_mask.float().mean().item() - LOSS_SHARE) < 0.05
     fixed = synthetic_batch(cfg, 1024, 256, torch.device("cpu"), torch.float32, seed=1, ttt_steps=3)
     same = synthetic_batch(cfg, 1024, 256, torch.device("cpu"), torch.float32, seed=1, ttt_steps=3, doc_lens=[256] * 4)
-    for k in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids", "active_rows"):
+    for k in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids"):
         assert torch.equal(getattr(fixed, k), getattr(same, k)), k
-    assert all(torch.equal(a, c) for a, c in zip(fixed.head_rows, same.head_rows))
+    assert fixed.rows.keys() == same.rows.keys() and all(torch.equal(fixed.rows[k], same.rows[k]) for k in same.rows)
     with pytest.raises(ValueError, match="sum to"):
         synthetic_batch(cfg, 1000, 256, torch.device("cpu"), torch.float32, seed=1, doc_lens=[256] * 4)
 

@@ -25,7 +25,8 @@ from eaglet.testing import tiny
 from eaglet.config import load_config
 from eaglet.formats.serving import load_draft
 from eaglet.formats.store import HEAD_FILE
-from eaglet.draft.loss import step_mask, teacher_targets, ttt_loss
+from eaglet.draft.eagle3.loss import step_mask, ttt_loss
+from eaglet.draft.loss import teacher_targets
 from eaglet.draft.eagle3.model import Eagle3Draft
 from eaglet.formats.store import StoreReader
 from eaglet.training.build import build_draft

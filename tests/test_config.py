@@ -299,6 +299,8 @@ def test_a_bare_on_or_off_is_the_setting_not_a_boolean(tmp_path):
 NOT_PATHS = {
     "run.preset": "a preset's name (cpu)",
     "extract.backend": "an engine's name in the registry (eaglet/engines/__init__.py)",
+    "extract.draft_types": "draft types' names in the registry (eaglet/draft/__init__.py)",
+    "train.algorithm": "a draft type's name in the registry (eaglet/draft/__init__.py)",
     "target.device_map": "a transformers device_map ('auto', 'balanced', ...)",
     "target.attn_implementation": "a transformers attention implementation's name",
     "target.revision": "a branch, tag or commit of the hub repository",

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from eaglet.draft.loss import simulated_acceptance_length, step_mask, teacher_targets, ttt_loss
+from eaglet.draft.eagle3.loss import step_mask, ttt_loss
+from eaglet.draft.loss import simulated_acceptance_length, teacher_targets
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -217,7 +218,7 @@ def test_acceptance_terms_against_the_total_variation_written_out(kind):
     CE per step is unchanged; the rows path (head_rows) gives the same total; the gradients of
     each step's term and of the total are autograd's through those formulas written out, and
     reach the counted rows only."""
-    from eaglet.draft.loss import head_rows
+    from eaglet.draft.eagle3.loss import head_rows
 
     g = torch.Generator().manual_seed(5)
     B, T, N, steps, w = 2, 11, 6, 3, 0.7
@@ -267,7 +268,7 @@ def test_acceptance_terms_against_the_total_variation_written_out(kind):
 
 
 def test_state_noise_scales_with_each_states_own_rms():
-    from eaglet.draft.step import noisy_states
+    from eaglet.draft.loss import noisy_states
 
     g = torch.Generator().manual_seed(0)
     H, n = 64, 4000

@@ -35,16 +35,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import eaglet.draft.eagle3.attention as attention
 import eaglet.draft.compiling as compiling
 import eaglet.draft.loss as loss_mod
-from eaglet.config import TrainSection
-from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets, ttt_loss
+from eaglet.config import Config, TrainSection
+from eaglet.draft.eagle3.loss import ttt_loss
+from eaglet.draft.eagle3.training import ACTIVE_ROWS, HEAD_ROWS, step_rows
+from eaglet.draft.loss import chunked_soft_ce, masked_soft_ce, teacher_targets
 from eaglet.draft.casts import cast_linears, linear
 from eaglet.draft.eagle3.model import DecoderLayer, DraftConfig, Eagle3Draft
-from eaglet.draft.step import Batch, TeacherHead, device_head_rows, micro_batch, optimizer_step
+from eaglet.draft.step import Batch, HostRows, TeacherHead, micro_batch, optimizer_step, send_rows
 from eaglet.draft.eagle3.unroll import FastUnroll, use_fast_unroll
 from eaglet.draft.eagle3.attention import _merge_diagonal, merge_diagonal_stacked, ttt_attention
 from eaglet.draft.parallelize import parallelize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+def device_head_rows(mask, docs, num_steps, device):
+    """EAGLE-3's host rows as Batch.rows brings them to the device: (head rows per step, active rows)."""
+    rows = send_rows(HostRows.pack(step_rows(mask, docs, num_steps)), device)
+    return tuple(rows[HEAD_ROWS.format(j)] for j in range(num_steps)), rows[ACTIVE_ROWS]
+
 
 CFG = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   intermediate_size=64, vocab_size=300, draft_vocab_size=100)
@@ -262,10 +270,10 @@ def _packed_batch(g, max_tokens, ttt_steps, aux_width, hidden, vocab):
     T = sum(lens)
     docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]
     mask = torch.rand(1, T, generator=g) < 0.6
-    rows, active = device_head_rows(mask, docs, ttt_steps, torch.device("cpu"))
+    rows = send_rows(HostRows.pack(step_rows(mask, docs, ttt_steps)), torch.device("cpu"))
     return Batch(torch.randn(1, T, aux_width, generator=g), torch.randn(1, T, hidden, generator=g),
                  torch.randint(0, vocab, (1, T), generator=g), mask, torch.cat([torch.arange(n) for n in lens])[None],
-                 docs, T, lens=tuple(lens), head_rows=rows, active_rows=active)
+                 docs, T, lens=tuple(lens), rows=rows)
 
 
 def _graphs_over_packings(monkeypatch, mark: bool):
@@ -292,10 +300,10 @@ def _graphs_over_packings(monkeypatch, mark: bool):
     g = torch.Generator().manual_seed(1)
     batches = [_packed_batch(g, tc.max_tokens, tc.ttt_steps, 3 * cfg.target_hidden_size, cfg.target_hidden_size,
                              cfg.vocab_size) for _ in range(5)]
-    assert len({(b.tokens, len(b.lens), tuple(len(r) for r in b.head_rows)) for b in batches}) == 5
+    assert len({(b.tokens, len(b.lens), tuple(len(r) for r in b.rows.values())) for b in batches}) == 5
     after = []
     for b in batches:
-        micro_batch(par, b, tc, torch.autocast("cpu", enabled=False), sync=True)
+        micro_batch(par, b, Config(train=tc), torch.autocast("cpu", enabled=False), sync=True)
         model.zero_grad(set_to_none=True)
         after.append(len(made))
     torch._dynamo.reset()
@@ -620,7 +628,7 @@ def test_fast_unroll_is_the_reference_unroll(variant):
     and naive attention. fp64, two layers with q/k/v biases, two samples of differently packed
     documents (positions restarting per document, offset), a loss mask with holes. A token,
     position or row off by one anywhere in the fast unroll moves some step's logits."""
-    from eaglet.draft.loss import active_rows, head_rows
+    from eaglet.draft.eagle3.loss import active_rows, head_rows
 
     extra = dict(fc_norm=True, norm_output=True, norm_before_residual=True) if variant == "eagle3.1" else {}
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True, **extra})
@@ -693,8 +701,6 @@ class _RowsCase:
     B, T, steps = 2, 40, 4
 
     def __init__(self, cfg, how, monkeypatch, prompts):
-        from eaglet.draft.step import device_head_rows
-
         self.how, self.rows_of = how, partial(device_head_rows, num_steps=self.steps, device=torch.device("cpu"))
         torch.manual_seed(0)
         self.model = Eagle3Draft(cfg).double()
@@ -787,7 +793,7 @@ def test_steps_after_the_first_run_over_the_rows_a_later_step_counts(how, monkey
     once or per step; chunked and naive attention), and the forward and backward skip exactly
     the dropped rows' linear products in steps 1... Compiled (aot_eager): the same, other
     masks (other active row counts) adding no graph after the first dynamic one."""
-    from eaglet.draft.loss import active_rows, step_mask
+    from eaglet.draft.eagle3.loss import active_rows, step_mask
 
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True})
     case = _RowsCase(cfg, how, monkeypatch, [(0, 3, 13), (1, 12, 33), (0, 25, 29), (1, 25, 29)])
@@ -939,7 +945,7 @@ def test_micro_batch_makes_no_host_sync(bf16):
     tc = TrainSection(max_tokens=T, ttt_steps=3, attn_impl="chunked", precision="fp32")
     mode = _Ops()
     with mode:
-        micro_batch(par, b, tc, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), sync=True)
+        micro_batch(par, b, Config(train=tc), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), sync=True)
     assert sum(mode.ops.values()) > 100  # the mode saw the step
     assert not {k: v for k, v in mode.ops.items() if k in SYNC_OPS or k == "bool-mask index"}
 

@@ -48,11 +48,21 @@ def test_micro_batch_stream_survives_epochs_with_fewer_batches():
         assert batch == epoch_plan(ids, lengths, 512, 0, e)[i]
 
 
+def _config(ttt_steps, layers=(1, 2, 3)):
+    """A config whose EAGLE-3 draft reads `_Samples`' layers, with `ttt_steps` TTT steps."""
+    from eaglet.config import Config
+
+    cfg = Config()
+    cfg.train.ttt_steps, cfg.extract.layers = ttt_steps, list(layers)
+    return cfg
+
+
 class _Samples:
     """A stand-in store: `get` and `read_parts` as StoreReader's, from tensors in memory."""
 
     def __init__(self, lengths, H=4, n_aux=3, seed=0):
         g = torch.Generator().manual_seed(seed)
+        self.folder, self.layers, self.meta = "in memory", list(range(1, n_aux + 1)), {"num_target_layers": 8}
         self.samples = {i: {"aux": torch.randn(n, n_aux * H, generator=g).to(torch.bfloat16),
                             "final": torch.randn(n, H, generator=g).to(torch.bfloat16),
                             "input_ids": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
@@ -84,13 +94,14 @@ def test_load_batch_packs_documents_with_their_positions(device):
     assert b.position_ids.cpu().tolist() == [list(range(7)) + list(range(5)) + list(range(3))]
     assert b.doc_ids.cpu().tolist() == [[0] * 7 + [1] * 5 + [2] * 3]
     assert b.aux.device.type == device
-    from eaglet.draft.loss import active_rows, head_rows
+    from eaglet.draft.eagle3.loss import active_rows, head_rows
 
-    b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device), ttt_steps=3)
+    b = load_batch(store, [2, 0, 1], max_tokens=7, device=torch.device(device), cfg=_config(3))
     want = head_rows(b.loss_mask.cpu(), b.doc_ids.cpu(), 3)
-    assert [r.cpu().tolist() for r in b.head_rows] == [r.tolist() for r in want]
-    assert b.active_rows.cpu().tolist() == active_rows(want).tolist()
-    assert b.active_rows.device.type == device and 0 < len(b.active_rows) < b.tokens
+    assert list(b.rows) == ["head_rows_0", "head_rows_1", "head_rows_2", "active_rows"]
+    assert [b.rows[f"head_rows_{j}"].cpu().tolist() for j in range(3)] == [r.tolist() for r in want]
+    assert b.rows["active_rows"].cpu().tolist() == active_rows(want).tolist()
+    assert b.rows["active_rows"].device.type == device and 0 < len(b.rows["active_rows"]) < b.tokens
 
 
 def test_freeze_survivors_collects_the_garbage_and_freezes_the_rest():
@@ -139,7 +150,7 @@ def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_g
     def read(ids):
         started.wait(5)  # nothing is read before the first take's check below
         reads.append((list(ids), threading.current_thread().name))
-        return read_batch(store, ids, max_tokens=8, pin=False, ttt_steps=2)
+        return read_batch(store, ids, max_tokens=8, pin=False, cfg=_config(2))
 
     pre = Prefetch(read, plan, depth=2)
     try:
@@ -153,10 +164,11 @@ def test_prefetch_reads_the_plan_ahead_on_its_thread_and_gives_what_load_batch_g
                 assert mine == [[4]] and pre.off_plan == 1
                 assert got.sample_ids == (4,)
             got = send_batch(pre.take(ids), torch.device("cpu"))
-            want = load_batch(store, ids, max_tokens=8, device=torch.device("cpu"), ttt_steps=2)
-            for key in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids", "active_rows"):
+            want = load_batch(store, ids, max_tokens=8, device=torch.device("cpu"), cfg=_config(2))
+            for key in ("aux", "final", "input_ids", "loss_mask", "position_ids", "doc_ids"):
                 assert torch.equal(getattr(got, key), getattr(want, key)), (k, key)
-            assert [r.tolist() for r in got.head_rows] == [r.tolist() for r in want.head_rows]
+            assert got.rows.keys() == want.rows.keys()
+            assert all(torch.equal(got.rows[key], want.rows[key]) for key in want.rows)
             assert got.sample_ids == tuple(ids) and got.tokens == want.tokens
             planned = [r for r, name in reads if name.startswith("eaglet-prefetch")]
             assert planned == plan[:len(planned)] and len(planned) <= k + 1 + 2  # in order, at most 2 ahead

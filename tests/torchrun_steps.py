@@ -29,7 +29,7 @@ def check_skip(strategy: str, optimizer: str) -> None:
     in one element of its gradient shard after the reduce-scatter (only the reduced norm shows
     it to rank 0). Every rank must skip step 2 (its weights and AdamW moments, its shards under
     fsdp, as they were), take steps 1 and 3, and count one skip; ddp's replicas stay equal."""
-    from eaglet.config import TrainSection
+    from eaglet.config import Config, TrainSection
     from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
     from eaglet.draft.parallelize import parallelize
     from eaglet.draft.step import SkippedSteps, TeacherHead, micro_batch, optimizer_step
@@ -56,7 +56,7 @@ def check_skip(strategy: str, optimizer: str) -> None:
         b = synthetic_batch(cfg, 64, 32, cpu, torch.float32, seed=10 * step + rank, head=head, ttt_steps=2)
         if step == 2 and strategy == "ddp" and rank == 1:
             b.aux[0, 5, 0] = float("nan")
-        micro_batch(par, b, tc, torch.autocast("cpu", enabled=False), sync=True)
+        micro_batch(par, b, Config(train=tc), torch.autocast("cpu", enabled=False), sync=True)
         if step == 2 and strategy == "fsdp" and rank == 1:
             params[-1].grad.to_local().view(-1)[0] = float("inf")
         before = held()

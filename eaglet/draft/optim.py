@@ -38,8 +38,8 @@ def attach_unroll_copies(modules: Iterable[nn.Module], dtype: torch.dtype = torc
                          ) -> dict[nn.Parameter, UnrollCopy]:
     """Give every nn.Linear among `modules` with a trainable weight not already in `dtype` an
     `unroll_copy`; returns them by parameter. The TTT unroll (`cast_linears`) uses these; only
-    the linears it casts may have one (for the draft, `unroll.unroll_linears(model)`: a linear
-    used otherwise would get a .grad, not its copy's)."""
+    the linears it casts may have one (the draft type's `unroll_linears(draft)`: a linear used
+    otherwise would get a .grad, not its copy's)."""
     copies: dict[nn.Parameter, UnrollCopy] = {}
     for mod in modules:
         if isinstance(mod, nn.Linear) and mod.weight.requires_grad and mod.weight.dtype != dtype:

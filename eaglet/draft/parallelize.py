@@ -7,8 +7,8 @@ ranks (eaglet/distributed.py); one process goes through the same path with strat
 Training strategies (`train.parallel`):
 - `ddp`: every rank holds the draft; DistributedDataParallel all-reduces (averages) the
   gradients of the last micro-batch of a step, the others run under `no_sync()`.
-- `fsdp`: FSDP2 `fully_shard` over a 1-D mesh of all ranks. Each decoder layer is a unit,
-  the root holds fc, norm and lm_head. Gradient sync is switched off for all micro-batches
+- `fsdp`: FSDP2 `fully_shard` over a 1-D mesh of all ranks. Each of the draft type's
+  `shard_units` (its decoder layers) is a unit, the root holds the rest (EAGLE-3: fc, norm, lm_head). Gradient sync is switched off for all micro-batches
   but the last of a step (`set_requires_gradient_sync`).
 - `none`: one process.
 
@@ -41,8 +41,7 @@ import torch
 from torch import nn
 
 from ..distributed import DistEnv, dist_env
-from .eagle3.model import Eagle3Draft
-from .eagle3.unroll import use_fast_unroll
+from . import draft_type_of
 
 STRATEGIES = ("none", "ddp", "fsdp")
 
@@ -158,19 +157,21 @@ class Parallel:
         set_optimizer_state_dict(self.draft, opt, fqn, options=options)
 
 
-def parallelize(draft: Eagle3Draft, teacher: nn.Module, strategy: str, device: torch.device,
+def parallelize(draft: nn.Module, teacher: nn.Module, strategy: str, device: torch.device,
                 frozen_dtype: torch.dtype | None = None, env: DistEnv | None = None,
-                compile: bool = False) -> Parallel:
+                compile: bool = False, kind: Any = None) -> Parallel:
     """Move the draft and teacher to `device` and wrap them for `strategy` (see the module doc).
 
     `frozen_dtype`: the dtype the frozen embedding is kept in (the target's); None keeps it.
-    The draft's training call gets the fast TTT unroll first (eaglet/draft/eagle3/unroll.py), its
-    pieces torch.compiled when `compile`, before any wrapper, as torchtitan compiles its blocks
-    before sharding them. A single process goes through here too (strategy 'none': nothing is
-    wrapped).
+    `kind`: the draft's type (a `DraftType`; None: the one its class names). Its
+    `prepare_training` installs the fast training paths first (EAGLE-3: the fast TTT unroll,
+    its pieces torch.compiled when `compile`), before any wrapper, as torchtitan compiles its
+    blocks before sharding them. A single process goes through here too (strategy 'none':
+    nothing is wrapped).
     """
     env = env or dist_env()
-    use_fast_unroll(draft, compile=compile, sharded=strategy == "fsdp")
+    kind = kind if kind is not None else draft_type_of(draft)
+    kind.prepare_training(draft, compile=compile, sharded=strategy == "fsdp")
     emb = draft.embed_tokens.weight
     if frozen_dtype is not None and emb.dtype != frozen_dtype:  # before the move: never on the device in fp32
         draft.embed_tokens.weight = nn.Parameter(emb.detach().to(frozen_dtype), requires_grad=False)
@@ -196,8 +197,8 @@ def parallelize(draft: Eagle3Draft, teacher: nn.Module, strategy: str, device: t
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (env.world_size,))
-        for layer in draft.layers:
-            fully_shard(layer, mesh=mesh)
+        for unit in kind.shard_units(draft):
+            fully_shard(unit, mesh=mesh)
         # Frozen, target dtype: a unit of its own (one dtype per all-gather). Kept gathered
         # for the whole forward (every TTT step looks tokens up) and resharded by reshard_frozen.
         fully_shard(draft.embed_tokens, mesh=mesh, reshard_after_forward=False)

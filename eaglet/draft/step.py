@@ -1,14 +1,15 @@
-"""One training step of the draft: the teacher, the TTT forward and loss, the backward, the
-optimizer step.
+"""One training step of the draft: the teacher, the draft type's forward and loss, the backward,
+the optimizer step.
 
-    micro_batch(parallel, batch, train_cfg, autocast, sync)   # forward + backward of one micro-batch
+    micro_batch(parallel, batch, cfg, autocast, sync)   # forward + backward of one micro-batch
     optimizer_step(parallel, opt, sched, train_cfg, skipped)  # clip, step (skipped: non-finite), schedule, zero
 
 The trainer (eaglet/training/loop.py) runs these over the epoch plan; the benchmarks
 (bench/train_throughput.py, bench/scaling.py) run them over synthetic batches. A `Batch` is one
 packed micro-batch on the device; `TeacherHead` is the target's LM head as a frozen module
 (so that parallelize can shard it); `LossTotals` gathers a logging interval's metrics without a
-host sync until they are printed.
+host sync until they are printed. What is particular to a draft type (its forward, its loss,
+the rows it prepares on the host) is its package's (`draft_type(cfg.train.algorithm)`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..config import TrainSection
+from ..config import Config, TrainSection
 from ..distributed import all_reduce_sum, dist_env
 from ..utils import to_device
-from .loss import TTTLoss, active_rows, head_rows, simulated_acceptance_length, teacher_targets, ttt_loss
-from .eagle3.model import Eagle3Draft
+from . import draft_type
+from .loss import PositionLoss, simulated_acceptance_length, teacher_targets
 from .optim import UnrollAdamW, attach_unroll_copies
 from .parallelize import Parallel
-from .eagle3.unroll import unroll_linears
 
 
 @dataclass
@@ -44,31 +44,36 @@ class Batch:
     sample_ids: tuple[int, ...] = ()  # the packed samples, in order
     lens: tuple[int, ...] = ()  # their lengths (after the max_tokens cut)
     in_vocab: torch.Tensor | None = None  # [1, N] bool: the out-of-vocabulary mask's verdict, when known
-    head_rows: tuple[torch.Tensor, ...] | None = None  # per TTT step, the rows the loss can count (loss.head_rows)
-    active_rows: torch.Tensor | None = None  # the rows TTT steps 1.. run over (loss.active_rows)
+    rows: dict[str, torch.Tensor] | None = None  # the draft type's host preparation (DraftType.host_rows), on the device
 
 
-def host_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """`loss.head_rows` of each step and `loss.active_rows`, of host tensors, concatenated into
-    one host tensor (what `send_head_rows` sends in one copy), and their lengths."""
-    rows = head_rows(loss_mask_BT, doc_ids_BT, num_steps)
-    rows.append(active_rows(rows))
-    return torch.cat(rows), [len(r) for r in rows]
+@dataclass
+class HostRows:
+    """A draft type's `host_rows` packed for the device: the tensors of each dtype flattened into
+    one host tensor, so that they go over in one copy per dtype (`send_rows`)."""
+
+    flat: dict[torch.dtype, Tensor]
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]]  # (key, dtype, shape), in the dict's order
+
+    @classmethod
+    def pack(cls, rows: dict[str, Tensor] | None) -> HostRows | None:
+        if rows is None:
+            return None
+        layout = [(key, t.dtype, tuple(t.shape)) for key, t in rows.items()]
+        dtypes = list(dict.fromkeys(t.dtype for t in rows.values()))
+        return cls({d: torch.cat([t.reshape(-1) for t in rows.values() if t.dtype == d]) for d in dtypes}, layout)
 
 
-def send_head_rows(rows: torch.Tensor, sizes: list[int], device: torch.device
-                   ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """`host_head_rows`' tensor on `device` in one copy (pinned on a GPU): (head rows per step, active rows)."""
-    *sent, active = to_device(rows, device).split(sizes)
-    return tuple(sent), active
-
-
-def device_head_rows(loss_mask_BT: torch.Tensor, doc_ids_BT: torch.Tensor, num_steps: int, device: torch.device
-                     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(`loss.head_rows`, `loss.active_rows`) of host tensors, made on the host and sent in one
-    copy (pinned on a GPU)."""
-    return send_head_rows(*host_head_rows(loss_mask_BT, doc_ids_BT, num_steps), device)
+def send_rows(packed: HostRows | None, device: torch.device) -> dict[str, Tensor] | None:
+    """`HostRows` on `device` (pinned on a GPU), one copy per dtype, as the dict the type made."""
+    if packed is None:
+        return None
+    parts = {}
+    for dtype, flat in packed.flat.items():
+        shapes = [(key, shape) for key, d, shape in packed.layout if d == dtype]
+        pieces = to_device(flat, device).split([math.prod(shape) for _, shape in shapes])
+        parts.update({key: piece.view(shape) for (key, shape), piece in zip(shapes, pieces, strict=True)})
+    return {key: parts[key] for key, _, _ in packed.layout}
 
 
 class TeacherHead(nn.Module):
@@ -113,34 +118,23 @@ def resolve_compile(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
-def noisy_states(aux_BTA: Tensor, num_aux: int, scale: float) -> Tensor:
-    """aux plus Gaussian noise, each captured state's by `scale` times its own RMS per token
-    (train.state_noise: the states of a deep layer are many times a shallow one's)."""
-    parts = aux_BTA.unflatten(-1, (num_aux, -1)).float()
-    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()
-    return (parts + torch.randn_like(parts) * (scale * rms)).to(aux_BTA.dtype).flatten(-2)
-
-
-def forward_loss(parallel: Parallel, module: nn.Module, b: Batch, train_cfg: TrainSection, autocast: torch.autocast,
-                 training: bool = False) -> TTTLoss:
-    """The teacher for micro-batch `b`, then the draft's TTT unroll (`module`: the training
-    wrapper, or the bare draft for evaluation) and its loss. training: add train.state_noise."""
+def forward_loss(parallel: Parallel, module: nn.Module, b: Batch, cfg: Config, autocast: torch.autocast
+                 ) -> PositionLoss:
+    """The teacher for micro-batch `b`, then train.algorithm's forward and loss (`module`: the
+    training wrapper, or the bare draft for evaluation). The draft in training mode
+    (`draft.train()`) is trained: the type adds what only training adds (EAGLE-3: train.state_noise)."""
     teacher, in_vocab = parallel.teacher(b.final, parallel.draft.t2d, parallel.draft.d2t, in_vocab=b.in_vocab)
-    noise = train_cfg.state_noise
-    aux = noisy_states(b.aux, parallel.draft.config.num_aux, noise) if training and noise > 0 else b.aux
     with autocast:
-        steps = module(aux, b.input_ids, b.position_ids, b.doc_ids, num_steps=train_cfg.ttt_steps,
-                       attn_impl=train_cfg.attn_impl, head_rows=b.head_rows, active_rows=b.active_rows)
-        return ttt_loss(steps, teacher, in_vocab, b.loss_mask, b.doc_ids, train_cfg.gamma, compiled=parallel.compiled,
-                        head_rows=b.head_rows, accept_loss=train_cfg.accept_loss, accept_weight=train_cfg.accept_weight)
+        return draft_type(cfg.train.algorithm).loss(module, parallel.draft, b, teacher, in_vocab, cfg,
+                                                    parallel.compiled)
 
 
-def micro_batch(parallel: Parallel, b: Batch, train_cfg: TrainSection, autocast: torch.autocast, sync: bool) -> TTTLoss:
+def micro_batch(parallel: Parallel, b: Batch, cfg: Config, autocast: torch.autocast, sync: bool) -> PositionLoss:
     """Forward and backward of one micro-batch (loss / grad_accum); gradients are reduced
     across ranks only when `sync` (the step's last micro-batch)."""
     with parallel.grad_sync(sync):
-        out = forward_loss(parallel, parallel.module, b, train_cfg, autocast, training=True)
-        (out.total / train_cfg.grad_accum).backward()
+        out = forward_loss(parallel, parallel.module, b, cfg, autocast)
+        (out.total / cfg.train.grad_accum).backward()
     parallel.reshard_frozen()
     return out
 
@@ -236,17 +230,19 @@ def peak_lr(train_cfg: TrainSection, hidden_size: int) -> float:
     return AUTO_LR_WIDTH / hidden_size if train_cfg.lr == "auto" else float(train_cfg.lr)
 
 
-def build_optimizer(model: Eagle3Draft, train_cfg: TrainSection, strategy: str, device: torch.device, bf16: bool,
-                    compiled: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, train_cfg: TrainSection, strategy: str, device: torch.device, bf16: bool,
+                    compiled: bool, unroll_linears: list[nn.Module] | None = None) -> torch.optim.Optimizer:
     """AdamW over the draft's trainable parameters (on the device, before any forward). One
-    process, one micro-batch a step, bf16 and `train.unroll_optimizer`: UnrollAdamW, which reads
-    the unroll's bf16 gradient accumulators and writes its bf16 weight copies (eaglet/draft/optim.py);
-    otherwise torch's, fused on the GPU."""
+    process, one micro-batch a step, bf16, `train.unroll_optimizer` and a type with
+    `unroll_linears` (DraftType.unroll_linears: the linears its unroll casts once per step):
+    UnrollAdamW, which reads the unroll's bf16 gradient accumulators and writes its bf16 weight
+    copies (eaglet/draft/optim.py); otherwise torch's, fused on the GPU."""
     params = [p for p in model.parameters() if p.requires_grad]
     adamw: dict[str, Any] = dict(lr=peak_lr(train_cfg, model.config.hidden_size), betas=tuple(train_cfg.betas),
                                  weight_decay=train_cfg.weight_decay)
-    if train_cfg.unroll_optimizer and strategy == "none" and bf16 and train_cfg.grad_accum == 1:
-        return UnrollAdamW(params, attach_unroll_copies(unroll_linears(model)), compile=compiled, **adamw)
+    if (unroll_linears is not None and train_cfg.unroll_optimizer and strategy == "none" and bf16
+            and train_cfg.grad_accum == 1):
+        return UnrollAdamW(params, attach_unroll_copies(unroll_linears), compile=compiled, **adamw)
     return torch.optim.AdamW(params, fused=device.type == "cuda", **adamw)
 
 
@@ -348,7 +344,7 @@ def extend_schedule(train_cfg: TrainSection, segments: list[dict[str, Any]], ste
 
 
 class LossTotals:
-    """Per-step metric sums over micro-batches, kept as tensors (no host sync until `metrics`)."""
+    """Per-position metric sums over micro-batches, kept as tensors (no host sync until `metrics`)."""
 
     def __init__(self) -> None:
         self.loss = self.total = self.correct = self.count = None
@@ -367,23 +363,24 @@ class LossTotals:
         self.n += 1
         self.tokens += tokens
 
-    def all_reduce(self, num_steps: int, device: torch.device, accept: bool = False) -> None:
+    def all_reduce(self, num_positions: int, device: torch.device, accept: bool = False) -> None:
         """Sum over ranks (two collectives; a no-op alone). A rank without micro-batches adds zeros.
-        accept: the acceptance term is on (every rank's sums then carry it)."""
+        num_positions: the type's (DraftType.num_positions); accept: the acceptance term is on
+        (every rank's sums then carry it)."""
         if not dist_env().active:
             return
         if self.loss is None:
-            self.loss, self.total = torch.zeros(num_steps, device=device), torch.zeros((), device=device)
-            self.correct = self.count = torch.zeros(num_steps, dtype=torch.int64, device=device)
-            self.accept = torch.zeros(num_steps, device=device) if accept else None
+            self.loss, self.total = torch.zeros(num_positions, device=device), torch.zeros((), device=device)
+            self.correct = self.count = torch.zeros(num_positions, dtype=torch.int64, device=device)
+            self.accept = torch.zeros(num_positions, device=device) if accept else None
         extra = [] if self.accept is None else [self.accept]
         floats = all_reduce_sum(torch.cat([self.loss, self.total.reshape(1), *extra]))
         ints = all_reduce_sum(torch.cat([self.correct, self.count,
                                          torch.tensor([self.n, self.tokens], device=self.correct.device)]))
-        self.loss, self.total = floats[:num_steps], floats[num_steps]
+        self.loss, self.total = floats[:num_positions], floats[num_positions]
         if self.accept is not None:
-            self.accept = floats[num_steps + 1:]
-        self.correct, self.count = ints[:num_steps], ints[num_steps:2 * num_steps]
+            self.accept = floats[num_positions + 1:]
+        self.correct, self.count = ints[:num_positions], ints[num_positions:2 * num_positions]
         self.n, self.tokens = int(ints[-2]), int(ints[-1])
 
     def metrics(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The `train` stage: the EAGLE-3 draft with training-time test, over the extracted store.
+"""The `train` stage: the draft of train.algorithm's type, over the extracted store.
 
     eaglet train CONFIG            # or as a stage of `eaglet run`
     torchrun --nproc-per-node 8 -m eaglet.cli train CONFIG
@@ -25,7 +25,7 @@ from ..distributed import barrier, init_distributed, resolve_device, run_on_main
 from ..draft import draft_type_of
 from ..formats.draft import FINAL_DIR, save_final
 from ..formats.vocab import load_vocab
-from ..training.build import build_draft
+from ..training.build import build_draft, read_layers
 from ..training.data import open_states
 from ..training.loop import Trainer
 from ..training.resume import move_aside, resume_settings, run_fingerprint
@@ -48,7 +48,7 @@ def run_train(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     stats = trainer.run(fingerprint, resume_settings(cfg, env.world_size), extend=ctx.extend)
     state = trainer.parallel.full_state()
     if env.is_main:
-        save_final(ctx.out_dir / FINAL_DIR, state, model.config, store.layers, draft_type_of(model).NAME)
+        save_final(ctx.out_dir / FINAL_DIR, state, model.config, read_layers(store, cfg), draft_type_of(model).NAME)
     barrier()
     stats["parameters_trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return stats

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..draft import draft_type
 from ..errors import InputError
 
 ADD_FAMILY = "eaglet/targets/families.py"
@@ -323,6 +324,23 @@ def validate_layers(layers: list[int], num_layers: int, default: bool = False) -
 def resolve_layers(layers: list[int] | None, num_layers: int) -> list[int]:
     """The configured ids (validated) or the EAGLE-3 default."""
     return default_layers(num_layers) if layers is None else validate_layers(list(layers), num_layers)
+
+
+def type_layers(kind: Any, cfg: Any, num_layers: int) -> list[int]:
+    """The target layers draft type `kind` (a DraftType) reads: its own `layers`, or extract.layers
+    resolved when it leaves them to the config (None)."""
+    own = kind.layers(num_layers, cfg)
+    return resolve_layers(cfg.extract.layers, num_layers) if own is None else validate_layers(list(own), num_layers)
+
+
+def extraction_layers(cfg: Any, num_layers: int) -> list[int]:
+    """The layers extraction captures: those of train.algorithm's type, then those of each type in
+    extract.draft_types that are not among them yet, in that order (train.algorithm eagle3 with
+    no extra types: exactly extract.layers resolved). Training selects its type's columns."""
+    out: list[int] = []
+    for name in [cfg.train.algorithm, *cfg.extract.draft_types]:
+        out += [i for i in type_layers(draft_type(name), cfg, num_layers) if i not in out]
+    return out
 
 
 # ---- tiny random configs (tests, examples) -----------------------------------------------------------

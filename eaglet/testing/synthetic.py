@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ..draft.eagle3.model import DraftConfig
-from ..draft.step import Batch, device_head_rows
+from ..draft.eagle3.training import step_rows
+from ..draft.step import Batch, HostRows, send_rows
 from ..formats.prepared import Sample
 
 
@@ -101,7 +102,7 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
                           torch.randint(n, V, (tokens,), generator=g))
         rows = head[tok].float()
         final = (rows + 0.5 * rows.std() * torch.randn(rows.shape, generator=g)).unsqueeze(0)
-    rows, active = device_head_rows(mask, docs.unsqueeze(0), ttt_steps, device) if ttt_steps > 0 else (None, None)
+    rows = send_rows(HostRows.pack(step_rows(mask, docs.unsqueeze(0), ttt_steps)), device) if ttt_steps > 0 else None
     return Batch(
         aux=torch.randn(1, tokens, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device),
         final=final.to(device, frozen),
@@ -110,8 +111,7 @@ def synthetic_batch(cfg: DraftConfig, tokens: int, doc_tokens: int, device: torc
         position_ids=positions.unsqueeze(0).to(device),
         doc_ids=docs.unsqueeze(0).to(device),
         tokens=tokens,
-        head_rows=rows,
-        active_rows=active,
+        rows=rows,
     )
 
 

@@ -9,24 +9,28 @@ of every sample after its first teacher pass, so later epochs skip the full-voca
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..config import Config
 from ..distributed import all_gather_object, dist_env
-from ..draft.step import Batch, host_head_rows, send_head_rows
+from ..draft import draft_type
+from ..draft.step import Batch, HostRows, send_rows
 from ..engines import store_engine
 from ..engines.base import StateSource
 from ..engines.states import is_online
 from ..formats.store import dequantize_states, open_verified
 from ..utils import to_device
+from .build import aux_columns, train_seed
 
 
 def split_ids(sample_ids: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,23 +148,37 @@ def open_states(cfg: Config, upstream: dict[str, Path], train_dir: Path, rank: i
     return store_engine(store.meta).state_source(cfg, store, upstream["prepare"], train_dir, rank, planned)
 
 
+def batch_seed(seed: int, ids: list[int] | tuple[int, ...]) -> int:
+    """The seed of a micro-batch's host preparation (DraftType.host_rows): a hash of the run's
+    train seed and the micro-batch's sample ids, so the same micro-batch gets the same rows
+    whether the run was resumed or not, on any rank."""
+    text = f"{seed}:{','.join(str(int(i)) for i in ids)}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & (2**63 - 1)
+
+
 @dataclass
 class HostBatch:
     """One micro-batch before it goes to the device (`send_batch`): its tensors on the host, in
     pinned memory when bound for a GPU (read from an offline store), or on the device (states
-    computed online); `rows` the head and active rows (`host_head_rows`), made on the host."""
+    computed online); `rows` the draft type's host preparation (`DraftType.host_rows`), packed."""
 
     ids: tuple[int, ...]
     lens: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
-    rows: tuple[torch.Tensor, list[int]] | None
+    rows: HostRows | None
 
 
-def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool,
-               ttt_steps: int = 0) -> HostBatch:
+def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool, cfg: Config | None = None,
+               kind: Any = None) -> HostBatch:
     """The samples `ids` packed into one micro-batch, each cut to max_tokens, up to the copy to the
-    device: the store's reads and the host's copies (into pinned memory when `pin`). ttt_steps > 0:
-    with the rows each TTT step's loss can count (Batch.head_rows)."""
+    device: the store's reads and the host's copies (into pinned memory when `pin`). With `cfg`,
+    as train.algorithm's type (or `kind`, a DraftType) reads it: the captured states it takes
+    (`aux_columns`, chosen on the host) and its `host_rows` (Batch.rows); without, every state
+    and no rows."""
+    if kind is not None and cfg is None:
+        raise ValueError("read_batch: a draft type reads the batch as the config says; pass cfg with kind")
+    kind = kind if kind is not None or cfg is None else draft_type(cfg.train.algorithm)
+    columns = None if kind is None else aux_columns(store, kind, cfg)
 
     def cat(pieces: list[torch.Tensor]) -> torch.Tensor:
         """[1, N]: host pieces concatenated straight into pinned memory when bound for a GPU
@@ -170,18 +188,26 @@ def read_batch(store: StateSource, ids: list[int], max_tokens: int, pin: bool,
         shape = (sum(int(x.shape[0]) for x in pieces), *pieces[0].shape[1:])
         return torch.cat(pieces, out=torch.empty(shape, dtype=pieces[0].dtype, pin_memory=pin))[None]
 
+    def chosen(key: str, piece: torch.Tensor) -> torch.Tensor:
+        """The type's columns of a state (or of its fp8 scales): [T, n_aux * H] or [T, n_aux]."""
+        if columns is None or key not in ("aux", "aux_scale"):
+            return piece
+        index = torch.tensor(columns, device=piece.device)
+        raw = piece.view(torch.uint8) if piece.element_size() == 1 else piece  # fp8: moved as bytes
+        return raw.unflatten(-1, (len(store.layers), -1)).index_select(1, index).flatten(1).view(piece.dtype)
+
     # a store's samples one part each (an fp8 one's states as stored, dequantized on the device);
     # one forward of the target, or one entry of a stream: one part, packed
     lens, parts = store.read_parts(list(ids), max_tokens)
     keys = ("aux", "final", "input_ids", "loss_mask") + (("aux_scale", "final_scale") if "aux_scale" in parts[0] else ())
-    tensors = {k: cat([p[k] for p in parts]) for k in keys}
+    tensors = {k: cat([chosen(k, p[k]) for p in parts]) for k in keys}
     tensors["docs"] = cat([torch.full((n,), d) for d, n in enumerate(lens)])
     tensors["positions"] = cat([torch.arange(n) for n in lens])
     rows = None
-    if ttt_steps > 0:  # from the mask on the host: online states keep one (their device mask may only lose rows)
+    if kind is not None:  # from the mask on the host: online states keep one (their device mask may only lose rows)
         mask, docs = tensors["loss_mask"], tensors["docs"]
         host_mask = mask if mask.device.type == "cpu" else cat([p["loss_mask_host"] for p in parts])
-        rows = host_head_rows(host_mask.bool(), docs, ttt_steps)
+        rows = HostRows.pack(kind.host_rows(host_mask.bool(), docs, cfg, batch_seed(train_seed(cfg), ids)))
     return HostBatch(tuple(int(i) for i in ids), tuple(lens), tensors, rows)
 
 
@@ -193,21 +219,21 @@ def send_batch(h: HostBatch, device: torch.device) -> Batch:
         t = to_device(h.tensors[key], device)
         return t.to(dtype) if dtype is not None else t
 
-    rows, active = send_head_rows(*h.rows, device) if h.rows is not None else (None, None)
+    rows = send_rows(h.rows, device)
     if "aux_scale" in h.tensors:
         aux = dequantize_states(sent("aux"), sent("aux_scale"), torch.float32)
         final = dequantize_states(sent("final"), sent("final_scale"), torch.bfloat16)
     else:
         aux, final = sent("aux", torch.float32), sent("final")
     return Batch(aux, final, sent("input_ids", torch.int64), sent("loss_mask", torch.bool), sent("positions"),
-                 sent("docs"), sum(h.lens), sample_ids=h.ids, lens=h.lens, head_rows=rows, active_rows=active)
+                 sent("docs"), sum(h.lens), sample_ids=h.ids, lens=h.lens, rows=rows)
 
 
-def load_batch(store: StateSource, ids: list[int], max_tokens: int, device: torch.device,
-               ttt_steps: int = 0) -> Batch:
-    """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens;
-    ttt_steps > 0: with the rows each TTT step's loss can count (Batch.head_rows)."""
-    return send_batch(read_batch(store, ids, max_tokens, device.type == "cuda", ttt_steps), device)
+def load_batch(store: StateSource, ids: list[int], max_tokens: int, device: torch.device, cfg: Config | None = None,
+               kind: Any = None) -> Batch:
+    """The samples `ids` packed into one micro-batch on `device`, each cut to max_tokens; with
+    `cfg` (and `kind`), as `read_batch` reads them for that draft type."""
+    return send_batch(read_batch(store, ids, max_tokens, device.type == "cuda", cfg, kind), device)
 
 
 class Prefetch:

@@ -17,7 +17,8 @@ import torch
 
 from ..config import Config
 from ..draft.parallelize import Parallel
-from ..draft.step import AUTO_LR_WIDTH, Batch, SkippedSteps, all_finite, noisy_states
+from ..draft.loss import noisy_states
+from ..draft.step import AUTO_LR_WIDTH, Batch, SkippedSteps, all_finite
 from ..errors import DivergedError
 from ..utils import log
 from .resume import CKPT_DIR

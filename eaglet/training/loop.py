@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ..config import Config, TrainSection
 from ..distributed import barrier, init_distributed, resolve_device, run_on_main
+from ..draft import draft_type
 from ..draft.compiling import CompileWatch, use_compile_cache
-from ..draft.eagle3.model import Eagle3Draft
 from ..draft.parallelize import parallelize, resolve_strategy
 from ..draft.step import (Batch, LossTotals, SkippedSteps, TeacherHead, build_optimizer, forward_loss,
                           freeze_survivors, lr_lambda, micro_batch, optimizer_step, resolve_compile)
@@ -55,9 +56,10 @@ def reads_ahead(store: StateSource, train_cfg: TrainSection, device: torch.devic
 
 
 class Trainer:
-    def __init__(self, cfg: Config, store: StateSource, model: Eagle3Draft, head: TargetHead, out_dir: Path):
+    def __init__(self, cfg: Config, store: StateSource, model: nn.Module, head: TargetHead, out_dir: Path):
         self.cfg, self.train_cfg, self.store, self.out_dir = cfg, cfg.train, store, out_dir
         train_cfg = self.train_cfg
+        self.kind = draft_type(train_cfg.algorithm)  # the draft type: its forward, loss and host rows
         self.env = init_distributed(cfg.run.dist_timeout_minutes)
         self.device = resolve_device(train_cfg.device)
         strategy = resolve_strategy(train_cfg.parallel, self.env.world_size)
@@ -69,7 +71,7 @@ class Trainer:
             if self.env.is_main:
                 log(f"[train] compile cache: {folder} ({'holds earlier compiles' if warm else 'empty'})")
         self.parallel = parallelize(model, teacher, strategy, self.device, frozen_dtype=head.lm_head.dtype,
-                                    env=self.env, compile=compiled)
+                                    env=self.env, compile=compiled, kind=self.kind)
         head.lm_head = head.norm = None  # taken over by the teacher: under fsdp a full copy would stay alive
         self.model = model
         use_bf16 = uses_bf16(train_cfg, self.device)
@@ -77,7 +79,8 @@ class Trainer:
         self.plan = StepPlan(cfg, store.sample_ids, store.lengths, self.env.world_size, self.env.rank)
         # States computed ahead of the loop, from the plan of its loads: a stream, or the target's own process
         self.stream = store if store.computes_ahead else None
-        self.opt = build_optimizer(self.model, train_cfg, strategy, self.device, use_bf16, self.parallel.compiled)
+        self.opt = build_optimizer(self.model, train_cfg, strategy, self.device, use_bf16, self.parallel.compiled,
+                                   self.kind.unroll_linears(model))
         if train_cfg.lr == "auto":  # build_optimizer resolved it from the draft's width
             log(f"[train] train.lr auto: {self.opt.defaults['lr']:.3g} for hidden size {model.config.hidden_size}")
         self.schedule: list[dict[str, Any]] = [{"start": 0, "total": self.plan.total_steps}]  # lr_lambda's segments
@@ -88,13 +91,13 @@ class Trainer:
         # One micro-batch up to its copy to the device, as every load reads it (directly, or
         # through `prefetch`, run()'s reader ahead of an offline store on a GPU).
         self.read = partial(read_batch, store, max_tokens=train_cfg.max_tokens, pin=self.device.type == "cuda",
-                            ttt_steps=train_cfg.ttt_steps)
+                            cfg=cfg, kind=self.kind)
         self.prefetch: Prefetch | None = None
         self.writer = CheckpointWriter(train_cfg.ckpt_async and self.env.is_main)
         self.skipped: SkippedSteps | None = None  # the loop's count of steps skipped for a non-finite gradient
 
     def _load(self, ids: list[int]) -> Batch:
-        """Micro-batch `ids` on this rank's device, with its head rows and, when every sample
+        """Micro-batch `ids` on this rank's device, with its type's host rows and, when every sample
         of it was seen before, the out-of-vocabulary mask's verdict (`VocabMaskCache`)."""
         b = send_batch(self.prefetch.take(ids) if self.prefetch is not None else self.read(ids), self.device)
         b.in_vocab = self.vocab_mask.lookup(b)
@@ -118,14 +121,14 @@ class Trainer:
                 # Under fsdp every forward is a collective: a rank past the end repeats the last
                 # batch without counting it, so all ranks run as many forwards.
                 b = self._load(ids)
-                out = forward_loss(self.parallel, self.model, b, self.train_cfg, self.autocast)
+                out = forward_loss(self.parallel, self.model, b, self.cfg, self.autocast)
                 self.vocab_mask.record(b, out.in_vocab)
                 if k * W + r < len(self.plan.held_out):
                     totals.add(out)
                 del out  # its autograd graph, when recorded
                 self.parallel.reshard_frozen()
         self.model.train()
-        totals.all_reduce(self.train_cfg.ttt_steps, self.device, self.train_cfg.accept_loss != "none")
+        totals.all_reduce(self.kind.num_positions(self.cfg), self.device, self.train_cfg.accept_loss != "none")
         return totals.metrics()
 
     def _choose_checkpoint(self, fingerprint: dict[str, Any], settings: dict[str, Any], extend: bool,
@@ -192,7 +195,7 @@ class Trainer:
         for step, rank_loads in self.plan.rank_steps(step, epoch, micro + 1):
             for a, (epoch, micro, ids) in enumerate(rank_loads):  # the last one's epoch and micro: the checkpoint's
                 b = self._load(ids)
-                out = micro_batch(self.parallel, b, train_cfg, self.autocast, sync=a == len(rank_loads) - 1)
+                out = micro_batch(self.parallel, b, self.cfg, self.autocast, sync=a == len(rank_loads) - 1)
                 self.vocab_mask.record(b, out.in_vocab)
                 totals.add(out, b.tokens)
             lr = optimizer_step(self.parallel, self.opt, self.sched, train_cfg, skipped=self.skipped)
@@ -203,7 +206,7 @@ class Trainer:
             saves = step % train_cfg.ckpt_every == 0 or step == total_steps
             if step % train_cfg.log_every == 0 or step == total_steps:
                 skipped = self._health(step, b, weights=saves)
-                totals.all_reduce(train_cfg.ttt_steps, self.device, train_cfg.accept_loss != "none")
+                totals.all_reduce(self.kind.num_positions(self.cfg), self.device, train_cfg.accept_loss != "none")
                 self.vocab_mask.share()
                 rec = totals.metrics()
                 dt = time.perf_counter() - t_log

@@ -7,7 +7,7 @@ to an older checkpoint, `--extend`, and `--force`'s move of the old run aside.
 A killed run started again continues from the newest intact checkpoint (a corrupt one is
 named and passed over) and produces the same losses as an uninterrupted run. Checkpoints carry
 a fingerprint of everything that sets the trajectory (the model, the data, the vocabulary,
-run.seed and every train.* setting but RESUME_SAFE_KEYS); a resume whose fingerprint differs
+run.seed, every train.* setting but RESUME_SAFE_KEYS, and the draft type's own section); a resume whose fingerprint differs
 is refused with the keys that differ (ResumeError). `--force` starts afresh, the old run moved
 to `previous-N/` (`move_aside`); `--extend` continues to a raised train.epochs or
 train.max_steps, the learning rate decaying on from where it was (draft/step.py `lr_lambda`).
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..config import Config, TrainSection
 from ..distributed import resolve_device
-from ..draft.eagle3.model import Eagle3Draft
 from ..draft.step import extend_schedule, lr_lambda, peak_lr
 from ..errors import CorruptDataError, ResumeError
 from ..formats.checkpoints import CKPT_DIR, Checkpoint, newest_intact
@@ -58,11 +58,12 @@ def _jsonable(obj: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(obj, default=str))
 
 
-def run_fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, cfg: Config,
+def run_fingerprint(model: nn.Module, store: StoreReader, d2t: torch.Tensor, cfg: Config,
                 world_size: int = 1, device: torch.device | None = None) -> dict[str, Any]:
     """What a checkpoint may only be resumed with: the model's shape, the data (and how it is
     cut into optimizer steps: micro-batches per step, not the world size), the vocabulary,
-    run.seed and every train.* setting but RESUME_SAFE_KEYS."""
+    run.seed, every train.* setting but RESUME_SAFE_KEYS (train.algorithm among them) and the
+    draft type's own config section (`Config.type_section`)."""
     found = {f"model.{k}": v for k, v in model.config.to_dict().items()}
     found["data.store"] = store.meta.get("input_hash")
     found["data.samples"] = len(store)
@@ -72,6 +73,8 @@ def run_fingerprint(model: Eagle3Draft, store: StoreReader, d2t: torch.Tensor, c
     for k, v in cfg.section("train").items():
         if k not in RESUME_SAFE_KEYS and k != "grad_accum":
             found[f"train.{k}"] = v
+    for k, v in (cfg.type_section(cfg.train.algorithm) or {}).items():
+        found[f"{cfg.train.algorithm}.{k}"] = v
     found["train.lr"] = peak_lr(cfg.train, model.config.hidden_size)  # auto as the number it is at this width
     found["train.precision"] = "bf16" if uses_bf16(cfg.train, device or resolve_device(cfg.train.device)) else "fp32"
     return _jsonable(found)

@@ -1,27 +1,24 @@
 """EAGLE-3: a draft that reads the target's low, mid and high states and drafts a chain one
-step at a time, trained with training-time test (model.py has the architecture)."""
+step at a time, trained with training-time test (model.py has the architecture, training.py
+the training entry points of eaglet/draft/base.py `DraftType`, loss.py the TTT loss)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from .read_export import from_serving, serving_format
-from .model import DraftConfig, Eagle3Draft
+from .model import Eagle3Draft
 from .propose import Eagle3Proposer
+from .read_export import from_serving, serving_format
 from .replay import chain_hits, replay_tree
 from .serving import reload_logits, serving
+from .training import (build, from_config, host_rows, layers, loss, num_positions, prepare_training, shard_units,
+                       unroll_linears)
 
 NAME = "eagle3"
 TITLE = "EAGLE-3"
 SERVING_METHOD = "eagle3"
 
-__all__ = ["NAME", "TITLE", "SERVING_METHOD", "from_config", "proposer", "serving", "from_serving", "serving_format",
-           "reload_logits", "chain_hits", "replay_tree"]
-
-
-def from_config(draft_config: dict[str, Any]) -> Eagle3Draft:
-    """The draft a saved draft config (`DraftConfig.to_dict()`) describes, weights not loaded."""
-    return Eagle3Draft(DraftConfig(**draft_config))
+__all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
+           "shard_units", "unroll_linears", "num_positions", "loss", "proposer", "serving", "from_serving",
+           "serving_format", "reload_logits", "chain_hits", "replay_tree"]
 
 
 def proposer(draft: Eagle3Draft) -> Eagle3Proposer:

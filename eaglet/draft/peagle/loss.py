@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..loss import TTTLoss as PositionLoss  # base.PositionLoss once the draft-type seam lands
-from ..loss import chunked_soft_ce, compiled_soft_ce, head_rows, step_loss
+from ..eagle3.loss import head_rows, step_loss
+from ..loss import PositionLoss
+from ..loss import chunked_soft_ce, compiled_soft_ce
 from .model import peagle_settings
 
 

@@ -45,7 +45,7 @@ from ...distributed import all_gather_object, all_reduce_sum, barrier, broadcast
 from ...formats.prepared import PreparedData
 from ...formats.store import (FP8, POST_NORM, StoreReader, StoreWriter, capture_dtype, finished_shards, quantize_states,
                               resume_folder, store_meta, write_index)
-from ...targets.families import resolve_layers
+from ...targets.families import extraction_layers
 from ...targets.load import TargetParts, load_target, norm_eps
 from ...utils import DTYPES, log
 from .capture import capture, head_meta, nonfinite_rows, pad_batch, save_target_head, to_host
@@ -118,7 +118,7 @@ def run_extract_hf(cfg: Config, ctx: StageContext) -> dict[str, Any]:
     data = PreparedData(ctx.upstream["prepare"])
     model, info = load_target(cfg.target, tp_plan=ecfg.tp_plan) if tensor_parallel else load_target(cfg.target)
     parts = TargetParts.of(model)
-    layers = resolve_layers(ecfg.layers, parts.num_layers)
+    layers = extraction_layers(cfg, parts.num_layers)
     dtype = DTYPES[ecfg.store_dtype]
     how = (f"tensor parallel over {env.world_size} ranks" if tensor_parallel
            else f"data parallel over {env.world_size} ranks" if env.active else "")

@@ -53,7 +53,7 @@ from .capture import (LocalEngine, Result, ServerEngine, TokenMismatch, engine_a
 from ...formats.prepared import PreparedData
 from ...formats.store import (PRE_NORM, StoreCheck, StoreWriter, capture_dtype, resume_folder, store_meta, write_index,
                              write_target_head)
-from ...targets.families import resolve_layers
+from ...targets.families import extraction_layers
 from ...targets.head import CheckpointHead, read_checkpoint_head
 from ...utils import DTYPES, log
 from ...context import StageContext
@@ -143,7 +143,7 @@ def _open_store(cfg: Config, ctx: StageContext) -> tuple[CheckpointHead, list[in
     so that their samples are redone."""
     ecfg = cfg.extract
     head = read_checkpoint_head(cfg.target)
-    layers = resolve_layers(ecfg.layers, head.num_layers)
+    layers = extraction_layers(cfg, head.num_layers)
     ids = vllm_layer_ids(layers, head.num_layers)
     meta = store_meta(ctx.input_hash, head.hidden_size, layers, ecfg.store_dtype, PRE_NORM, head.num_layers,
                       head.architecture, head.norm_eps, ecfg.mode, backend="vllm", vllm_layer_ids=ids)
