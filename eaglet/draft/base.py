@@ -15,6 +15,7 @@ an engine package does (eaglet/engines/base.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -95,5 +96,25 @@ class DraftType(Protocol):
     def serving(self, draft: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """The export's config.json and weights, named as vLLM loads them."""
 
+    def serving_format(self, config: dict[str, Any], weights: dict[str, Tensor] | None = None) -> str | None:
+        """The format ("vllm", "sglang") an export's config.json is this type's in, or None: not this type's."""
+
+    def from_serving(self, config: dict[str, Any], weights: dict[str, Tensor], fmt: str, folder: Path
+                     ) -> tuple[Any, dict[str, Tensor], list[str], dict[str, Any]]:
+        """An export read back: (the draft config, the state dict under eaglet's names, the names
+        missing from it, meta: aux_layer_ids, verifier_name_or_path, verifier_architectures,
+        num_speculative_tokens)."""
+
+    def reload_logits(self, draft: nn.Module, reloaded: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
+        """The logits of the trained draft and of its export read back on the same inputs (the
+        export stage's check that the export is the draft)."""
+
     def proposer(self, draft: nn.Module) -> Proposer:
         """The draft's proposal state for in-process decoding."""
+
+    # Optional: replay (eaglet/engines/hf/replay.py) is offered for a type that has chain_hits:
+    #   chain_hits(draft, side, k, ...) -> per position of the target's continuation, whether each
+    #   of the k proposals made there equals the target's token (what a greedy chain replays);
+    #   replay_tree(...) as EAGLE-3's (eaglet/draft/eagle3/replay.py).
+    # Optional: VLLM_SPECULATIVE (dict): keys added to vLLM's speculative config besides method,
+    #   model and num_speculative_tokens (P-EAGLE: {"parallel_drafting": True}).
