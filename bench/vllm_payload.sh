@@ -10,7 +10,9 @@
 # and owners fixed), so a rebuild leaves parts already carried valid. Idempotent; pip's cache makes a
 # second run quick. The vllm wheel comes from PyPI, or from VLLM_WHEEL (a path) where that is set.
 #
-#   bash bench/vllm_payload.sh
+#   bash bench/vllm_payload.sh            # download and pack
+#   bash bench/vllm_payload.sh WHEELDIR   # pack the wheels in WHEELDIR instead (the tests; VLLM_PART_BYTES
+#                                         # sets the part limit there)
 #
 # Left out on purpose (vLLM lists them; nothing on the generate path imports them, or it guards the
 # import): flashinfer-python/-cubin (the sampler's import of it is switched off by dev_vllm's
@@ -25,9 +27,10 @@
 # xgrammar and llguidance stay: vLLM's structured-output module names their classes in dataclass fields,
 # which Python evaluates when `vllm.v1.request` is imported.
 set -euo pipefail
+FROM=${1:+$(realpath "$1")}
 cd "$(dirname "$0")/.."
 OUTDIR=.whl-vllm/vllm
-PART_LIMIT=55000000
+PART_LIMIT=${VLLM_PART_BYTES:-55000000}
 VLLM_PIN=vllm==0.25.0
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   fastapi==0.136.3 starlette==1.10.0 openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5
@@ -45,17 +48,21 @@ PIP=(env PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/pip download -q --no-deps --o
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/wheels"
-if [ -n "${VLLM_WHEEL:-}" ]; then
-  cp "$VLLM_WHEEL" "$STAGE/wheels/"
+if [ -n "$FROM" ]; then
+  cp "$FROM"/*.whl "$STAGE/wheels/"
 else
-  "${PIP[@]}" -d "$STAGE/wheels" "$VLLM_PIN"
+  if [ -n "${VLLM_WHEEL:-}" ]; then
+    cp "$VLLM_WHEEL" "$STAGE/wheels/"
+  else
+    "${PIP[@]}" -d "$STAGE/wheels" "$VLLM_PIN"
+  fi
+  "${PIP[@]}" -d "$STAGE/wheels" "${WHEELS[@]}"
+  if [ "$(ls "$STAGE"/wheels/*.whl | wc -l)" -ne $((${#WHEELS[@]} + 1)) ]; then
+    echo "vllm_payload: expected $((${#WHEELS[@]} + 1)) wheels, got $(ls "$STAGE"/wheels | wc -l)" >&2
+    exit 1
+  fi
 fi
-"${PIP[@]}" -d "$STAGE/wheels" "${WHEELS[@]}"
 count=$(ls "$STAGE"/wheels/*.whl | wc -l)
-if [ "$count" -ne $((${#WHEELS[@]} + 1)) ]; then
-  echo "vllm_payload: expected $((${#WHEELS[@]} + 1)) wheels, got $count in $STAGE/wheels" >&2
-  exit 1
-fi
 
 tar -C "$STAGE" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$STAGE/vllm-set.tar" wheels
 size=$(stat -c %s "$STAGE/vllm-set.tar")
