@@ -22,8 +22,9 @@
 # mcp, anthropic, model-hosting-container-standards, prometheus-fastapi-instrumentator, watchfiles,
 # python-json-logger (the API server), compressed-tensors (quantized checkpoints only), depyf (compile
 # debug dumps), numba (the CPU n-gram proposer; the image's 0.68 is not vLLM's 0.65), lm-format-enforcer,
-# outlines_core, lark, diskcache, jsonschema (structured-output backends vLLM loads on request only),
-# blake3 (the multimodal hasher), setproctitle and ijson (optional), jiter (openai's streaming helpers).
+# outlines_core, diskcache (structured-output backends and their cache, loaded for such requests only),
+# lark, jsonschema (vLLM imports neither), blake3 (the multimodal hasher), setproctitle (its import is
+# guarded), ijson (the Mistral tool parser), jiter (openai's streaming helpers).
 # xgrammar and llguidance stay: vLLM's structured-output module names their classes in dataclass fields,
 # which Python evaluates when `vllm.v1.request` is imported.
 set -euo pipefail
