@@ -5,6 +5,8 @@
 #   dev_data                  # ShareGPT 7k -> $DEV/D/sg7k.json, MT-bench -> $DEV/cache (EAGLET_CACHE)
 #   dev_stash gguf.part-aa    # a carried part of the target's GGUF kept for a later call
 #   dev_target                # the parts joined, checked and converted: $DEV/G/smollm2; wheels in $DEV/site
+#   dev_vllm_part vllm-set.part-aa  # a carried part of vLLM's wheel set kept in $DEV/V for a later call
+#   dev_vllm                  # all six parts there: checked, joined, vLLM installed into $DEV/site
 #   dev_start DRIVER.sh       # run DRIVER.sh (setsid, logs in $DEV/L) and return at once
 #   dev_wait 450; dev_collect # until $DEV/L/ALLDONE or 450 s; results, train logs and logs to $OUT
 #
@@ -12,9 +14,13 @@
 # calls (.whl-vllm/smol/gguf.part-aa, -ab, SHA256SUMS), and the wheels may go ahead of the start
 # (`dev_wheels .whl/*.whl`); the machine keeps /tmp between calls made within 30 s of each other.
 # bench/device_payload.sh builds what the calls carry. A driver writes its ab.py work folder to $DEV/W.
+# vLLM 0.25.0 and the wheels it needs beyond the image (bench/vllm_payload.sh) travel as one tar in six
+# parts of about 52 MB, one a call (.whl-vllm/vllm/vllm-set.part-aa ... -af, with SHA256SUMS in any call);
+# dev_vllm also sets VLLM_USE_FLASHINFER_SAMPLER=0, as FlashInfer is not carried.
 
 DEV=${DEV:-/tmp}
 SMOL=.whl-vllm/smol
+VSET=.whl-vllm/vllm
 export PYTHONPATH=$DEV/site:$DEV/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export EAGLET_CACHE=$DEV/cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
@@ -34,6 +40,37 @@ dev_wheels() {  # dev_wheels WHEEL...: those present installed into $DEV/site (a
   for f in "$@"; do [ -e "$f" ] && w+=("$f"); done
   [ ${#w[@]} -eq 0 ] && return 0
   pip install --no-index --no-deps --target "$DEV/site" --upgrade -q "${w[@]}" 2>&1 | grep -v "as the 'root' user" || true
+}
+
+dev_vllm_part() {  # dev_vllm_part NAME: a part carried in this call moved to $DEV/V (with SHA256SUMS, if carried)
+  mkdir -p "$DEV/V"
+  if [ -e "$VSET/SHA256SUMS" ]; then cp "$VSET/SHA256SUMS" "$DEV/V/"; fi
+  if [ -e "$VSET/$1" ]; then mv "$VSET/$1" "$DEV/V/"; fi
+}
+
+dev_vllm() {  # every part in $DEV/V (or carried now): checked, joined, untarred, installed into $DEV/site once
+  local part missing=() sums bad
+  mkdir -p "$DEV/V"
+  if [ -e "$VSET/SHA256SUMS" ]; then cp "$VSET/SHA256SUMS" "$DEV/V/"; fi
+  [ -e "$DEV/V/SHA256SUMS" ] || { echo "dev_vllm: no SHA256SUMS: carry $VSET/SHA256SUMS"; return 3; }
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+  sums=$(sha256sum < "$DEV/V/SHA256SUMS" | cut -c1-64)
+  [ "$(cat "$DEV/V/installed" 2>/dev/null)" = "$sums" ] && return 0
+  for part in $(awk '{print $2}' "$DEV/V/SHA256SUMS"); do
+    dev_vllm_part "$part"
+    [ -e "$DEV/V/$part" ] || missing+=("$part")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "dev_vllm: missing ${missing[*]}: carry $VSET/${missing[0]} and call dev_vllm_part ${missing[0]}"
+    return 3
+  fi
+  bad=$(cd "$DEV/V" && sha256sum -c SHA256SUMS 2>/dev/null | grep -v ': OK$' | cut -d: -f1 | tr '\n' ' ')
+  [ -z "$bad" ] || { echo "dev_vllm: ${bad}differs from SHA256SUMS: carry it again with dev_vllm_part"; return 3; }
+  rm -rf "$DEV/V/wheels"
+  (cd "$DEV/V" && cat $(awk '{print $2}' SHA256SUMS) | tar -x) || { echo "dev_vllm: the joined parts are not a tar"; return 4; }
+  dev_wheels "$DEV"/V/wheels/*.whl
+  python3 -c "from vllm import LLM, SamplingParams" || { echo "dev_vllm: vLLM installed in $DEV/site does not import"; return 5; }
+  echo "$sums" > "$DEV/V/installed"
 }
 
 dev_target() {
