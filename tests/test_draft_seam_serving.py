@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 import eaglet.draft as draft_registry
 from eaglet.config import EvalSection
-from eaglet.draft import draft_type, draft_type_of
+from eaglet.draft import DRAFT_TYPES, draft_type, draft_type_of
 from eaglet.draft.eagle3.model import DraftConfig, Eagle3Draft
 from eaglet.engines.hf.decode import SpecSettings, TargetRunner, plain_generate, speculative_generate
 from eaglet.engines.hf.replay import replay_note
@@ -255,6 +255,7 @@ def test_an_export_is_read_back_by_its_type(tmp_path, fmt):
     cfg, state, meta = load_draft(folder)
     assert meta["algorithm"] == "eagle3" and meta["format"] == fmt
     assert draft_type(meta["algorithm"]) is draft_type_of(m)
-    with pytest.raises(ValueError, match=r"config.json is no export of a draft type eaglet reads \(EAGLE-3\): "
+    titles = ", ".join(kind.TITLE for kind in DRAFT_TYPES.values())
+    with pytest.raises(ValueError, match=rf"config.json is no export of a draft type eaglet reads \({titles}\): "
                                          r"speculators_model_type 'medusa'"):
         serving_type({"speculators_model_type": "medusa", "architectures": ["X"]})
