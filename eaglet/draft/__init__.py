@@ -15,10 +15,11 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import ConfigError
-from . import eagle3
+from . import dflash, eagle3
 
 DRAFT_TYPES: dict[str, ModuleType] = {
     eagle3.NAME: eagle3,  # EAGLE-3: a chain drafted step by step, trained with training-time test
+    dflash.NAME: dflash,  # DFlash: a whole block drafted in one forward (block diffusion)
 }
 
 
