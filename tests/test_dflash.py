@@ -180,8 +180,9 @@ def test_reference_sees_the_difference_between_context_before_and_at_the_anchor(
 # ---- (b) the proposer's cached path is the training path -----------------------------------------
 
 
-def test_proposer_logits_equal_the_training_forward_and_replay_hits_equal_proposals():
-    draft = tiny_draft().double()
+@pytest.mark.parametrize("causal", [False, True])
+def test_proposer_logits_equal_the_training_forward_and_replay_hits_equal_proposals(causal):
+    draft = tiny_draft(causal=causal).double()
     aux, ids, _, _, _ = packed(T=18, doc_lens=(18,))
     pos = torch.arange(18)[None]
     proposer = dflash.proposer(draft)
