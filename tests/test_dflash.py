@@ -262,6 +262,26 @@ def test_flex_and_dense_attention_agree_and_the_block_mask_follows_the_mask(caus
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_flex_traces_one_graph_for_every_micro_batch_size():
+    """The mask closes over tensors, not over each micro-batch's sizes: a compiled flex_attention
+    (dynamic, as attention.flex compiles it on CUDA; the eager backend here) traces it once."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(flex_attention, backend="eager", dynamic=True)
+    for i, doc_lens in enumerate([(300, 9, 500), (400, 700), (100, 17, 300, 40)]):
+        docs = torch.cat([torch.full((n,), d) for d, n in enumerate(doc_lens)])[None]
+        rows = select_anchors(torch.ones_like(docs, dtype=torch.bool), docs, 8, 20 + 7 * i, seed=i)
+        layout = BlockLayout(rows["anchors"], rows["starts"], docs.shape[1], 8, False)
+        q = torch.randn(1, 4, layout.Q, 16)
+        k, v = torch.randn(1, 2, layout.KV, 16), torch.randn(1, 2, layout.KV, 16)
+        out = compiled(q, k, v, block_mask=layout.block_mask(), scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(out, block_attention(q, k, v, layout, "dense"), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_dense_mask_is_the_documented_rule():
     layout = layout_case(causal=False)
     dense = layout.dense()

@@ -7,14 +7,14 @@ Block j, anchored at packed row a_j, sees
     the context rows of its own document strictly before a_j   [start_j, a_j)
     its own block's rows                                        (causal: those up to its own)
 
-and nothing else (no other block, no later context). `BlockLayout.allowed` is that rule; the
+and nothing else (no other block, no later context). `mask_rule` is that rule; the
 dense path evaluates it per query chunk for a masked SDPA (any device, the reference on CPU),
 and the flex path hands it to flex_attention as the mask_mod with a BlockMask drawn from the
 same intervals (`BlockLayout.block_mask`). Documents are contiguous and anchors sorted (what
 `loss.select_anchors` makes), so "same document, before the anchor" is the interval
 [start_j, a_j), start_j the first row of a_j's document.
 
-Change `allowed` (and `block_mask`'s intervals with it) to change what a block sees; the tests
+Change `mask_rule` (and `block_mask`'s intervals with it) to change what a block sees; the tests
 hold both to a hand-built reference.
 """
 
@@ -44,6 +44,25 @@ def flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float) -
     return _compiled_flex(q, k, v, **kwargs)
 
 
+def mask_rule(anchors_M: Tensor, starts_M: Tensor, block_starts_M: Tensor, block_len: int, causal: bool
+              ) -> Callable[[Tensor, Tensor], Tensor]:
+    """allowed(q, kv): whether query row q sees key row kv (broadcasting index tensors), block j
+    anchored at anchors_M[j], its document from starts_M[j], its rows at keys block_starts_M[j]..
+    The one definition of the mask. It closes over tensors and the block length only, so that a
+    compiled flex_attention sees each micro-batch's sizes as symbols, not as new constants."""
+
+    def allowed(q: Tensor, kv: Tensor) -> Tensor:
+        j = (q // block_len).clamp(max=anchors_M.shape[0] - 1)  # flex may ask about padding rows past Q
+        context = (kv >= starts_M[j]) & (kv < anchors_M[j])
+        own = kv - block_starts_M[j]
+        block = (own >= 0) & (own < block_len)
+        if causal:
+            block = block & (own <= q - j * block_len)
+        return context | block
+
+    return allowed
+
+
 class BlockLayout:
     """The rows of one forward: anchors_M (packed rows, ascending), starts_M (the first row of
     each anchor's document), N context rows, blocks of L rows, causal within a block or not."""
@@ -53,18 +72,9 @@ class BlockLayout:
         self.N, self.L, self.causal = num_context, block_len, causal
         self.M = anchors_M.numel()
         self.Q, self.KV = self.M * block_len, num_context + self.M * block_len
+        block_starts = num_context + torch.arange(self.M, device=anchors_M.device) * block_len
+        self.allowed = mask_rule(anchors_M, starts_M, block_starts, block_len, causal)
         self._block_mask: BlockMask | None = None
-
-    def allowed(self, q: Tensor, kv: Tensor) -> Tensor:
-        """Whether query row q sees key row kv (broadcasting index tensors): the one definition."""
-        j = (q // self.L).clamp(max=max(self.M - 1, 0))  # flex may ask about padding rows past Q
-        anchor, start = self.anchors[j], self.starts[j]
-        context = (kv >= start) & (kv < anchor)
-        own = kv - self.N - j * self.L
-        block = (own >= 0) & (own < self.L)
-        if self.causal:
-            block = block & (kv - self.N <= q)
-        return context | block
 
     def dense(self, first: int = 0, last: int | None = None) -> Tensor:
         """allowed() as a bool [rows, KV] for query rows first..last-1."""
@@ -105,8 +115,10 @@ class BlockLayout:
             return (tiles.sum(-1, dtype=torch.int32),
                     torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32))
 
+        allowed = self.allowed
+
         def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            return self.allowed(q, kv)
+            return allowed(q, kv)
 
         self._block_mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=n,
                                                     mask_mod=mask_mod, seq_lengths=(self.Q, self.KV))
