@@ -164,6 +164,17 @@ def test_block_loss_matches_the_written_out_reference(causal):
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None
 
 
+def test_a_micro_batch_without_anchors_has_a_zero_loss_that_backpropagates():
+    draft = tiny_draft().double()
+    aux, ids, pos, docs, _ = packed()
+    no_loss = torch.zeros(1, 40, dtype=torch.bool)
+    batch = SimpleNamespace(aux=aux, input_ids=ids, position_ids=pos, doc_ids=docs, loss_mask=no_loss, rows=None)
+    teacher = torch.full((1, 40, 40), 1 / 40, dtype=torch.float64)
+    out = dflash.loss(draft, draft, batch, teacher, torch.ones(1, 40, dtype=torch.bool), settings(), compiled=False)
+    assert float(out.total.detach()) == 0 and [int(n) for n in out.counts] == [0, 0, 0]
+    out.total.backward()
+
+
 def test_reference_sees_the_difference_between_context_before_and_at_the_anchor():
     """The reference is sharp enough to catch a mask off by one row (the anchor's own state)."""
     draft = tiny_draft().double()

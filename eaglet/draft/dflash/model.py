@@ -236,7 +236,7 @@ class DFlashDraft(nn.Module):
         attend = partial(block_attention, layout=layout, impl=resolve_impl(attn_impl, aux_BTA.device))
         h = self.blocks(ids.view(1, M * L), positions.view(1, M * L), self.context_kv(aux_BTA, position_ids_BT),
                         attend)
-        return self.lm_head(self.norm(h.view(M, L, -1)[:, 1:]))
+        return self.lm_head(self.norm(h.view(M, L, h.shape[-1])[:, 1:]))
 
     forward = block_logits  # module(...) is the training call (DDP's and FSDP2's hooks run on forward)
 
