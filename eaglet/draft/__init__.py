@@ -15,10 +15,11 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import ConfigError
-from . import eagle3, peagle
+from . import dflash, eagle3, peagle
 
 DRAFT_TYPES: dict[str, ModuleType] = {
     eagle3.NAME: eagle3,  # EAGLE-3: a chain drafted step by step, trained with training-time test
+    dflash.NAME: dflash,  # DFlash: a block of mask tokens drafted in one forward over the target's context states
     peagle.NAME: peagle,  # P-EAGLE: EAGLE-3's draft proposing the whole chain in one forward (parallel drafting)
 }
 
