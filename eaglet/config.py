@@ -88,11 +88,17 @@ FRACTION = Range(0, 1)  # in [0, 1]
 PATH, MODEL, IN_TARGET = "path", "model", "in_target"
 
 
-def _f(default: Any, doc: str, check: Range | Pattern | None = None, path: str | None = None, hashed: bool = True,
-       words: tuple[str, ...] = (), **kw: Any) -> Any:
+UNLESS_DEFAULT = "unless_default"  # _f(hashed=...): in the stage's input hash only once set to another value
+
+
+def _f(default: Any, doc: str, check: Range | Pattern | None = None, path: str | None = None,
+       hashed: bool | str = True, words: tuple[str, ...] = (), **kw: Any) -> Any:
     """A config field. hashed=False: a key of how a stage runs, not of what it writes, left out of
     the stage's input hash (`Config.hashed_section`): setting it reruns nothing, and adding such a
-    key to eaglet leaves the runs made before it valid. `words`: of a path field, the values that
+    key to eaglet leaves the runs made before it valid. hashed=UNLESS_DEFAULT: a key added to eaglet
+    after runs were made with what is now its default: left out of the hash while it holds its
+    default (those runs stay valid; a store of a trillion-parameter target is not extracted again),
+    in it once set to anything else (the stage reruns). `words`: of a path field, the values that
     are not paths and stay as written (eval.prompts' heldout); a file of that name is ./name."""
     meta = {"doc": doc, "check": check, "path": path, "hashed": hashed, "words": frozenset(words)}
     if isinstance(default, (list, dict)):
@@ -225,7 +231,7 @@ class ExtractSection:
     draft_types: list[str] = _f(
         [], "Further draft types (train.algorithm's names) whose layers the store also holds, so that one store "
         "trains several types: it captures the union of train.algorithm's layers and these types' (training reads "
-        "its own type's columns). Empty: train.algorithm's alone.")
+        "its own type's columns). Empty: train.algorithm's alone.", hashed=UNLESS_DEFAULT)
     batch_tokens: int = _f(16384, "Token budget of one forward batch (batch size x padded length).", _ge(1))
     max_batch_size: int = _f(64, "Most samples in one forward batch.", _ge(1))
     shard_mb: float = _f(
@@ -266,7 +272,8 @@ class TrainSection:
     algorithm: str = _f(
         "eagle3", "Draft type trained, by its name in the draft-type registry: 'eagle3' (EAGLE-3: a chain drafted step "
         "by step, trained with training-time test; its keys are the train.* below), 'dflash' (DFlash: a block drafted "
-        "in one forward; keys in dflash.*), 'peagle' (P-EAGLE: parallel drafting; keys in peagle.*).")
+        "in one forward; keys in dflash.*), 'peagle' (P-EAGLE: parallel drafting; keys in peagle.*).",
+        hashed=UNLESS_DEFAULT)
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (None: run `epochs` epochs).", _ge(1))
     seed: int | None = _f(
         None, "Seed of the draft's initialisation, micro-batch order and state noise (None: run.seed). The held-out "
@@ -536,9 +543,10 @@ class Config:
         return dataclasses.asdict(getattr(self, name))
 
     def hashed_section(self, name: str) -> dict[str, Any]:
-        """The section's keys that decide what its stage writes (all but those marked hashed=False)."""
-        skip = unhashed_keys(name)
-        return {k: v for k, v in self.section(name).items() if k not in skip}
+        """The section's keys that decide what its stage writes: all but those marked hashed=False,
+        and those marked hashed=UNLESS_DEFAULT while they hold their default."""
+        skip, quiet = unhashed_keys(name), default_quiet_keys(name)
+        return {k: v for k, v in self.section(name).items() if k not in skip and (k not in quiet or v != quiet[k])}
 
     def type_section(self, name: str) -> dict[str, Any] | None:
         """The section draft type `name` keeps its own keys in (the section of its name: dflash,
@@ -580,6 +588,18 @@ def unhashed_keys(section: str) -> frozenset[str]:
     cls = _sections().get(section)
     return frozenset() if cls is None else frozenset(
         f.name for f in dataclasses.fields(cls) if not f.metadata.get("hashed", True))
+
+
+def default_quiet_keys(section: str) -> dict[str, Any]:
+    """The keys of a config section marked hashed=UNLESS_DEFAULT, with their defaults."""
+    cls = _sections().get(section)
+    if cls is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("hashed") == UNLESS_DEFAULT:
+            out[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return out
 
 
 def all_keys() -> list[str]:

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator
 from .doctor import preflight as run_preflight
 from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
+from .draft import draft_type
 from .errors import CorruptDataError, InputError, ResumeError
 from .formats.checked import listed, outputs_problem
 from .formats.version import KEY as VERSION_KEY, MANIFEST_VERSION, check_version
@@ -70,6 +71,8 @@ class Stage:
     # (relative to its own) whose checksums.json lists what later stages read (the store's shards,
     # which have sidecars, are not listed).
     outputs: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
+    # Settings outside its sections that decide what it writes (the draft types' own sections).
+    more: Callable[[Config], dict[str, Any]] = lambda cfg: {}
 
     def function(self) -> Callable[[Config, StageContext], dict[str, Any]]:
         mod, fn = self.entry.split(":")
@@ -122,6 +125,31 @@ def _eval_needs(cfg: Config) -> tuple[str, ...]:
     return ("prepare",) if cfg.eval.prompts == "heldout" else ()
 
 
+def _types_sections(cfg: Config, names: list[str]) -> dict[str, Any]:
+    """The sections the draft types `names` keep their own keys in (a type without one adds nothing)."""
+    return {name: cfg.type_section(name) for name in names if cfg.type_section(name) is not None}
+
+
+def _extract_more(cfg: Config) -> dict[str, Any]:
+    """What decides the extracted layers besides extract.*: the keys of train.algorithm's and
+    extract.draft_types' own sections that choose their layers (a type's LAYER_KEYS: dflash.layers,
+    dflash.target_layers), so that another block size trains from the same store."""
+    keys = {}
+    for name, section in _types_sections(cfg, [cfg.train.algorithm, *cfg.extract.draft_types]).items():
+        chosen = {k: section[k] for k in getattr(draft_type(name), "LAYER_KEYS", ())}
+        if chosen:
+            keys[name] = chosen
+    return {"draft_type_layers": keys} if keys else {}
+
+
+def _train_more(cfg: Config) -> dict[str, Any]:
+    """The trained type's own section (dflash.*, peagle.*); EAGLE-3's keys are train.*."""
+    sections = _types_sections(cfg, [cfg.train.algorithm])
+    if not sections:
+        return {}
+    return {"draft_type_sections": sections, "algorithm": cfg.train.algorithm}
+
+
 def _here(cfg: Config) -> tuple[str, ...]:
     """The stage folder's own checksums.json."""
     return (".",)
@@ -131,10 +159,10 @@ STAGES: list[Stage] = [
     Stage("prepare", ("target", "prepare"), "eaglet.stages.prepare:run_prepare",
           _prepare_files, target=tokenizer_identity, outputs=_here),
     Stage("extract", ("target", "extract"), "eaglet.stages.extract:run_extract", distributed=True,
-          target=model_identity, outputs=_here),
+          target=model_identity, outputs=_here, more=_extract_more),
     Stage("vocab", ("vocab",), "eaglet.stages.vocab:run_vocab", outputs=_here),
     Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True,
-          outputs=lambda cfg: (FINAL_DIR,)),
+          outputs=lambda cfg: (FINAL_DIR,), more=_train_more),
     Stage("export", ("export", "target"), "eaglet.stages.export:run_export",
           outputs=lambda cfg: tuple(cfg.export.formats)),
     Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval", _eval_files, needs=_eval_needs),
@@ -176,6 +204,9 @@ def stage_inputs(cfg: Config, stage: Stage, previous_hash: str | None) -> dict[s
     }
     if stage.target is not None:
         inputs["target"] = stage.target(cfg.target, cache)
+    more = stage.more(cfg)
+    if more:  # absent when empty: a run of the defaults keeps the hash it had before draft types
+        inputs["more"] = more
     return inputs
 
 

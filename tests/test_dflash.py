@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet.draft import draft_type, draft_type_of
-from eaglet.draft.dflash import DFlashConfig, DFlashDraft, chain_hits, default_target_layers
+from eaglet.draft.dflash import DFlashConfig, DFlashDraft, block_hits, default_target_layers
 from eaglet.draft.dflash.attention import SPARSE_BLOCK, BlockLayout, block_attention
 from eaglet.draft.dflash.loss import block_loss, select_anchors
 from eaglet.errors import ConfigError
@@ -211,7 +211,7 @@ def test_proposer_logits_equal_the_training_forward_and_replay_hits_equal_propos
             assert tokens == draft.draft_to_target(want.argmax(-1)).tolist() and qs == []
     proposer.extend(aux[0, 12:], ids[0, 13:].tolist() + [0], 12)
     for k in (3, 2):
-        hits = chain_hits(draft, aux[0], ids[0], k, anchors_per_pass=5)
+        hits = block_hits(draft, aux[0], ids[0], k, anchors_per_pass=5)
         for Q in range(18):
             tokens, _ = proposer.propose(int(ids[0, Q]), Q, k, 0.0, None)
             want = [Q + i < 18 and tokens[i - 1] == int(ids[0, Q + i]) for i in range(1, k + 1)]
@@ -230,7 +230,7 @@ def test_chain_hits_are_exact_for_a_draft_that_predicts_the_sequence():
     with torch.no_grad():
         logits = draft.block_logits(aux, ids, torch.arange(10)[None], torch.tensor([4]), torch.tensor([0]), 3)[0]
     ids[0, 5:7] = logits.argmax(-1)  # block at 4 drafts x[5], x[6]; it reads x[4] and rows < 4 only
-    hits = chain_hits(draft, aux[0], ids[0], 2)
+    hits = block_hits(draft, aux[0], ids[0], 2)
     assert hits[4].tolist() == [True, True]
 
 

@@ -222,6 +222,34 @@ def test_keys_of_how_a_stage_runs_leave_its_hash_alone(tmp_path):
     assert changed["extract"] != base["extract"] and changed["prepare"] == base["prepare"]
 
 
+def test_draft_type_keys_rerun_what_they_decide_and_a_default_run_keeps_its_hash(tmp_path):
+    """train.algorithm and extract.draft_types stay out of every hash while they hold their
+    defaults: the inputs of a default run are those it had before draft types (the stage inputs
+    hold no `more`, the sections no new key), so no store is extracted again. Another type reruns
+    extract and train; its block size reruns train alone (the store holds the same layers); its
+    layer count reruns extract too; extract.draft_types reruns extract."""
+    from eaglet.testing.tiny import save_target
+
+    target = tmp_path / "target"
+    save_target(target, "llama", seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    sets = [f"run.dir={tmp_path / 'run'}", f"prepare.data=[{data}]", f"target.path={target}"]
+    cfg = load_config(None, sets)
+    assert "algorithm" not in cfg.hashed_section("train") and "draft_types" not in cfg.hashed_section("extract")
+    assert all("more" not in pipeline.stage_inputs(cfg, s, None) for s in pipeline.STAGES)
+    base = _hashes(cfg)
+    dflash = _hashes(load_config(None, [*sets, "train.algorithm=dflash"]))
+    assert dflash["extract"] != base["extract"] and dflash["train"] != base["train"]
+    assert dflash["prepare"] == base["prepare"] and dflash["vocab"] != base["vocab"]  # vocab chains to extract
+    block = _hashes(load_config(None, [*sets, "train.algorithm=dflash", "dflash.block_size=8"]))
+    assert block["extract"] == dflash["extract"] and block["train"] != dflash["train"]
+    layers = _hashes(load_config(None, [*sets, "train.algorithm=dflash", "dflash.layers=2"]))
+    assert layers["extract"] != dflash["extract"]
+    union = _hashes(load_config(None, [*sets, "extract.draft_types=[dflash]"]))
+    assert union["extract"] != base["extract"]
+
+
 def test_a_target_replaced_in_place_reruns_what_reads_it(tmp_path):
     """Another model, tokenizer, chat template or fine-tuned weights in the same target folder
     change the input hash of the stage that reads them (and so of every stage after it);

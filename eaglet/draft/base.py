@@ -116,5 +116,7 @@ class DraftType(Protocol):
     #   chain_hits(draft, side, k, ...) -> per position of the target's continuation, whether each
     #   of the k proposals made there equals the target's token (what a greedy chain replays);
     #   replay_tree(...) as EAGLE-3's (eaglet/draft/eagle3/replay.py).
+    # Optional: LAYER_KEYS (tuple): the keys of the type's own config section that choose its target
+    #   layers (dflash: layers, target_layers); the extract stage hashes them.
     # Optional: VLLM_SPECULATIVE (dict): keys added to vLLM's speculative config besides method,
     #   model and num_speculative_tokens (P-EAGLE: {"parallel_drafting": True}).

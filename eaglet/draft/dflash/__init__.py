@@ -19,16 +19,18 @@ from ...errors import ConfigError
 from ..loss import PositionLoss
 from .loss import block_loss, dflash_settings, select_anchors
 from .model import DFlashConfig, DFlashDraft
-from .propose import DFlashProposer, chain_hits
+from .propose import DFlashProposer, block_hits, chain_hits
+from .read_export import from_serving, reload_logits, serving_format
 from .serving import serving
 
 NAME = "dflash"
 TITLE = "DFlash"
 SERVING_METHOD = "dflash"
+LAYER_KEYS = ("layers", "target_layers")  # dflash.* keys that choose the target layers (the extract stage's inputs)
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
-           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits",
-           "default_target_layers", "DFlashConfig", "DFlashDraft", "DFlashProposer"]
+           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits", "block_hits",
+           "default_target_layers", "DFlashConfig", "DFlashDraft", "DFlashProposer", "serving_format", "from_serving", "reload_logits"]
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

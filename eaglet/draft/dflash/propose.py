@@ -8,7 +8,7 @@ sample at temperature T) is the i-th drafted token. The block is k+1 rows long, 
 with k speculative tokens; with k = block_size - 1 it is the trained block, and
 `DFlashDraft.block_logits` gives the same logits (tests/test_dflash.py holds them equal).
 
-`chain_hits` is the same drafting for every position of a target's greedy sequence at once
+`block_hits` is the same drafting for every position of a target's greedy sequence at once
 (replay): exact for greedy decoding, since a proposal depends only on the committed rows, the
 root token and k.
 """
@@ -16,6 +16,7 @@ root token and k.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -75,7 +76,7 @@ class DFlashProposer:
 
 
 @torch.no_grad()
-def chain_hits(draft: DFlashDraft, aux_LA: Tensor, tokens_L: Sequence[int] | Tensor, k: int,
+def block_hits(draft: DFlashDraft, aux_LA: Tensor, tokens_L: Sequence[int] | Tensor, k: int,
                anchors_per_pass: int = 256, attn_impl: str = "auto") -> Tensor:
     """bool [L, k]: row Q, column i-1 says whether the block [x[Q], mask x k] at position Q,
     over the target states of rows < Q, drafts token x[Q+i] at slot i (False where Q+i >= L).
@@ -94,3 +95,46 @@ def chain_hits(draft: DFlashDraft, aux_LA: Tensor, tokens_L: Sequence[int] | Ten
         logits = draft.block_logits(aux, ids, positions, anchors, torch.zeros_like(anchors), k + 1, attn_impl)
         hits[anchors] = to_target[logits.argmax(-1)] == want[anchors]
     return hits.cpu()
+
+
+@torch.no_grad()
+def chain_hits(draft: DFlashDraft, side: Any, k: int, max_tokens: int = 8192, attn_impl: str = "auto",
+               anchors_per_pass: int = 256) -> list[Tensor]:
+    """Replay's rows (eaglet/engines/hf/replay.py `agreement_runs`): per sequence of the target
+    side, [len, k] float64, row Q-1 for the cycle with Q tokens committed (EAGLE-3's indexing),
+    column i-1 the chance that slot i's draft token is accepted as the continuation's token
+    x[Q+i]. Greedy: 1 when slot i drafts it, else 0 (`block_hits`). At temperature T (a side
+    sampled at T): each slot's token is drawn from its own softmax(logits / T), so given the
+    output token y it was accepted with probability min(1, q(y) / p(y)), as EAGLE-3's replay
+    takes it (q(y) = 0 outside the draft vocabulary). max_tokens: unused (one sequence a pass)."""
+    dev, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    T = float(side.temperature)
+    to_target = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)).to(dev)
+    if T > 0:
+        if side.p_token is None:
+            raise ValueError("a sampled target side needs p_token")
+        to_draft = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=dev)
+        to_draft[to_target] = torch.arange(len(to_target), device=dev)
+    out = []
+    for seq, aux_LA, p_token in zip(side.sequences, side.aux, side.p_token or [None] * len(side.sequences)):
+        L = len(seq)
+        rows = torch.zeros(L, k, dtype=torch.float64)
+        if T <= 0:
+            rows[: L - 1] = block_hits(draft, aux_LA, seq, k, anchors_per_pass, attn_impl)[1:].double()
+            out.append(rows)
+            continue
+        ids = torch.as_tensor(seq, device=dev)[None]
+        aux = aux_LA.to(dev, dtype)[None]
+        positions = torch.arange(L, device=dev)[None]
+        want = torch.cat([ids[0], ids.new_full((k,), -1)]).unfold(0, k, 1)[1 : L + 1]  # [L, k]: x[Q+1..Q+k]
+        p_y = torch.cat([p_token.to(dev).double(), torch.ones(k, dtype=torch.float64, device=dev)]).unfold(0, k, 1)[1:L + 1]
+        for first in range(1, L, anchors_per_pass):
+            anchors = torch.arange(first, min(first + anchors_per_pass, L), device=dev)
+            q = torch.softmax(draft.block_logits(aux, ids, positions, anchors, torch.zeros_like(anchors), k + 1,
+                                                 attn_impl).double() / T, -1)  # [M, k, Vd]
+            w = want[anchors]
+            d = torch.where(w >= 0, to_draft[w.clamp(min=0)], -1)
+            q_y = torch.where(d >= 0, q.gather(-1, d.clamp(min=0)[..., None])[..., 0], 0.0)
+            rows[anchors.cpu() - 1] = torch.where(w >= 0, (q_y / p_y[anchors]).clamp(max=1.0), 0.0).cpu()
+        out.append(rows)
+    return out
