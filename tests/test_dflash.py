@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -30,6 +31,7 @@ from eaglet.draft.dflash import DFlashConfig, DFlashDraft, block_hits, default_t
 from eaglet.draft.dflash.attention import SPARSE_BLOCK, BlockLayout, block_attention
 from eaglet.draft.dflash.loss import block_loss, select_anchors
 from eaglet.errors import ConfigError
+from eaglet.formats import loaders
 
 dflash = draft_type("dflash")
 REPO = Path(__file__).resolve().parents[1]
@@ -305,38 +307,6 @@ def test_dense_mask_is_the_documented_rule():
 
 # ---- (d) the export, against vLLM 0.25.0's loader and speculators 0.9.0 ---------------------------
 
-# vLLM 0.25.0 model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM.load_weights: "t2d" is
-# skipped; "d2t" becomes draft_id_to_target_id; every other name but lm_head gets "model."; then
-# DFlashQwen3Model.load_weights' stacked_params_mapping: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj.
-VLLM_STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj",
-                ".up_proj": ".gate_up_proj"}
-
-
-def vllm_parameter(name: str) -> str | None:
-    if "t2d" in name:
-        return None
-    if "d2t" in name:
-        return name.replace("d2t", "draft_id_to_target_id")
-    name = name if "lm_head" in name else "model." + name
-    for shard, stacked in VLLM_STACKED.items():
-        if shard in name:
-            return name.replace(shard, stacked)
-    return name
-
-
-def vllm_parameters(num_layers: int, reduced: bool) -> set[str]:
-    """The parameters DFlashQwen3ForCausalLM builds (its __init__, DFlashQwen3Model's: embed_tokens,
-    mask_embedding, layers, fc, hidden_norm, norm; DFlashQwen3DecoderLayer: self_attn {qkv_proj, o_proj,
-    q_norm, k_norm}, mlp {gate_up_proj, down_proj} (Qwen2MLP), input_layernorm, post_attention_layernorm;
-    lm_head; draft_id_to_target_id only when draft_vocab_size != the target's vocabulary)."""
-    per_layer = ["self_attn.qkv_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
-                 "mlp.gate_up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
-    names = {f"model.layers.{i}.{p}.weight" for i in range(num_layers) for p in per_layer}
-    names |= {"model.embed_tokens.weight", "model.mask_embedding", "model.fc.weight", "model.hidden_norm.weight",
-              "model.norm.weight", "lm_head.weight"}
-    return names | ({"draft_id_to_target_id"} if reduced else set())
-
-
 def vllm_update_dflash():
     if not VLLM_ALGOS.exists():
         return None
@@ -352,14 +322,14 @@ def test_export_matches_what_vllm_0_25_loads(draft_vocab):
     config, weights = dflash.serving(draft, {"verifier_name_or_path": "/t", "verifier_architectures": ["Qwen3ForCausalLM"],
                                              "dtype": "float32"})
     reduced = draft_vocab < 50
-    mapped = {vllm_parameter(n) for n in weights} - {None}
-    # embed_tokens and mask_embedding: skipped when not shipped (skip_substrs), the target's embedding shared
-    assert mapped == vllm_parameters(3, reduced) - {"model.embed_tokens.weight", "model.mask_embedding"}
-    for stacked in (".qkv_proj", ".gate_up_proj"):  # every shard of a stacked parameter is in the file
-        shards = [s for s, t in VLLM_STACKED.items() if t == stacked]
-        for i in range(3):
-            part = "self_attn" if stacked == ".qkv_proj" else "mlp"
-            assert all(f"layers.{i}.{part}{s}.weight" in weights for s in shards)
+    # every tensor goes into a parameter of vLLM's DFlashQwen3ForCausalLM, every needed parameter
+    # (each shard of the stacked q/k/v and gate/up) is filled (eaglet/formats/loaders.py, as data)
+    params = loaders.dflash_vllm_parameters(config["transformer_layer_config"])
+    problems, d2t = loaders._match({n: tuple(w.shape) for n, w in weights.items()}, params,
+                                   loaders.dflash_vllm_target, "vLLM")
+    assert problems == [] and (d2t == {"d2t"}) == reduced
+    assert {n for n, needed in params.items() if needed} >= {"model.layers.2.self_attn.qkv_proj.weight",
+                                                              "model.fc.weight", "model.hidden_norm.weight"}
     assert ("t2d" in weights) == ("d2t" in weights) == reduced
     assert weights["fc.weight"].shape == (32, 2 * 32)  # vLLM: target_hidden_size * len(target_layer_ids)
     # the speculators keys vLLM reads (speculators/base.py validate_speculators_config, algos.py update_dflash)

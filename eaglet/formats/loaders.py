@@ -337,14 +337,77 @@ def vllm_problems(folder: str | Path) -> list[str]:
     return problems
 
 
+# ---- DFlash: vLLM's DFlashQwen3ForCausalLM ------------------------------------------------------
+
+DFLASH_VLLM_SOURCE = (
+    "vLLM 0.25.0 vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3ForCausalLM.load_weights, "
+    "DFlashQwen3Model.load_weights) after vllm/transformers_utils/configs/speculators/algos.py (update_dflash)"
+)
+# The speculators dflash keys vLLM reads (speculators/base.py validate_speculators_config,
+# algos.py update_dflash) beside transformer_layer_config's Qwen3Config.
+DFLASH_VLLM_KEYS = ("speculators_model_type", "draft_vocab_size", "target_hidden_size", "mask_token_id",
+                    "aux_hidden_state_layer_ids", "speculators_config.proposal_methods.0.speculative_tokens",
+                    "speculators_config.verifier.name_or_path",
+                    *(f"transformer_layer_config.{k}" for k in LLAMA_KEYS if k != "model_type"))
+
+
+def dflash_vllm_parameters(c: dict[str, Any]) -> ParamMap:
+    """The parameters of vLLM's DFlashQwen3ForCausalLM for transformer_layer_config `c`: per layer
+    qkv_proj (stacked), o_proj, q_norm, k_norm, gate_up_proj (stacked), down_proj and both norms;
+    fc, hidden_norm, norm, lm_head; embed_tokens and mask_embedding optional (the target's embedding
+    is shared when the checkpoint has none). draft_id_to_target_id exists only for a reduced
+    vocabulary (`_d2t_problem` asks for d2t then)."""
+    p: ParamMap = {"model.embed_tokens.weight": False, "model.mask_embedding": False, "model.fc.weight": True,
+                   "model.hidden_norm.weight": True, "model.norm.weight": True, "lm_head.weight": True}
+    for i in range(int(c.get("num_hidden_layers") or 1)):
+        pre = f"model.layers.{i}."
+        p.update({pre + name + ".weight": True for name in (
+            "self_attn.qkv_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_up_proj",
+            "mlp.down_proj", "input_layernorm", "post_attention_layernorm")})
+    return p
+
+
+def dflash_vllm_target(name: str, params: ParamMap) -> Target:
+    """Where DFlashQwen3ForCausalLM.load_weights puts checkpoint tensor `name`: t2d is skipped, d2t
+    becomes draft_id_to_target_id, every other name but lm_head goes under `model.`, q/k/v and
+    gate/up stacked."""
+    if "t2d" in name:
+        return "ignored"
+    if "d2t" in name:
+        return "d2t"
+    name, shard = _stacked(name if "lm_head" in name else "model." + name)
+    return (name, shard) if name in params else None
+
+
+def dflash_vllm_problems(folder: str | Path) -> list[str]:
+    """Everything in the speculators dflash export `folder` that vLLM's DFlash loader
+    (DFLASH_VLLM_SOURCE) would refuse, miss or read as a default; [] when it loads all of it."""
+    engine = f"vLLM {VLLM_VERSION}"
+    config, shapes = read_config(folder), tensor_shapes(folder)
+    problems = _missing_keys(config, DFLASH_VLLM_KEYS, engine)
+    if config.get("speculators_model_type") != "dflash":
+        problems.append(f"config.json speculators_model_type {config.get('speculators_model_type')!r} is not dflash")
+    c = dict(config.get("transformer_layer_config") or {})
+    if c.get("model_type", "qwen3") != "qwen3":
+        problems.append(f"transformer_layer_config model_type {c['model_type']!r}: vLLM builds DFlash from a Qwen3Config")
+    matched, d2t = _match(shapes, dflash_vllm_parameters(c), dflash_vllm_target, engine)
+    problems += matched + _d2t_problem(d2t, config.get("draft_vocab_size"), c.get("vocab_size"), engine)
+    ids = config.get("aux_hidden_state_layer_ids") or []
+    if isinstance(c.get("hidden_size"), int) and ids:
+        problems += _fc_problem(shapes, len(ids), int(config.get("target_hidden_size") or c["hidden_size"]), engine)
+    return problems
+
+
 # draft type (its train.algorithm name) -> serving format -> the check of its engine's loader / that loader.
 # A draft type adds its rows here with its loaders.
 PROBLEMS: dict[str, dict[str, Callable[[str | Path], list[str]]]] = {
     "eagle3": {"vllm": vllm_problems, "sglang": sglang_problems},
+    "dflash": {"vllm": dflash_vllm_problems},
 }
 ENGINES: dict[str, dict[str, str]] = {
     "eagle3": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
                "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"},
+    "dflash": {"vllm": f"vLLM {VLLM_VERSION}'s DFlashQwen3ForCausalLM"},
 }
 
 
@@ -407,7 +470,18 @@ def eagle3_serve_commands(target: str, exports: dict[str, str | Path], num_specu
     return out
 
 
+def dflash_serve_commands(target: str, exports: dict[str, str | Path], num_speculative_tokens: int) -> dict[str, str]:
+    """`serve_commands` of a DFlash draft: vLLM 0.25 --speculative-config with method "dflash" (its
+    block runs non-causal: vLLM's FlashAttention backend, the default without FlashInfer, runs it;
+    `--attention-backend FLASH_ATTN` forces it). SGLang serves no eaglet DFlash export."""
+    if "vllm" not in exports:
+        return {}
+    spec = {"method": "dflash", "model": str(exports["vllm"]), "num_speculative_tokens": int(num_speculative_tokens)}
+    return {"vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"}
+
+
 # draft type -> the serve commands of its exports (a draft type adds its row with its loaders)
 SERVE_COMMANDS: dict[str, Callable[[str, dict[str, str | Path], int], dict[str, str]]] = {
     "eagle3": eagle3_serve_commands,
+    "dflash": dflash_serve_commands,
 }
