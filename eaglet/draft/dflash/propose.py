@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...errors import ConfigError
 from .model import DFlashDraft
 
 
@@ -62,8 +63,9 @@ class DFlashProposer:
         the first `prefix` committed rows; at temperature > 0 each slot is sampled from
         softmax(logits / T), returned too (draft vocabulary, CPU fp64)."""
         if not 1 <= k < self.draft.config.block_size:
-            raise ValueError(f"DFlash drafts 1..{self.draft.config.block_size - 1} tokens per block "
-                             f"(block_size - 1), not {k}")
+            raise ConfigError(f"eval.chain_tokens {k}: a DFlash draft of block size {self.draft.config.block_size} "
+                              f"drafts 1 to {self.draft.config.block_size - 1} tokens a cycle (train it with a larger "
+                              "dflash.block_size, or set eval.chain_tokens lower)")
         if prefix > self.length:
             raise RuntimeError(f"draft cache holds {self.length} rows; a proposal at {prefix} needs them all")
         context = [(kk[:, :, :prefix], vv[:, :, :prefix]) for kk, vv in self.cache]
