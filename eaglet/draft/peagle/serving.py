@@ -122,6 +122,9 @@ def serving_weights(draft: PeagleDraft, dtype: torch.dtype, include_embed: bool 
 
 def serving(draft: PeagleDraft, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(config.json, weights) of the speculators `peagle` export (module header; meta's keys there)."""
+    if meta.get("format", "vllm") != "vllm":
+        raise ValueError(f"a P-EAGLE draft exports in the speculators format ('vllm') alone, not {meta['format']!r}: "
+                         "SGLang has no parallel-drafting EAGLE path")
     dtype = meta.get("dtype", torch.bfloat16)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
