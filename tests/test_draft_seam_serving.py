@@ -255,6 +255,6 @@ def test_an_export_is_read_back_by_its_type(tmp_path, fmt):
     cfg, state, meta = load_draft(folder)
     assert meta["algorithm"] == "eagle3" and meta["format"] == fmt
     assert draft_type(meta["algorithm"]) is draft_type_of(m)
-    with pytest.raises(ValueError, match=r"config.json is no export of a draft type eaglet reads \(EAGLE-3\): "
-                                         r"speculators_model_type 'medusa'"):
+    with pytest.raises(ValueError, match=r"config.json is no export of a draft type eaglet reads \(EAGLE-3, "
+                                         r"P-EAGLE[^)]*\): speculators_model_type 'medusa'"):
         serving_type({"speculators_model_type": "medusa", "architectures": ["X"]})

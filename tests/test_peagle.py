@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglet.draft import draft_type, draft_type_of
 from eaglet.draft import peagle
-from eaglet.draft.loss import step_mask
+from eaglet.draft.eagle3.loss import step_mask
 from eaglet.draft.peagle.loss import depth_loss, depth_ratio, host_rows, sample_depth_rows
 from eaglet.draft.peagle.model import PeagleConfig, PeagleDraft, auto_mask_token_id
 from eaglet.engines.hf.decode import TargetRunner, keep_cache_rows, new_cache, plain_generate

@@ -16,9 +16,9 @@ from torch import nn
 from .loss import host_rows, loss
 from .model import PeagleConfig, PeagleDraft, auto_mask_token_id, peagle_settings
 from .propose import PeagleProposer
-from .read_export import FORMATS as SERVING_FORMATS
 from .read_export import from_serving, reload_logits, serving_format
 from .replay import chain_hits
+from .serving import FORMATS as SERVING_FORMATS
 from .serving import serving
 
 NAME = "peagle"

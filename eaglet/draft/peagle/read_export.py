@@ -23,14 +23,14 @@ from torch import Tensor
 
 from ..eagle3.read_export import from_serving as eagle3_from_serving
 from .model import PeagleConfig, PeagleDraft
+from .serving import FORMATS
 
-FORMATS = ("vllm",)  # SGLang has no parallel-drafting EAGLE path: the speculators format alone
 MODEL_TYPE = "peagle"  # speculators_model_type
 
 
 def serving_format(config: dict[str, Any], weights: dict[str, Tensor] | None = None) -> str | None:
     """"vllm" for a speculators `peagle` config.json, else None (not P-EAGLE's)."""
-    return "vllm" if config.get("speculators_model_type") == MODEL_TYPE else None
+    return FORMATS[0] if config.get("speculators_model_type") == MODEL_TYPE else None
 
 
 def from_serving(config: dict[str, Any], weights: dict[str, Tensor], fmt: str, folder: Path
@@ -49,7 +49,7 @@ def from_serving(config: dict[str, Any], weights: dict[str, Tensor], fmt: str, f
     as_eagle3.pop("fc_norm", None)
     as_eagle3.pop("norm_output", None)
     eagle_weights = {name: t for name, t in weights.items() if name != "mask_hidden"}
-    base, state, missing, meta = eagle3_from_serving(as_eagle3, eagle_weights, "vllm", folder)
+    base, state, missing, meta = eagle3_from_serving(as_eagle3, eagle_weights, fmt, folder)
     k = int(meta.get("num_speculative_tokens") or 1)
     cfg = PeagleConfig(**base.to_dict(), mask_token_id=int(config["mask_token_id"]), num_depths=k)
     mask = weights["mask_hidden"]
