@@ -248,3 +248,47 @@ def test_the_doctor_checks_the_eval_rows_of_the_type_trained_wherever_vllm_measu
     assert vllm.contract_stages(load_config(None, ["eval.vllm=off"]), {"eval"}) == set()
     streamed = load_config(None, ["extract.backend=vllm", "extract.mode=online"])
     assert vllm.contract_stages(streamed, {"train"}) == {"extract-vllm"}
+
+
+def test_the_doctors_contract_lines_reach_the_vllm_eval_rows_of_the_trained_type(tmp_path, monkeypatch):
+    """With vLLM's rows made checkable (vLLM is not installed here, so each reads 'missing'), the
+    doctor's eval preflight FAILs on P-EAGLE's eval rows for a P-EAGLE config, on EAGLE-3's for
+    an EAGLE-3 one, on none with eval.vllm off; the HF engine's hooks stay with extract.backend hf."""
+    from eaglet.doctor import diagnose
+    from eaglet.engines import ENGINES, hf
+    from eaglet.testing import tiny
+
+    monkeypatch.setattr(ENGINES["vllm"], "unchecked_contract", lambda probe, row: False)
+    target = tiny.save_target(tmp_path / "t", family="llama", template="llama3")
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", tiny.make_conversations(4, seed=1))
+    base = [f"run.dir={tmp_path / 'run'}", f"target.path={target}", f"prepare.data=[{data}]",
+            "export.verifier_name_or_path=org/t"]
+
+    def failing(*overrides):
+        findings = diagnose(load_config(None, [*base, *overrides]), "eval").findings
+        return {f.expected.split("(for ")[-1].split(":")[0] for f in findings if f.status == "FAIL"
+                and f.check.startswith("API vllm")}
+
+    assert failing("train.algorithm=peagle", "eval.vllm=auto") == {"P-EAGLE"}
+    assert failing("train.algorithm=eagle3", "eval.vllm=auto") == {"EAGLE-3"}
+    assert failing("train.algorithm=peagle", "eval.vllm=off") == set()
+    assert hf.contract_stages(load_config(None, [*base, "extract.backend=vllm"]), {"extract"}) == set()
+    assert hf.contract_stages(load_config(None, base), {"extract"}) == {"extract"}
+
+
+@pytest.mark.parametrize("version, ready", [("0.25.0", True), ("0.21.0", False), (None, False)])
+def test_the_vllm_eval_check_makes_its_rows_checkable_where_vllm_is_new_enough(version, ready, monkeypatch):
+    from eaglet.checks.findings import Probe
+    from eaglet.engines.vllm import checks
+
+    monkeypatch.setattr(checks.engine, "installed_vllm_version", lambda: version)
+    probe = Probe(load_config(None, ["eval.vllm=auto"]), "eval")
+    checks.check_vllm_eval(probe)
+    assert probe.vllm_ready is ready
+
+
+def test_a_types_speculative_keys_cannot_replace_eaglets():
+    from eaglet.engines.vllm.decode import speculative_config
+
+    with pytest.raises(ValueError, match=r"may not set \['method'\]"):
+        speculative_config("/d", 3, "eagle3", {"method": "draft_model"})
