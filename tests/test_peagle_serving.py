@@ -18,7 +18,7 @@ from eaglet.config import load_config
 from eaglet.draft import DRAFT_TYPES, draft_type, eagle3, peagle
 from eaglet.draft.peagle.model import PeagleConfig, PeagleDraft
 from eaglet.engines.hf.decode import SpecSettings, TargetRunner, acceptance_stats, speculative_generate
-from eaglet.engines.hf.replay import replay_chain, replay_note, target_side
+from eaglet.engines.hf.replay import agreement_runs, replay_chain, replay_note, target_side
 from eaglet.errors import ConfigError
 from eaglet.formats.loaders import PROBLEMS, serve_commands
 from eaglet.formats.serving import draft_model, export_draft, export_type, load_draft
@@ -197,7 +197,8 @@ def partly_trained(target, side, steps: int) -> PeagleDraft:
 def test_greedy_chain_replay_is_in_process_decoding():
     """replay_chain (one forward over every row at every depth) gives speculative_generate's
     accepted count per verification and its tokens, prompt by prompt, for a draft that is right
-    only part of the time."""
+    only part of the time; and at every row of the continuation (the cycles start at few of
+    them) its hits are those of the proposer's k proposals there."""
     target = build_model("llama", seed=0)
     side = target_side(target, AUX, PROMPTS, NEW, K, batch=2)
     draft = partly_trained(target, side, 25)
@@ -213,6 +214,14 @@ def test_greedy_chain_replay_is_in_process_decoding():
     assert len(set(replayed)) >= 3 and 0 in replayed  # cycles of several lengths: the comparison means something
     tau = acceptance_stats(replayed, K)["tau"]
     assert tau == acceptance_stats(decoded, K)["tau"] and 1.2 < tau < K + 1
+    # every row, not only those the cycles start at: its hits are the proposer's agreement there
+    for seq, aux, hits in zip(side.sequences, side.aux, agreement_runs(draft, side, K, attn_impl="naive"), strict=True):
+        proposer.reset()
+        for t in range(len(seq) - 2):
+            proposer.extend(aux[t:t + 1], [seq[t + 1]], t)
+            proposals, _ = proposer.propose(seq[t + 1], t + 1, K, 0.0, None)
+            want = [float(p == x) for p, x in zip(proposals, seq[t + 2:])]
+            assert hits[t, :len(want)].tolist() == want, (t, proposals, seq[t + 2:t + 2 + K])
 
 
 # ---- the vLLM contract rows -------------------------------------------------------------------
