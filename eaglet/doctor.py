@@ -103,8 +103,9 @@ def check_api_contracts(p: Probe) -> None:
     roles.update(p.vllm_roles)
     rows = CONTRACTS + engine_contracts()  # the common table's and each engine's own
     stages = {s for c in rows for s in c.stages} if p.stage is None else {p.stage}
-    # the rows of the engine that runs the target (the HF engine's hooks, or vLLM's own APIs), not the others'
-    stages = stages - contract_stages() | engine(p.cfg.extract.backend).contract_stages(p.cfg, stages)
+    # each engine's own rows where this config calls it (the HF engine's hooks or vLLM's own APIs,
+    # for the engine that runs the target; vLLM's eval rows where the eval measures the export in it)
+    stages = stages - contract_stages() | set().union(*(e.contract_stages(p.cfg, stages) for e in ENGINES.values()))
 
     def unchecked(c: Any) -> bool:  # an engine's own library, not installed here
         return any(e.unchecked_contract(p, c) for e in ENGINES.values())

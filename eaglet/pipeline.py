@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .doctor import preflight as run_preflight
+from .draft import draft_type
 from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .draft import draft_type
@@ -164,7 +165,8 @@ STAGES: list[Stage] = [
     Stage("train", ("train",), "eaglet.stages.train:run_train", _init_files, distributed=True,
           outputs=lambda cfg: (FINAL_DIR,), more=_train_more),
     Stage("export", ("export", "target"), "eaglet.stages.export:run_export",
-          outputs=lambda cfg: tuple(cfg.export.formats)),
+          outputs=lambda cfg: tuple(f for f in cfg.export.formats
+                                    if f in draft_type(cfg.train.algorithm).SERVING_FORMATS)),
     Stage("eval", ("eval",), "eaglet.stages.evaluate:run_eval", _eval_files, needs=_eval_needs),
 ]
 STAGE_NAMES = [s.name for s in STAGES]

@@ -4,9 +4,10 @@
 same layer kinds, MoE routing, attention kind and wrapper nesting; 64-wide, 8 layers,
 a few experts; the vocabulary is kept so the target's own tokenizer works), builds a random
 model from it, and runs prepare, extract (with its self-check), vocab, two train steps,
-export (which reloads every format) and eval, on a few of the user's records (16, at most
-2,048 tokens each: its first line names the cap where it cuts prepare.max_length) in a
-temporary run folder. Every external call eaglet makes for this family is reached in well
+export (which reloads every format) and eval of train.algorithm's draft type, then train,
+export and eval of each further type of extract.draft_types on the same store (`TYPE_STAGES`),
+on a few of the user's records (16, at most 2,048 tokens each: its first line names the cap
+where it cuts prepare.max_length) in a temporary run folder. Every external call eaglet makes for this family is reached in well
 under a minute on a CPU, before the real run loads its weights.
 """
 
@@ -18,6 +19,7 @@ import inspect
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 from . import pipeline
 from .checks.findings import Probe, Report
 from .config import Config
+from .draft import draft_type
 from .engines import engine, tiny_cpu_engine
 from .targets.load import TargetParts, model_from_config
 
@@ -35,6 +38,8 @@ SHADOW_RECORDS = 16  # records read per data file
 # of 256 cut ShareGPT records before their first reply). A SmolLM2 shadow on 16 ShareGPT records,
 # 2 busy cores: 14-16 s in all at 2048 (extract 7-8 s), 8 s at 256 (extract 1.3 s).
 SHADOW_MAX_LENGTH = 2048
+# The stages that a draft type of extract.draft_types runs again on the shadow's store.
+TYPE_STAGES = ("train", "export", "eval")
 
 # Width keys set to min(value, small); each keeps the relation the model code needs
 # (heads x head_dim need not equal hidden in these families; head counts stay divisible).
@@ -234,22 +239,49 @@ def run_shadow(cfg: Config, hf_config: Any, tokenizer: Any, num_target_layers: i
                f"{type(model).__name__} ({hf_config.get_text_config().model_type}), "
                f"{model.config.get_text_config().num_hidden_layers} layers, {n_params / 1e6:.1f}M params in "
                f"{time.time() - t0:.1f}s" + (f"; shadow settings: {'; '.join(notes)}" if notes else ""), "")
-        for name in pipeline.STAGE_NAMES:
-            t1 = time.time()
-            try:
-                m = pipeline.run_stage(scfg, name, force=True, preflight=False)
-            except Exception as e:  # noqa: BLE001
-                report("FAIL", f"shadow: {name}", f"stage {name} runs on the tiny {type(model).__name__}",
-                       f"{type(e).__name__}: {str(e)[:600]}",
-                       f"the real run would fail the same way in `eaglet {name}`")
+        if not _run_stages(scfg, pipeline.STAGE_NAMES, "", model, cfg, report):
+            return
+        for kind in further_types(scfg):  # the store holds their layers: each trains, exports and evaluates
+            if not _run_stages(type_config(scfg, kind.NAME), TYPE_STAGES, f" ({kind.TITLE})", model, cfg, report):
                 return
-            report("ok", f"shadow: {name}", "completes",
-                   f"{time.time() - t1:.1f}s; {_summary(name, m['stats'], cfg, scfg)}", "")
         report("ok", "shadow: total", "under a minute on a CPU", f"{time.time() - t0:.1f}s", "")
     finally:
         torch.set_num_threads(threads)
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def further_types(cfg: Config) -> list[Any]:
+    """The draft types of extract.draft_types besides train.algorithm's, once each, in order."""
+    names = dict.fromkeys(n for n in cfg.extract.draft_types if n != cfg.train.algorithm)
+    return [draft_type(n) for n in names]
+
+
+def type_config(cfg: Config, name: str) -> Config:
+    """The shadow's config training draft type `name` on the same store: train.algorithm alone
+    changes, so prepare, extract and vocab stay current (the extract stage's inputs do not name
+    train.algorithm; the store holds the union of train.algorithm's and extract.draft_types' layers)."""
+    out = copy.deepcopy(cfg)
+    out.train.algorithm = name
+    return out
+
+
+def _run_stages(scfg: Config, names: Sequence[str], label: str, model: Any, cfg: Config, report: Report) -> bool:
+    """Run `names` in order with `scfg`, one report line each (`label` after the stage's name);
+    False after the first that fails (its FAIL line reported)."""
+    for name in names:
+        t1 = time.time()
+        try:
+            m = pipeline.run_stage(scfg, name, force=True, preflight=False)
+        except Exception as e:  # noqa: BLE001
+            report("FAIL", f"shadow: {name}{label}", f"stage {name} runs on the tiny {type(model).__name__}",
+                   f"{type(e).__name__}: {str(e)[:600]}",
+                   f"the real run would fail the same way in `eaglet {name}`"
+                   + (f" with train.algorithm {scfg.train.algorithm}" if label else ""))
+            return False
+        report("ok", f"shadow: {name}{label}", "completes",
+               f"{time.time() - t1:.1f}s; {_summary(name, m['stats'], cfg, scfg)}", "")
+    return True
 
 
 def _summary(stage: str, stats: dict[str, Any], cfg: Config, scfg: Config) -> str:

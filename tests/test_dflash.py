@@ -221,7 +221,7 @@ def test_proposer_logits_equal_the_training_forward_and_replay_hits_equal_propos
     tokens, qs = proposer.propose(int(ids[0, 7]), 7, 3, 0.8, torch.Generator().manual_seed(0))
     assert len(qs) == 3 and all(q.dtype == torch.float64 and abs(float(q.sum()) - 1) < 1e-9 for q in qs)
     assert set(tokens) <= set(draft.draft_to_target(torch.arange(40)).tolist())
-    with pytest.raises(ValueError, match="block_size - 1"):
+    with pytest.raises(ValueError, match="eval.chain_tokens"):
         proposer.propose(1, 7, 4, 0.0, None)
 
 

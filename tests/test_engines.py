@@ -85,7 +85,7 @@ def test_the_shadow_and_eval_questions_go_to_the_engines(monkeypatch):
     assert registry.eval_engine(EvalSection(vllm="off")) is None
     monkeypatch.setattr(registry.ENGINES["vllm"], "wants_eval", lambda ecfg: True)
     assert registry.eval_engine(SimpleNamespace()) is registry.ENGINES["vllm"]
-    assert registry.contract_stages() == {"extract", "extract-vllm"}
+    assert registry.contract_stages() == {"extract", "extract-vllm", "eval-vllm"}
 
 
 # ---- open_states asks the registry ------------------------------------------------------------------

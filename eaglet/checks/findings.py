@@ -49,7 +49,7 @@ class Probe:
     parts: Any = None  # TargetParts of the skeleton
     layers: list[int] | None = None
     sampled: list[dict[str, Any]] = field(default_factory=list)  # per data file: records read, tokens, bytes
-    vllm_ready: bool = False  # backend vllm: a vLLM new enough is importable here (its contracts are checked)
+    vllm_ready: bool = False  # a vLLM new enough is importable here, to extract or evaluate (its rows are checked)
     vllm_roles: dict[str, list[type]] = field(default_factory=dict)  # {vllm_model}: the target's vLLM class
 
     def add(self, status: str, check: str, expected: str, found: str, fix: str = "",

@@ -60,6 +60,7 @@ class DraftType(Protocol):
     NAME: str  # the value of train.algorithm; written into the draft's meta as "algorithm"
     TITLE: str  # as people write it: "EAGLE-3", "DFlash", "P-EAGLE"
     SERVING_METHOD: str  # vLLM's speculative method that serves it ("eagle3", "dflash")
+    SERVING_FORMATS: tuple[str, ...]  # the export formats `serving` writes ("vllm", "sglang"; P-EAGLE: "vllm")
 
     def layers(self, num_target_layers: int, cfg: Config) -> list[int] | None:
         """The target layers the draft reads (HF hidden_states indices, 0 = the embeddings), or
@@ -105,18 +106,23 @@ class DraftType(Protocol):
         missing from it, meta: aux_layer_ids, verifier_name_or_path, verifier_architectures,
         num_speculative_tokens)."""
 
-    def reload_logits(self, draft: nn.Module, reloaded: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
-        """The logits of the trained draft and of its export read back on the same inputs (the
-        export stage's check that the export is the draft)."""
+    def reload_logits(self, draft: nn.Module) -> list[Tensor]:
+        """The draft's logits on one fixed input (seeded inside): the export stage compares the
+        trained draft's with those of its export read back (the check that the export is the draft)."""
 
     def proposer(self, draft: nn.Module) -> Proposer:
         """The draft's proposal state for in-process decoding."""
 
     # Optional: replay (eaglet/engines/hf/replay.py) is offered for a type that has chain_hits:
-    #   chain_hits(draft, side, k, ...) -> per position of the target's continuation, whether each
-    #   of the k proposals made there equals the target's token (what a greedy chain replays);
+    #   chain_hits(draft, side, k, max_tokens, attn_impl) -> per position of the target's
+    #   continuation, whether each of the k proposals made there equals the target's token (what
+    #   a greedy chain replays; eaglet/draft/agreement.py computes it from the type's steps);
     #   replay_tree(...) as EAGLE-3's (eaglet/draft/eagle3/replay.py).
     # Optional: LAYER_KEYS (tuple): the keys of the type's own config section that choose its target
     #   layers (dflash: layers, target_layers); the extract stage hashes them.
     # Optional: VLLM_SPECULATIVE (dict): keys added to vLLM's speculative config besides method,
-    #   model and num_speculative_tokens (P-EAGLE: {"parallel_drafting": True}).
+    #   model and num_speculative_tokens (P-EAGLE: {"parallel_drafting": True}), by the vLLM eval
+    #   (eaglet/engines/vllm/decode.py) and the serve command (eaglet/formats/loaders.py).
+    # Optional: VLLM_SERVING_CONTRACTS: ((where, params, why), ...), what serving it in vLLM needs of
+    #   vLLM, in eaglet/checks/contracts.py's row syntax; eaglet/engines/vllm/contracts.py makes
+    #   them rows of stage "eval-vllm" for a config whose train.algorithm is this type.

@@ -100,7 +100,8 @@ class Engine(Protocol):
 
     def contract_stages(self, cfg: Config, stages: set[str]) -> set[str]:
         """The rows of eaglet/checks/contracts.py (by their stage, within CONTRACT_STAGES) that
-        the pipeline stages `stages` call with this engine running the target."""
+        the pipeline stages `stages` call of this engine for `cfg`: where it runs the target
+        (extract.backend), and where the eval measures the export in it (vLLM's eval rows)."""
 
     def unchecked_contract(self, probe: Probe, contract: Contract) -> bool:
         """Whether `contract` is a row about this engine's own library that cannot be checked

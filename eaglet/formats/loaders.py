@@ -1,4 +1,5 @@
-"""What vLLM's and SGLang's EAGLE-3 loaders read from an export, and the commands that serve it.
+"""What vLLM's and SGLang's EAGLE-3 loaders read from an export, and the commands that serve it
+(P-EAGLE's too: vLLM's same loader with parallel drafting; SGLang has none).
 
     sglang_problems(folder) -> list[str]    # against SGLang's LlamaForCausalLMEagle3 (SGLANG_SOURCE)
     vllm_problems(folder) -> list[str]      # against vLLM's Eagle3LlamaForCausalLM (VLLM_SOURCE)
@@ -23,6 +24,7 @@ the loader builds from the config.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,8 @@ SGLANG_ARCH = "LlamaForCausalLMEagle3"
 VLLM_KEYS = ("speculators_model_type", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
              "eagle_aux_hidden_state_layer_ids", "speculators_config.proposal_methods.0.speculative_tokens",
              "speculators_config.verifier.name_or_path", *(f"transformer_layer_config.{k}" for k in LLAMA_KEYS))
+# vLLM's peagle path (update_peagle) reads these too: mask_token_id is required (its pard_token).
+PEAGLE_KEYS = ("mask_token_id",)
 
 ParamMap = dict[str, bool]  # a loader's parameter name -> whether a checkpoint tensor must fill it
 Target = tuple[str, Any] | str | None  # (parameter, shard or None); "d2t"; "ignored" (t2d); None: no parameter
@@ -252,14 +256,22 @@ def sglang_problems(folder: str | Path) -> list[str]:
 
 def vllm_draft_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config vLLM builds its Eagle3 draft from: transformer_layer_config plus the speculators
-    top-level fields, as vLLM's update_eagle3 copies them (a missing norm_before_residual: true)."""
+    top-level fields, as vLLM's update_eagle3 copies them (a missing norm_before_residual: true),
+    or, for speculators_model_type peagle, as update_peagle does: a missing norm_before_residual
+    is false, fc_norm and norm_output are not copied, mask_token_id becomes pard_token, and the
+    speculative config gets parallel_drafting (which gives the model its mask_hidden buffer)."""
+    parallel = config.get("speculators_model_type") == "peagle"
     c = dict(config.get("transformer_layer_config") or {})
     c["draft_vocab_size"] = config.get("draft_vocab_size")
     if config.get("target_hidden_size") is not None:
         c["target_hidden_size"] = config["target_hidden_size"]
-    c["norm_before_residual"] = config.get("norm_before_residual", True)
-    for key in ("norm_before_fc", "fc_norm", "norm_output"):
-        c[key] = config.get(key, False)
+    c["norm_before_residual"] = config.get("norm_before_residual", not parallel)
+    c["norm_before_fc"] = config.get("norm_before_fc", False)
+    for key in ("fc_norm", "norm_output"):
+        c[key] = False if parallel else config.get(key, False)
+    if parallel:
+        c["pard_token"] = config.get("mask_token_id")
+        c["parallel_drafting"] = True
     if config.get("eagle_aux_hidden_state_layer_ids"):
         c["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
     return c
@@ -300,6 +312,8 @@ def vllm_parameters(c: dict[str, Any]) -> ParamMap:
             p[pre + "self_attn.o_proj.bias"] = True
         if c.get("mlp_bias"):
             p.update({pre + "mlp.gate_up_proj.bias": True, pre + "mlp.down_proj.bias": True})
+    if c.get("parallel_drafting"):
+        p["mask_hidden"] = True  # a buffer load_weights copies into; it refuses a checkpoint without it
     return p
 
 
@@ -311,21 +325,26 @@ def vllm_target(name: str, params: ParamMap) -> Target:
         return "ignored"
     if "d2t" in name:
         return "d2t"
+    if "mask_hidden" in name:  # without parallel drafting, skipped with a warning
+        return ("mask_hidden", None) if "mask_hidden" in params else "ignored"
     if "lm_head" not in name:
         name = "model." + name.replace("midlayer.", "layers.0.")
     name, shard = _stacked(name)
     return (name, shard) if name in params else None
 
 
-def vllm_problems(folder: str | Path) -> list[str]:
+def vllm_problems(folder: str | Path, model_type: str = "eagle3") -> list[str]:
     """Everything in the speculators-format export `folder` that vLLM's Eagle3 loader (VLLM_SOURCE)
-    would refuse, miss or read as a default; [] when it loads all of it as written."""
+    would refuse, miss or read as a default; [] when it loads all of it as written. model_type:
+    the speculators_model_type the draft type writes ("peagle": parallel drafting, PEAGLE_KEYS
+    and a mask_hidden of fc's input width besides)."""
     engine = f"vLLM {VLLM_VERSION}"
     config, shapes = read_config(folder), tensor_shapes(folder)
-    problems = _missing_keys(config, VLLM_KEYS, engine)
-    if config.get("speculators_model_type", "eagle3") != "eagle3":
-        problems.append(f"config.json speculators_model_type {config['speculators_model_type']!r} is not eagle3")
-    c = vllm_draft_config(config)
+    parallel = model_type == "peagle"
+    problems = _missing_keys(config, VLLM_KEYS + (PEAGLE_KEYS if parallel else ()), engine)
+    if config.get("speculators_model_type", model_type) != model_type:
+        problems.append(f"config.json speculators_model_type {config['speculators_model_type']!r} is not {model_type}")
+    c = vllm_draft_config({**config, "speculators_model_type": model_type})
     if c.get("model_type", "llama") != "llama":
         problems.append(f"transformer_layer_config model_type {c['model_type']!r}: eaglet's drafts are "
                         "Eagle3LlamaForCausalLM")
@@ -333,7 +352,12 @@ def vllm_problems(folder: str | Path) -> list[str]:
     problems += matched + _d2t_problem(d2t, c.get("draft_vocab_size"), c.get("vocab_size"), engine)
     hidden = c.get("hidden_size")
     if isinstance(hidden, int):
+        width = vllm_num_aux(c) * int(c.get("target_hidden_size", hidden))
         problems += _fc_problem(shapes, vllm_num_aux(c), int(c.get("target_hidden_size", hidden)), engine)
+        mask = shapes.get("mask_hidden")
+        if parallel and mask is not None and math.prod(mask) != width:
+            problems.append(f"weight 'mask_hidden' {mask} holds {math.prod(mask)} values; {engine} copies it into a "
+                            f"buffer of fc's input width {width}")
     return problems
 
 
@@ -398,16 +422,23 @@ def dflash_vllm_problems(folder: str | Path) -> list[str]:
     return problems
 
 
+def peagle_vllm_problems(folder: str | Path) -> list[str]:
+    """`vllm_problems` of a P-EAGLE export (speculators_model_type peagle)."""
+    return vllm_problems(folder, "peagle")
+
+
 # draft type (its train.algorithm name) -> serving format -> the check of its engine's loader / that loader.
 # A draft type adds its rows here with its loaders.
 PROBLEMS: dict[str, dict[str, Callable[[str | Path], list[str]]]] = {
     "eagle3": {"vllm": vllm_problems, "sglang": sglang_problems},
     "dflash": {"vllm": dflash_vllm_problems},
+    "peagle": {"vllm": peagle_vllm_problems},  # SGLang has no parallel-drafting EAGLE path
 }
 ENGINES: dict[str, dict[str, str]] = {
     "eagle3": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
                "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"},
     "dflash": {"vllm": f"vLLM {VLLM_VERSION}'s DFlashQwen3ForCausalLM"},
+    "peagle": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM with parallel drafting (PeagleLlamaForCausalLM)"},
 }
 
 
@@ -480,8 +511,20 @@ def dflash_serve_commands(target: str, exports: dict[str, str | Path], num_specu
     return {"vllm": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"}
 
 
+def peagle_serve_commands(target: str, exports: dict[str, str | Path], num_speculative_tokens: int) -> dict[str, str]:
+    """`serve_commands` of a P-EAGLE draft: vLLM only, method eagle3 with parallel_drafting
+    (SpeculativeConfig.parallel_drafting; vLLM fills it in itself only when the draft folder is
+    served as the model, speculators/base.py), k tokens per forward."""
+    k, q = int(num_speculative_tokens), shlex.quote
+    if "vllm" not in exports:
+        return {}
+    spec = {"method": "eagle3", "model": str(exports["vllm"]), "num_speculative_tokens": k, "parallel_drafting": True}
+    return {"vllm": f"vllm serve {q(target)} --speculative-config {q(json.dumps(spec))}"}
+
+
 # draft type -> the serve commands of its exports (a draft type adds its row with its loaders)
 SERVE_COMMANDS: dict[str, Callable[[str, dict[str, str | Path], int], dict[str, str]]] = {
     "eagle3": eagle3_serve_commands,
     "dflash": dflash_serve_commands,
+    "peagle": peagle_serve_commands,
 }

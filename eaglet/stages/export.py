@@ -4,8 +4,9 @@
 
 Reads the trained draft (`<train>/final/`, eaglet/formats/draft.py: its files checked against
 their checksums.json, and refused when a weight is not finite) and writes each format of
-`export.formats` into `<export>/<format>/` with its checksums.json (eaglet/formats/serving.py
-says what each holds).
+`export.formats` that the draft's type writes (its SERVING_FORMATS: a P-EAGLE draft has no SGLang
+export, and a note says so) into `<export>/<format>/` with its checksums.json
+(eaglet/formats/serving.py says what each holds).
 Every export is then read back through the same reader `train.init_from` uses and must give
 the trained draft's logits (within bf16 rounding for a bf16 export), and must hold exactly what
 its engine's loader reads (eaglet/formats/loaders.py: every weight matched to a
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..errors import ConfigError
 from ..draft import draft_type, draft_type_of
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
@@ -54,7 +56,7 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         log(f"[export] the target scales its embedding by {embed_scale:g}: exporting the draft's (scaled) "
             "embed_tokens although export.include_embed is off")
     out: dict[str, Any] = {}
-    for fmt in cfg.export.formats:
+    for fmt in export_formats(cfg, draft_type_of(model)):
         folder = export_draft(
             model, ctx.out_dir / fmt, fmt, aux_layer_ids=aux_layers, verifier_name_or_path=verifier,
             verifier_architectures=architectures, num_speculative_tokens=cfg.export.speculative_tokens,
@@ -80,6 +82,21 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
         out[fmt]["serve_command"] = command
         log(f"[export] serve with {'vLLM' if fmt == 'vllm' else 'SGLang'}: {command}")
     return out
+
+
+def export_formats(cfg: Config, kind: Any) -> list[str]:
+    """The formats of export.formats that the draft's type writes (its SERVING_FORMATS), a
+    one-line note naming the others; a ConfigError when it writes none of them."""
+    wanted = list(cfg.export.formats)
+    formats = [fmt for fmt in wanted if fmt in kind.SERVING_FORMATS]
+    if not formats:
+        raise ConfigError(f"export.formats {wanted}: a {kind.TITLE} draft exports only as {list(kind.SERVING_FORMATS)}",
+                          fix=f"set export.formats to {list(kind.SERVING_FORMATS)}")
+    others = [fmt for fmt in wanted if fmt not in formats]
+    if others:
+        log(f"[export] note: no {', '.join(others)} export: the {kind.TITLE} draft type has none "
+            f"(it exports as {list(kind.SERVING_FORMATS)})")
+    return formats
 
 
 def target_architectures(cfg: Config, store: Path) -> list[str]:

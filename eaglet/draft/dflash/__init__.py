@@ -26,10 +26,26 @@ from .serving import serving
 NAME = "dflash"
 TITLE = "DFlash"
 SERVING_METHOD = "dflash"
+SERVING_FORMATS = ("vllm",)  # speculators' dflash format (serving.py); SGLang serves no eaglet DFlash export
 LAYER_KEYS = ("layers", "target_layers")  # dflash.* keys that choose the target layers (the extract stage's inputs)
+# What its vLLM serving path needs of vLLM (eaglet/engines/vllm/contracts.py makes them contract
+# rows, checked by the doctor for a config that trains this type): (where, params, why), as read
+# from vLLM 0.25.0's source.
+VLLM_SERVING_CONTRACTS = (
+    ("vllm.config.speculative:SpeculativeMethod", "+dflash",
+     "DFlash: the eval's speculative config names method dflash (draft.dflash.SERVING_METHOD)"),
+    ("vllm.transformers_utils.configs.speculators.algos:SUPPORTED_SPECULATORS_TYPES", "+dflash",
+     "DFlash: vLLM reads the export's speculators_model_type dflash"),
+    ("vllm.transformers_utils.configs.speculators.algos:update_dflash", "^config_dict ^pre_trained_config $aux_hidden_state_layer_ids $mask_token_id",
+     "DFlash: turns the export's aux_hidden_state_layer_ids and mask_token_id into vLLM's dflash_config"),
+    ("vllm.model_executor.models.registry:_SPECULATIVE_DECODING_MODELS", "+DFlashDraftModel",
+     "DFlash: the architecture update_dflash names, served by DFlashQwen3ForCausalLM"),
+    ("vllm.model_executor.models.qwen3_dflash:DFlashQwen3ForCausalLM.load_weights", "^weights",
+     "DFlash: loads the export's weights under the names formats/loaders.py describes"),
+)
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
-           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits", "block_hits",
+           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits", "block_hits", "SERVING_FORMATS", "VLLM_SERVING_CONTRACTS", "LAYER_KEYS",
            "default_target_layers", "DFlashConfig", "DFlashDraft", "DFlashProposer", "serving_format", "from_serving", "reload_logits"]
 
 

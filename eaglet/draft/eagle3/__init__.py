@@ -15,10 +15,20 @@ from .training import (build, from_config, host_rows, layers, loss, num_position
 NAME = "eagle3"
 TITLE = "EAGLE-3"
 SERVING_METHOD = "eagle3"
+SERVING_FORMATS = ("vllm", "sglang")  # the formats `serving` writes (serving.py)
+# What its vLLM serving path needs of vLLM (eaglet/engines/vllm/contracts.py makes them contract
+# rows, checked by the doctor for a config that trains this type): (where, params, why).
+VLLM_SERVING_CONTRACTS = (
+    ("vllm.config.speculative:SpeculativeMethod", "+eagle3", "EAGLE-3: the speculative method the vLLM eval sets"),
+    ("vllm.model_executor.models.registry:_SPECULATIVE_DECODING_MODELS", "+Eagle3LlamaForCausalLM",
+     "EAGLE-3: the class vLLM serves the export with (update_eagle3 names it)"),
+    ("vllm.transformers_utils.configs.speculators.algos:SUPPORTED_SPECULATORS_TYPES", "+eagle3",
+     "EAGLE-3: vLLM reads the export's speculators_model_type eagle3"),
+)
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
            "shard_units", "unroll_linears", "num_positions", "loss", "proposer", "serving", "from_serving",
-           "serving_format", "reload_logits", "chain_hits", "replay_tree"]
+           "serving_format", "reload_logits", "chain_hits", "replay_tree", "SERVING_FORMATS", "VLLM_SERVING_CONTRACTS"]
 
 
 def proposer(draft: Eagle3Draft) -> Eagle3Proposer:

@@ -16,14 +16,37 @@ from torch import nn
 from .loss import host_rows, loss
 from .model import PeagleConfig, PeagleDraft, auto_mask_token_id, peagle_settings
 from .propose import PeagleProposer
+from .read_export import from_serving, reload_logits, serving_format
+from .replay import chain_hits
+from .serving import FORMATS as SERVING_FORMATS
 from .serving import serving
 
 NAME = "peagle"
 TITLE = "P-EAGLE"
 SERVING_METHOD = "eagle3"  # with parallel_drafting: true (vLLM reads it from the speculators config)
+# Added to vLLM's speculative config beside method, model and num_speculative_tokens: an explicit
+# --speculative-config (the eval's, the serve command's) is not filled in from the export.
+VLLM_SPECULATIVE = {"parallel_drafting": True}
+# What its vLLM serving path needs of vLLM (eaglet/engines/vllm/contracts.py makes them contract
+# rows, checked by the doctor for a config that trains this type): (where, params, why).
+VLLM_SERVING_CONTRACTS = (
+    ("vllm.config:SpeculativeConfig", ".parallel_drafting",
+     "P-EAGLE: the eval's speculative config sets parallel_drafting (draft.peagle.VLLM_SPECULATIVE)"),
+    ("vllm.transformers_utils.configs.speculators.algos:SUPPORTED_SPECULATORS_TYPES", "+peagle",
+     "P-EAGLE: vLLM reads the export's speculators_model_type peagle"),
+    ("vllm.transformers_utils.configs.speculators.algos:update_peagle", "$mask_token_id $pard_token",
+     "P-EAGLE: the export's mask_token_id becomes the mask slots' token (pard_token)"),
+    ("vllm.model_executor.models.registry:_SPECULATIVE_DECODING_MODELS", "+PeagleLlamaForCausalLM",
+     "P-EAGLE: the class vLLM serves the export with (update_peagle names it; Eagle3LlamaForCausalLM)"),
+    ("vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM.load_weights", "$mask_hidden",
+     "P-EAGLE: the export's mask_hidden weight loads into the mask slots' hidden state"),
+    ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "$pard_token",
+     "P-EAGLE: the proposer fills the mask slots with pard_token"),
+)
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
-           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer"]
+           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "serving_format", "from_serving",
+           "reload_logits", "proposer", "chain_hits", "SERVING_FORMATS", "VLLM_SPECULATIVE", "VLLM_SERVING_CONTRACTS"]
 
 
 def layers(num_target_layers: int, cfg: Any) -> list[int] | None:

@@ -33,6 +33,7 @@ from ..layers import rope_type
 from .model import PeagleConfig, PeagleDraft
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this writer was checked against
+FORMATS = ("vllm",)  # SGLang has no parallel-drafting EAGLE path: the speculators format alone
 
 
 def transformer_layer_config(cfg: PeagleConfig, dtype_name: str) -> dict[str, Any]:
@@ -122,6 +123,9 @@ def serving_weights(draft: PeagleDraft, dtype: torch.dtype, include_embed: bool 
 
 def serving(draft: PeagleDraft, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(config.json, weights) of the speculators `peagle` export (module header; meta's keys there)."""
+    if meta.get("format", FORMATS[0]) not in FORMATS:
+        raise ValueError(f"a P-EAGLE draft exports in the speculators format ({FORMATS[0]!r}) alone, not "
+                         f"{meta['format']!r}: SGLang has no parallel-drafting EAGLE path")
     dtype = meta.get("dtype", torch.bfloat16)
     if isinstance(dtype, str):
         if dtype not in DTYPES:

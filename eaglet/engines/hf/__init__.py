@@ -54,7 +54,7 @@ def doctor(probe: Probe) -> None:
 
 
 def contract_stages(cfg: Config, stages: set[str]) -> set[str]:
-    return stages & CONTRACT_STAGES  # the hooks, where the extract stage runs
+    return stages & CONTRACT_STAGES if cfg.extract.backend == NAME else set()  # the hooks, where it extracts
 
 
 def unchecked_contract(probe: Probe, contract: Contract) -> bool:

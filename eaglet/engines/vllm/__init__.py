@@ -8,8 +8,8 @@ eaglet/engines/__init__.py: `run_extract` fills the store through vLLM's hidden-
 through a bounded buffer (stream.py); `doctor` checks the installed or served vLLM, its
 arguments and the vLLM eval (checks.py), and plans a run that streams from it (plan.py); the
 eval stage measures the exported draft (export format "vllm") in vLLM with `run_eval` (eval.py,
-decode.py). Its API contracts (`CONTRACTS`, contracts.py: stage "extract-vllm") are checked
-only where vLLM is installed.
+decode.py). Its API contracts (`CONTRACTS`, contracts.py: stages "extract-vllm" and "eval-vllm")
+are checked only where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ...context import StageContext
 from ...formats.buffer import buffer_folder
 from ...formats.store import StoreReader
 from .checks import check_vllm, check_vllm_eval, check_vllm_memory
-from .contracts import CONTRACTS
+from .contracts import CONTRACTS, EVAL_STAGE
 from .eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .extract import run_extract_vllm
 from .plan import check_stream
@@ -34,7 +34,7 @@ NAME = "vllm"
 TITLE = "vLLM"
 TARGET_IN_PROCESS = False
 RUNS_TINY_ON_CPU = False
-CONTRACT_STAGES = frozenset({"extract-vllm"})
+CONTRACT_STAGES = frozenset({"extract-vllm", EVAL_STAGE})
 EXPORT_FORMAT = "vllm"
 
 
@@ -60,8 +60,12 @@ def doctor(probe: Probe) -> None:
 
 
 def contract_stages(cfg: Config, stages: set[str]) -> set[str]:
-    """vLLM's own APIs where it extracts, and where it streams in training (extract.mode online)."""
-    return set(CONTRACT_STAGES) if "extract" in stages or cfg.extract.mode == "online" else set()
+    """vLLM's own APIs where it runs the target: where it extracts, and where it streams in
+    training (extract.mode online); its eval's (the draft type's serving rows) wherever the eval
+    stage measures the export in vLLM (eval.vllm not off), whichever engine runs the target."""
+    out = {"extract-vllm"} if cfg.extract.backend == NAME and ("extract" in stages or cfg.extract.mode == "online") \
+        else set()
+    return out | ({EVAL_STAGE} if "eval" in stages and cfg.eval.vllm != "off" else set())
 
 
 def unchecked_contract(probe: Probe, contract: Contract) -> bool:

@@ -216,6 +216,9 @@ def check_vllm_eval(p: Probe) -> None:
         p.add("info", "vLLM eval", what, "off")
         return
     blockers = vllm_eval_blockers(e)
+    version = engine.installed_vllm_version()
+    if version is not None and Version(version.split("+")[0]) >= Version(VLLM_MIN):
+        p.vllm_ready = True  # its eval rows (the draft type's serving path) can be checked here
     if not blockers:
         p.add("ok", "vLLM eval", what, f"runs after the in-process eval (vLLM {engine.installed_vllm_version()}, "
               f"chain of {e.chain_tokens}, batch sizes {e.vllm_batch_sizes})")

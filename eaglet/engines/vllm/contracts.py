@@ -1,13 +1,22 @@
 """The vLLM engine's API contracts: the rows of eaglet/checks/contracts.py's table (same rules)
-for what eaglet calls of vLLM, under stage "extract-vllm". The doctor checks them beside the
-common rows where vLLM is installed (`unchecked_contract` in this package's __init__.py says
-where it is not); tests/test_vllm_contracts.py runs them against a real vLLM.
+for what eaglet calls of vLLM, under stage "extract-vllm" (extraction and streaming through vLLM)
+and "eval-vllm" (the vLLM eval serving the exported draft: what each draft type's serving path
+needs, its VLLM_SERVING_CONTRACTS, on the code path of a config that trains that type). The
+doctor checks them beside the common rows where vLLM is installed (`unchecked_contract` in this
+package's __init__.py says where it is not); tests/test_vllm_contracts.py runs them against a real vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ...checks.contracts import Contract
+from ...config import Config
+from ...draft import DRAFT_TYPES, draft_type
 from .capture import CONNECTOR_MODULE as _HS
+
+EVAL_STAGE = "eval-vllm"
 
 # The oldest vLLM the backend accepts: load_hidden_states / cleanup_hidden_states exist from
 # 0.22.0, but DeepSeek-V2/V3 (and Kimi-K2.5, which wraps it) return the state after the last
@@ -58,3 +67,18 @@ CONTRACTS: list[Contract] = [
          "vLLM hands the requested layer ids to the target's model class through this method"),
     ]
 ]
+
+
+def trains(kind: Any) -> Callable[[Config], bool]:
+    """The `when` of a draft type's rows: the config's train.algorithm is that type."""
+    return lambda cfg: draft_type(cfg.train.algorithm) is kind
+
+
+def serving_contracts() -> list[Contract]:
+    """Every registered draft type's VLLM_SERVING_CONTRACTS as rows of stage "eval-vllm", each on
+    the code path of a config that trains that type."""
+    return [Contract(where, params, why, fix=VLLM_FIX, stages=(EVAL_STAGE,), when=trains(kind))
+            for kind in DRAFT_TYPES.values() for where, params, why in getattr(kind, "VLLM_SERVING_CONTRACTS", ())]
+
+
+CONTRACTS += serving_contracts()

@@ -1,7 +1,8 @@
 """Speculative decoding inside vLLM: the target with an exported draft, and vLLM's own
 acceptance counters.
 
-    dec = VllmDecoder(target="MODEL", draft="RUN/export/vllm", method="eagle3", k=7, max_model_len=4096)
+    dec = VllmDecoder(target="MODEL", draft="RUN/export/vllm", method="eagle3", k=7, max_model_len=4096,
+                      speculative={"parallel_drafting": True})   # the draft type's VLLM_SPECULATIVE, if any
     tokens, seconds, counts = dec.generate(prompts, max_tokens=256, batch=16)
     counts.summary()   # mean acceptance length and acceptance per position, as vLLM counts them
 
@@ -96,17 +97,23 @@ def spec_counts(metrics: Iterable[Any]) -> SpecCounts:
     return out
 
 
-def speculative_config(draft: str, k: int, method: str) -> dict[str, Any]:
+def speculative_config(draft: str, k: int, method: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `speculative_config` for an eaglet export: its speculative method (the draft type's
-    SERVING_METHOD), a chain of k draft tokens."""
-    return {"method": method, "model": str(draft), "num_speculative_tokens": int(k)}
+    SERVING_METHOD), k draft tokens, and the type's own keys (`extra`: its VLLM_SPECULATIVE,
+    e.g. P-EAGLE's parallel_drafting; they cannot replace the three)."""
+    out = {"method": method, "model": str(draft), "num_speculative_tokens": int(k)}
+    clash = sorted(set(extra or {}) & set(out))
+    if clash:
+        raise ValueError(f"a draft type's VLLM_SPECULATIVE may not set {clash}: eaglet sets them")
+    return {**out, **(extra or {})}
 
 
 class VllmDecoder:
     """vllm.LLM on the target, with the draft (`draft`: an export folder, served by vLLM's
-    speculative `method`) or without it; greedy."""
+    speculative `method` with the type's `speculative` keys) or without it; greedy."""
 
     def __init__(self, target: str, *, draft: str | None = None, method: str | None = None, k: int = 0,
+                 speculative: dict[str, Any] | None = None,
                  max_model_len: int, dtype: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False,
                  revision: str | None = None, engine_args: dict[str, Any] | None = None):
         from vllm import LLM
@@ -123,7 +130,7 @@ class VllmDecoder:
         if draft is not None:
             if method is None:
                 raise ValueError(f"the draft {draft} needs vLLM's speculative method that serves it")
-            args["speculative_config"] = speculative_config(draft, k, method)
+            args["speculative_config"] = speculative_config(draft, k, method, speculative)
         self.args = args
         self.llm = LLM(**args)
 

@@ -4,8 +4,8 @@
 
 After the in-process eval, the same prompts (eaglet/formats/eval_sets.py: the same set, each
 later turn asked after the engine's own answer) are decoded by vLLM, greedy, with the export
-(`<run>/export/vllm`, or eval.draft) as its draft (served by its draft type's SERVING_METHOD) and
-k = eval.chain_tokens:
+(`<run>/export/vllm`, or eval.draft) as its draft (served by its draft type's SERVING_METHOD, with
+the type's VLLM_SPECULATIVE keys: P-EAGLE's parallel_drafting) and k = eval.chain_tokens:
 
 1. acceptance: one pass per category (MT-bench) at the largest batch size, and one pass at
    batch 1, read from vLLM's own counters (eaglet/engines/vllm/decode.py);
@@ -80,9 +80,7 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
     text = lambda t: tokenizer.decode(t, skip_special_tokens=True)
     n_prompts = sum(it.turns for it in inp.items)
 
-    method = export_type(folder).SERVING_METHOD
-    log(f"[eval] vLLM: starting an engine with the draft {folder} ({method}, k={k})")
-    dec = VllmDecoder(draft=folder, method=method, k=k, **engine)
+    dec = draft_decoder(folder, k, engine)
     dec.generate([inp.render([{"role": "user", "content": "Hello"}])], 8, 1)  # warm-up, not counted
     by_cat: dict[str, SpecCounts] = {}
     # every prompt is decoded once for the acceptance, then with and without the draft at each batch size
@@ -157,6 +155,16 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
                     "vllm_mean_acceptance_length": v["mean_acceptance_length"]}
                 for c, v in result["by_category"].items()}
     return result
+
+
+def draft_decoder(folder: str, k: int, engine: dict[str, Any]) -> VllmDecoder:
+    """vLLM on the target with the export `folder` as its draft, k tokens per cycle, served as its
+    draft type says: its SERVING_METHOD and its VLLM_SPECULATIVE keys (P-EAGLE: parallel_drafting)."""
+    kind = export_type(folder)
+    method, speculative = kind.SERVING_METHOD, dict(getattr(kind, "VLLM_SPECULATIVE", {}))
+    log(f"[eval] vLLM: starting an engine with the draft {folder} ({method}"
+        + "".join(f", {key}={value}" for key, value in speculative.items()) + f", k={k})")
+    return VllmDecoder(draft=folder, method=method, k=k, speculative=speculative, **engine)
 
 
 def _tokens_per_s(run: tuple[list[list[int]], float, SpecCounts]) -> float | None:

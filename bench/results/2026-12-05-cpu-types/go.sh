@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Draft types side by side on a 2-core CPU with the demo's settings (SmolLM2-135M-Instruct, 300 ShareGPT
+# records cut to 256 tokens, offline store, a 1,024-token vocabulary, lr 3e-3): EAGLE-3 (base: a 3-step TTT,
+# log_accept) against DFlash (block of 4 = 3 drafted tokens, the recipe's 5 layers and gamma 7) in equal
+# training time (dfcal calibrates DFlash's seconds a step), replayed as chains of 3 greedy and at temperature 1
+# on 48 unseen prompts of 48 new tokens.
+cd "$(dirname "$0")/../../.." || exit 1
+A=(.venv/bin/python bench/ab.py --work ${WORK:-/tmp/cputypes/W} --target ~/.cache/eaglet/smollm2-135m-instruct
+   --data ~/.cache/eaglet/ShareGPT_V3_unfiltered_cleaned_split.json --records 300 --prompts 48
+   --max-new-tokens 48 --k 3 --batch 16 --seeds 0 --replay-temperature 1
+   --set prepare.max_length=256 --set target.dtype=float32 --set extract.mode=offline
+   --set extract.batch_tokens=4096 --set vocab.size=1024 --set train.epochs=4 --set train.max_tokens=1024
+   --set train.ttt_steps=3 --set train.lr=0.003 --set train.warmup_steps=10 --set train.eval_fraction=0.08
+   --set train.accept_loss=log_accept --set train.mask_out_of_vocab=false --set train.max_steps=100000
+   --set extract.draft_types=[dflash] --set dflash.block_size=4)
+V=(--variant base --variant dfcal:train.algorithm=dflash,train.max_steps=60
+   --variant dflash:train.algorithm=dflash,time_of=base,rate_of=dfcal)
+"${A[@]}" "${V[@]}"
