@@ -9,7 +9,9 @@
 # PHASE mt_bench: the vLLM eval alone (eval.in_process=false) on the 80 MT-bench questions.
 # The in-process eval of MT-bench, a CPU's work, is the same command with eval.in_process=true
 # and eval.vllm=off. Extra settings for every phase: EVAL_SETS (environment), e.g.
-# "--set eval.max_new_tokens=256". Logs go to WORK/logs/PHASE.log.
+# "--set eval.max_new_tokens=256". Settings for every phase that decide the draft (its type):
+# TYPE_SETS, e.g. "--set train.algorithm=dflash --set extract.draft_types=[dflash]".
+# Logs go to WORK/logs/PHASE.log.
 set -uo pipefail
 PHASE=$1; W=$2; T=$3; D=$4; STEPS=${5:-1200}
 cd "$(dirname "$0")/.."
@@ -25,6 +27,7 @@ S=(--set "run.dir=$W/run" --set "target.path=$T" --set "prepare.data=[$D]"
    --set export.speculative_tokens=3 --set eval.chain_tokens=3 --set eval.max_new_tokens=128
    --set "eval.vllm_engine_args={gpu_memory_utilization: 0.45}")
 E=(${EVAL_SETS:-})
+S+=(${TYPE_SETS:-})
 C="$W/config.yaml"; [ -f "$C" ] || echo "{}" > "$C"  # every setting is given here
 case $PHASE in
   prepare) python3 -m eaglet.cli prepare "$C" "${S[@]}" ;;

@@ -148,3 +148,27 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def target_sizes(hf_config: Any, draft_vocab_size: int) -> dict[str, Any]:
+    """The draft sizes every type takes from the target's (text) config: its hidden size (the
+    draft reuses the target's embedding), heads, KV heads and head_dim (an MLA target, whose
+    latent heads no dense layer can copy, gets 128-wide GQA heads: hidden / 128 of them and 8 KV
+    heads), a dense MLP's width (`draft_intermediate_size`), its vocabulary, RMSNorm epsilon and
+    RoPE (`target_rope`). eaglet/draft/eagle3/model.py `DraftConfig.from_target_config` says why."""
+    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden = int(c.hidden_size)
+    if any(getattr(c, k, None) is not None for k in MLA_KEYS):
+        head_dim = 128 if hidden % 128 == 0 else hidden // int(c.num_attention_heads)
+        heads = hidden // head_dim
+        kv_heads = 8 if heads % 8 == 0 else heads
+    else:
+        heads = int(c.num_attention_heads)
+        kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    theta, scaling = target_rope(c)
+    return dict(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=head_dim, intermediate_size=draft_intermediate_size(c), vocab_size=int(c.vocab_size),
+                draft_vocab_size=int(draft_vocab_size), rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or 1e-6),
+                rope_theta=theta, rope_scaling=scaling,
+                max_position_embeddings=int(getattr(c, "max_position_embeddings", None) or 4096))

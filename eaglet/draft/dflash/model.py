@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import MLA_KEYS, MLP, RMSNorm, apply_rope, draft_intermediate_size, rope_inv_freq, rope_type, target_rope
+from ..layers import MLP, RMSNorm, apply_rope, rope_inv_freq, rope_type, target_sizes
 from .attention import BlockLayout, block_attention, resolve_impl
 
 
@@ -83,22 +83,7 @@ class DFlashConfig:
         """Sizes from the target's (text) config, as EAGLE-3's DraftConfig takes them (the
         target's heads, KV heads, head_dim and RoPE; an MLA target gets 128-wide GQA heads; an
         MoE target a dense MLP, `draft_intermediate_size`); `fields` give the rest."""
-        c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        hidden = int(c.hidden_size)
-        if any(getattr(c, k, None) is not None for k in MLA_KEYS):
-            head_dim = 128 if hidden % 128 == 0 else hidden // int(c.num_attention_heads)
-            heads = hidden // head_dim
-            kv_heads = 8 if heads % 8 == 0 else heads
-        else:
-            heads = int(c.num_attention_heads)
-            kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-            head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
-        theta, scaling = target_rope(c)
-        sizes = dict(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
-                     num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=draft_intermediate_size(c),
-                     vocab_size=int(c.vocab_size), draft_vocab_size=int(draft_vocab_size),
-                     rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or 1e-6), rope_theta=theta,
-                     rope_scaling=scaling, max_position_embeddings=int(getattr(c, "max_position_embeddings", None) or 4096))
+        sizes = target_sizes(hf_config, draft_vocab_size)
         return cls(**{**sizes, **fields})
 
 
