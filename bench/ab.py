@@ -524,10 +524,10 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
                     if out.is_file():
                         continue
                     if method == TREE_REPLAY:
-                        if (prompt_set, temperature) not in sides:
-                            sides[prompt_set, temperature] = load_or_make_side(args, list(aux), target, tok,
-                                                                               prompt_set, temperature)
-                        got = tree_by_replay(draft, sides[prompt_set, temperature], args.decode_prompts,
+                        key = (prompt_set, temperature, tuple(aux))  # drafts of other layers: another side
+                        if key not in sides:
+                            sides[key] = load_or_make_side(args, list(aux), target, tok, prompt_set, temperature)
+                        got = tree_by_replay(draft, sides[key], args.decode_prompts,
                                              args.decode_new_tokens, eos, dev, dtype)
                     else:
                         got = decode(args, draft, aux, target, tok, prompts[prompt_set], method, temperature, seed)
@@ -584,9 +584,10 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
             for prompt_set in args.sets:
                 for T in temperatures:
                     name_t = sampled_set(prompt_set, T) if T > 0 else prompt_set
-                    if name_t not in sides:
-                        sides[name_t] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)
-                    evals[name_t] = measure(draft, sides[name_t], eos, args.k, dev, dtype)
+                    key = (name_t, tuple(aux))  # a draft of other target layers (another type) has its own side
+                    if key not in sides:
+                        sides[key] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)
+                    evals[name_t] = measure(draft, sides[key], eos, args.k, dev, dtype)
             res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"],
                    "train": {**train_summary(run), "train_s": round(train_s, 1)},
                    **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}

@@ -272,3 +272,26 @@ def test_equal_time_steps_count_the_fixed_costs_once(tmp_path):
     assert ab["equal_time_steps"]("eq", controls, done, 0) == 300 + 200  # 30 s more at 0.15 s a step
     done["cal"][0]["train"]["step_s"] = None
     assert ab["equal_time_steps"]("eq", controls, done, 0) == 480  # 300 x 80 / 50
+
+
+def test_ab_measures_drafts_of_two_types_each_on_a_side_of_its_own_layers(tmp_path):
+    """EAGLE-3 (base) and DFlash trained from one store holding both types' layers
+    (extract.draft_types), each replayed on a target side of the layers it reads: DFlash's
+    draft reads 2 layers where EAGLE-3's reads 3, so a side shared by both could not be replayed."""
+    from eaglet.testing import tiny
+
+    target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(30, seed=3))
+    work = tmp_path / "ab"
+    args = ["--work", str(work), "--target", str(target), "--data", str(data), "--records", "20", "--prompts", "3",
+            "--steps", "2", "--max-new-tokens", "8", "--k", "2", "--seeds", "0",
+            "--variant", "base", "--variant", "dflash:train.algorithm=dflash",
+            *(f"--set={s}" for s in ["target.dtype=float32", "prepare.num_workers=1", "vocab.size=128",
+                                     "train.max_tokens=256", "train.ttt_steps=2", "train.device=cpu",
+                                     "train.warmup_steps=1", "train.log_every=1", "train.eval_fraction=0.1",
+                                     "extract.draft_types=[dflash]", "dflash.block_size=3", "dflash.layers=2"])]
+    run_script(SCRIPT, args)
+    res = json.loads((work / "ab.json").read_text())["results"]
+    assert set(res) == {"base", "dflash"} and all(len(r["0"]["per_prompt"]) == 3 for r in res.values())
+    side = json.loads((work / "side" / "side.json").read_text())  # the last side made: DFlash's (it ran second)
+    assert len(side["key"]["aux_layers"]) == 2
