@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Draft types side by side on a 2-core CPU with the demo's settings (SmolLM2-135M-Instruct, 300 ShareGPT
 # records cut to 256 tokens, offline store, a 1,024-token vocabulary, lr 3e-3): EAGLE-3 (base: a 3-step TTT,
-# log_accept) against DFlash (block of 4 = 3 drafted tokens, the recipe's 5 layers and gamma 7) in equal
-# training time (dfcal calibrates DFlash's seconds a step), replayed as chains of 3 greedy and at temperature 1
-# on 48 unseen prompts of 48 new tokens.
+# log_accept) against DFlash (block of 4 = 3 drafted tokens, the recipe's 5 layers and gamma 7) and P-EAGLE
+# (3 depths, the recipe's 4 layers and row sampling) in equal training time (dfcal, pecal calibrate their
+# seconds a step), replayed as chains of 3 greedy and at temperature 1 on 48 unseen prompts of 48 new tokens.
 cd "$(dirname "$0")/../../.." || exit 1
 A=(.venv/bin/python bench/ab.py --work ${WORK:-/tmp/cputypes/W} --target ~/.cache/eaglet/smollm2-135m-instruct
    --data ~/.cache/eaglet/ShareGPT_V3_unfiltered_cleaned_split.json --records 300 --prompts 48
@@ -14,5 +14,7 @@ A=(.venv/bin/python bench/ab.py --work ${WORK:-/tmp/cputypes/W} --target ~/.cach
    --set train.accept_loss=log_accept --set train.mask_out_of_vocab=false --set train.max_steps=100000
    --set extract.draft_types=[dflash] --set dflash.block_size=4)
 V=(--variant base --variant dfcal:train.algorithm=dflash,train.max_steps=60
-   --variant dflash:train.algorithm=dflash,time_of=base,rate_of=dfcal)
+   --variant dflash:train.algorithm=dflash,time_of=base,rate_of=dfcal
+   --variant pecal:train.algorithm=peagle,peagle.depths=3,train.max_steps=60
+   --variant peagle:train.algorithm=peagle,peagle.depths=3,time_of=base,rate_of=pecal)
 "${A[@]}" "${V[@]}"
