@@ -41,8 +41,9 @@ from .checks.sizing import (
 )
 from .config import Config
 from .distributed import resolve_device
+from .draft import draft_type
 from .engines import ENGINES, contract_stages, engine, engine_contracts
-from .errors import EagletError, PreflightError
+from .errors import ConfigError, EagletError, PreflightError
 from .formats.buffer import buffer_folder
 from .formats.datasets import check_data_file, iter_records, row_label
 from .formats.loaders import speculators_verifier_problem
@@ -301,6 +302,18 @@ def check_layers(p: Probe) -> None:
         return
     p.add("ok", "captured layers", f"distinct ids in 0..{L - 1}", f"{p.layers} of L={L}"
           + (" (EAGLE-3 default)" if p.cfg.extract.layers is None else ""))
+
+
+def check_draft_type(p: Probe) -> None:
+    """The trained draft type's own word on the config (its optional `config_problems`): settings
+    it cannot honour, such as a chain longer than a DFlash block, FAIL before any weight loads."""
+    kind = draft_type(p.cfg.train.algorithm)
+    problems = getattr(kind, "config_problems", lambda cfg: [])(p.cfg)
+    for what, fix in problems:
+        p.add("FAIL", "draft type", f"settings {kind.TITLE} honours", what, fix,
+              error=ConfigError(f"{what}; {fix}"))
+    if not problems:
+        p.add("ok", "draft type", f"settings {kind.TITLE} honours", f"train.algorithm {kind.NAME}")
 
 
 def check_vocab(p: Probe) -> None:
@@ -694,6 +707,7 @@ CHECKS: list[tuple[Callable[[Probe], None], tuple[str, ...]]] = [
     (check_tokenizer, _TARGET),
     (check_architecture, ("extract", "eval", "train")),
     (check_layers, ("extract", "eval", "train")),
+    (check_draft_type, ("train", "eval")),
     (check_vocab, ("extract",)),
     (check_records, ("prepare",)),
     (check_engines, ("extract", "train", "eval")),

@@ -145,3 +145,23 @@ def test_dflash_runs_every_stage_and_its_export_is_what_vllm_loads(runs):
     assert meta["algorithm"] == "dflash" and meta["aux_layer_ids"] == store["layers"]
     stats = json.loads((full / "eval" / "manifest.json").read_text())["stats"]
     assert stats["lossless"] is True and stats["lossless_mismatches"] == 0
+
+
+def test_the_doctor_refuses_a_chain_longer_than_the_dflash_block_before_training():
+    """eval.chain_tokens (or export.speculative_tokens) above block_size - 1, or an EAGLE-2 tree,
+    FAILs the train stage's preflight in one line naming the key, before any weight loads."""
+    from eaglet.doctor import diagnose
+
+    def lines(*sets):
+        return [f for f in diagnose(load_config(None, ["train.algorithm=dflash", *sets]), "train").findings
+                if f.check == "draft type"]
+
+    (ok,) = lines("dflash.block_size=8", "eval.chain_tokens=7", "export.speculative_tokens=7")
+    assert ok.status == "ok"
+    bad = lines("dflash.block_size=4", "eval.chain_tokens=4", "export.speculative_tokens=3", "eval.method=tree")
+    assert [f.status for f in bad] == ["FAIL", "FAIL"]  # 4 is one past the block's 3; 3 is the most it drafts
+    assert bad[0].found.startswith("eval.chain_tokens 4: a DFlash draft of dflash.block_size 4 drafts at most 3")
+    assert "eval.method tree" in bad[1].found and isinstance(bad[0].error, ConfigError)
+    (eagle3,) = [f for f in diagnose(load_config(None, ["eval.method=tree"]), "train").findings
+                 if f.check == "draft type"]
+    assert eagle3.status == "ok"  # EAGLE-3 drafts trees

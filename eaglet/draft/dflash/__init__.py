@@ -45,7 +45,7 @@ VLLM_SERVING_CONTRACTS = (
 )
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
-           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits", "block_hits", "SERVING_FORMATS", "VLLM_SERVING_CONTRACTS", "LAYER_KEYS",
+           "shard_units", "unroll_linears", "num_positions", "loss", "serving", "proposer", "chain_hits", "block_hits", "SERVING_FORMATS", "VLLM_SERVING_CONTRACTS", "LAYER_KEYS", "config_problems",
            "default_target_layers", "DFlashConfig", "DFlashDraft", "DFlashProposer", "serving_format", "from_serving", "reload_logits"]
 
 
@@ -129,6 +129,21 @@ def loss(module: nn.Module, draft: DFlashDraft, batch: Any, teacher_BTV: Tensor,
     logits = module(batch.aux, batch.input_ids, batch.position_ids, anchors, starts)
     return block_loss(logits, anchors, teacher_BTV, in_vocab_BT, batch.loss_mask, batch.doc_ids,
                       float(dflash_settings(cfg).gamma), compiled)
+
+
+def config_problems(cfg: Any) -> list[tuple[str, str]]:
+    """(what, fix) for each setting a DFlash draft of this config cannot honour: a chain or an
+    export longer than the block drafts (block_size - 1 tokens), or the EAGLE-2 tree."""
+    most = int(dflash_settings(cfg).block_size) - 1
+    out = []
+    for key, k in (("eval.chain_tokens", cfg.eval.chain_tokens), ("export.speculative_tokens", cfg.export.speculative_tokens)):
+        if int(k) > most:
+            out.append((f"{key} {k}: a DFlash draft of dflash.block_size {most + 1} drafts at most {most} tokens a cycle",
+                        f"set {key} to at most {most}, or train with dflash.block_size {int(k) + 1}"))
+    if cfg.eval.method != "chain":
+        out.append((f"eval.method {cfg.eval.method}: a DFlash draft proposes a chain, no EAGLE-2 tree",
+                    "set eval.method: chain"))
+    return out
 
 
 def proposer(draft: DFlashDraft) -> DFlashProposer:
