@@ -289,7 +289,8 @@ def test_ab_measures_drafts_of_two_types_each_on_a_side_of_its_own_layers(tmp_pa
             *(f"--set={s}" for s in ["target.dtype=float32", "prepare.num_workers=1", "vocab.size=128",
                                      "train.max_tokens=256", "train.ttt_steps=2", "train.device=cpu",
                                      "train.warmup_steps=1", "train.log_every=1", "train.eval_fraction=0.1",
-                                     "extract.draft_types=[dflash]", "dflash.block_size=3", "dflash.layers=2"])]
+                                     "extract.draft_types=[dflash]", "dflash.block_size=3", "dflash.layers=2",
+                                     "eval.chain_tokens=2", "export.speculative_tokens=2"])]
     run_script(SCRIPT, args)
     res = json.loads((work / "ab.json").read_text())["results"]
     assert set(res) == {"base", "dflash"} and all(len(r["0"]["per_prompt"]) == 3 for r in res.values())

@@ -12,7 +12,7 @@ A=(.venv/bin/python bench/ab.py --work ${WORK:-/tmp/cputypes/W} --target ~/.cach
    --set extract.batch_tokens=4096 --set vocab.size=1024 --set train.epochs=4 --set train.max_tokens=1024
    --set train.ttt_steps=3 --set train.lr=0.003 --set train.warmup_steps=10 --set train.eval_fraction=0.08
    --set train.accept_loss=log_accept --set train.mask_out_of_vocab=false --set train.max_steps=100000
-   --set extract.draft_types=[dflash] --set dflash.block_size=4)
+   --set extract.draft_types=[dflash] --set dflash.block_size=4 --set eval.chain_tokens=3)
 V=(--variant base --variant dfcal:train.algorithm=dflash,train.max_steps=60
    --variant dflash:train.algorithm=dflash,time_of=base,rate_of=dfcal
    --variant pecal:train.algorithm=peagle,peagle.depths=3,train.max_steps=60
