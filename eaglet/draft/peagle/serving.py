@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ...utils import DTYPES
-from ..layers import rope_type
+from ..eagle3.serving import llama_fields
 from .model import PeagleConfig, PeagleDraft
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this writer was checked against
@@ -37,32 +37,9 @@ FORMATS = ("vllm",)  # SGLang has no parallel-drafting EAGLE path: the speculato
 
 
 def transformer_layer_config(cfg: PeagleConfig, dtype_name: str) -> dict[str, Any]:
-    """The LlamaConfig of the draft's layers (speculators' transformer_layer_config), as EAGLE-3's
-    speculators export writes it: RoPE in both spellings (transformers 4's rope_theta +
-    rope_scaling, transformers 5's rope_parameters); num_aux_hidden_states, which vLLM sizes fc
-    and mask_hidden by."""
-    scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
-    return {
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {"rope_type": rope_type(scaling), **(scaling or {}), "rope_theta": cfg.rope_theta},
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
-        "num_aux_hidden_states": cfg.num_aux,
-    }
+    """The LlamaConfig of the draft's layers (speculators' transformer_layer_config): EAGLE-3's
+    (`llama_fields`), plus num_aux_hidden_states, which vLLM sizes fc and mask_hidden by."""
+    return {**llama_fields(cfg, dtype_name), "num_aux_hidden_states": cfg.num_aux}
 
 
 def serving_config(cfg: PeagleConfig, meta: dict[str, Any], dtype_name: str) -> dict[str, Any]:
