@@ -125,6 +125,47 @@ def apply_rope(x_BHTD: Tensor, cos_BTD: Tensor, sin_BTD: Tensor) -> Tensor:
 # ---- building blocks ----------------------------------------------------------------------
 
 
+class Rotary:
+    """A draft's rotary embedding: inv_freq and the attention scaling as transformers computes
+    them (`rope_inv_freq`), kept out of the module's buffers so that model.to(bfloat16) cannot
+    round the frequencies, copied once to each device it is asked for."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int):
+        self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+        self._on: dict[torch.device, Tensor] = {}
+
+    def __call__(self, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [B, T, head_dim] computed in fp32 (as transformers does), then cast."""
+        dev = position_ids_BT.device
+        if dev not in self._on:
+            self._on[dev] = self.inv_freq.to(dev)
+        freqs = position_ids_BT[..., None].float() * self._on[dev]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def add_vocabulary_maps(module: nn.Module, vocab_size: int, draft_vocab_size: int) -> None:
+    """The draft's vocabulary maps as buffers, identity until the caller loads the run's: d2t
+    [draft_vocab] (target id = draft id + d2t[draft id]) and t2d [vocab] (bool: in the draft vocabulary)."""
+    module.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True
+    module.register_buffer("t2d", t2d)
+
+
+@torch.no_grad()
+def init_draft_weights(module: nn.Module, embed: nn.Embedding, std: float = 0.02) -> None:
+    """transformers' Llama init: Normal(0, std) linears and embedding, zero biases, unit norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+    nn.init.normal_(embed.weight, std=std)
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in fp32 (fp64 stays), cast back, then scale (HF's rounding)."""
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import MLP, RMSNorm, apply_rope, rope_inv_freq, rope_type, target_sizes
+from ..layers import MLP, RMSNorm, Rotary, add_vocabulary_maps, apply_rope, init_draft_weights, rope_type, target_sizes
 from .attention import BlockLayout, block_attention, resolve_impl
 
 
@@ -156,33 +156,15 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        # Identity maps until the caller loads the vocabulary's (Eagle3Draft's names and meaning).
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        # Kept out of the buffers so that model.to(bfloat16) cannot round the frequencies.
-        self._inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                                        cfg.max_position_embeddings)
+        add_vocabulary_maps(self, cfg.vocab_size, cfg.draft_vocab_size)  # identity until the caller loads the run's
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) linears and embedding, unit norms (transformers' init)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-        nn.init.normal_(self.embed_tokens.weight, std=std)
+        init_draft_weights(self, self.embed_tokens, std)
 
     # ---- pieces ---------------------------------------------------------------------------
-
-    def rope(self, positions_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(cos, sin) [B, T, head_dim], computed in fp32 (as transformers does), then cast."""
-        freqs = positions_BT[..., None].float() * self._inv_freq.to(positions_BT.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from .attention import KVCache, TTTAttend, cached_attention
-from ..layers import MLP, RMSNorm, apply_rope, rope_inv_freq, rope_type, target_sizes
+from ..layers import (MLP, RMSNorm, Rotary, add_vocabulary_maps, apply_rope, init_draft_weights, rope_type,
+                     target_sizes)
 
 
 
@@ -215,32 +216,16 @@ class Eagle3Draft(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, first=i == 0) for i in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        # Identity maps until the caller loads the vocabulary's.
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        # Kept out of the buffers so that model.to(bfloat16) cannot round the frequencies.
-        self._inv_freq, self.rope_scale = rope_inv_freq(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
-        )
-        self._inv_freq_on: dict[torch.device, Tensor] = {}
+        add_vocabulary_maps(self, cfg.vocab_size, cfg.draft_vocab_size)  # identity until the caller loads the run's
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # A faster TTT unroll of this draft installed from outside (eaglet/draft/eagle3/unroll.py):
         # called with `reference_ttt_steps`' arguments, it yields the same logits.
         self.unroll: Callable[..., Iterator[Tensor]] | None = None
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) linears, zero biases, unit norms (transformers' Llama init)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-        nn.init.normal_(self.embed_tokens.weight, std=std)
+        init_draft_weights(self, self.embed_tokens, std)
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -250,15 +235,6 @@ class Eagle3Draft(nn.Module):
             parts = aux_BTA.chunk(self.config.num_aux, dim=-1)
             aux_BTA = torch.cat([n(p) for n, p in zip(self.fc_norm, parts, strict=True)], dim=-1)
         return self.fc(aux_BTA)
-
-    def rope(self, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(cos, sin) [B,T,head_dim] computed in fp32 (as transformers does), then cast."""
-        dev = position_ids_BT.device
-        if dev not in self._inv_freq_on:
-            self._inv_freq_on[dev] = self._inv_freq.to(dev)
-        freqs = position_ids_BT[..., None].float() * self._inv_freq_on[dev]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
