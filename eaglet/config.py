@@ -335,6 +335,28 @@ class TrainSection:
     draft_layers: int = _f(
         1, "Decoder layers in the draft (EAGLE-3: 1; at most 64, a draft being a small fraction of its target).",
         Range(1, 64))
+    draft_attention: Literal["dense", "mla"] = _f(
+        "dense", "The EAGLE-3 draft's attention: 'dense' (Llama's: q/k/v heads, what vLLM's Eagle3LlamaForCausalLM "
+        "serves) or 'mla' (multi-head latent attention, DeepSeek-V3's and Kimi-K2's: served by vLLM's "
+        "Eagle3DeepseekV2ForCausalLM, which caches kv_lora_rank + rope values a token instead of 2 x heads x "
+        "head_dim). The mla_* keys size it; docs/kimi-k25.md compares the two.", hashed=UNLESS_DEFAULT)
+    mla_heads: int | None = _f(
+        None, "MLA draft: attention heads (None: the target's).", _ge(1), hashed=UNLESS_DEFAULT)
+    mla_q_lora_rank: int | None = _f(
+        None, "MLA draft: the queries' low-rank width, 0 for a plain q_proj (None: an MLA target's own, else 12 x the "
+        "target's head_dim).", _ge(0), hashed=UNLESS_DEFAULT)
+    mla_kv_lora_rank: int | None = _f(
+        None, "MLA draft: the latent's width, what a server caches besides the rope key (None: an MLA target's own, "
+        "else 4 x the target's head_dim).", _ge(1), hashed=UNLESS_DEFAULT)
+    mla_qk_nope_head_dim: int | None = _f(
+        None, "MLA draft: the dims of a query and key head without RoPE (None: an MLA target's own, else its "
+        "head_dim).", _ge(1), hashed=UNLESS_DEFAULT)
+    mla_qk_rope_head_dim: int | None = _f(
+        None, "MLA draft: the dims RoPE turns, one key shared by all heads (even; None: an MLA target's own, else "
+        "head_dim / 2).", _ge(2), hashed=UNLESS_DEFAULT)
+    mla_v_head_dim: int | None = _f(
+        None, "MLA draft: a value head's dims (None: an MLA target's own, else its head_dim).", _ge(1),
+        hashed=UNLESS_DEFAULT)
     fc_norm: bool = _f(False, "EAGLE-3.1: RMSNorm each captured state before fc.")
     norm_output: bool = _f(False, "EAGLE-3.1: feed the post-norm state to the next TTT step.")
     init_head_from_target: bool = _f(False, "Start the draft's lm_head from the target's LM head rows of the draft vocabulary.")

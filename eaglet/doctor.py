@@ -309,6 +309,10 @@ def check_draft_type(p: Probe) -> None:
     it cannot honour, such as a chain longer than a DFlash block, FAIL before any weight loads."""
     kind = draft_type(p.cfg.train.algorithm)
     problems = getattr(kind, "config_problems", lambda cfg: [])(p.cfg)
+    attention = p.cfg.train.draft_attention
+    if attention not in getattr(kind, "ATTENTIONS", ("dense",)):
+        problems = [*problems, (f"train.draft_attention {attention}: {kind.TITLE}'s draft has dense attention only",
+                                "set train.draft_attention: dense, or train.algorithm: eagle3")]
     for what, fix in problems:
         p.add("FAIL", "draft type", f"settings {kind.TITLE} honours", what, fix,
               error=ConfigError(f"{what}; {fix}"))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..draft.eagle3.model import DraftConfig, Eagle3Draft
+from ..draft.eagle3.model import Eagle3Draft
+from ..draft.eagle3.training import draft_config
 from ..formats.checkpoints import CKPT_DIR, checkpoint_bytes, checkpoints, safetensors_bytes
 from ..formats.prepared import PreparedData
 from ..formats.store import TARGET_CONFIG, read_target_config
@@ -96,11 +97,8 @@ def draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
     text_cfg = _text_config_for_train(p)
     if text_cfg is None:
         return None
-    t = p.cfg.train
     _, n_aux = hidden_and_aux(p)
-    dcfg = DraftConfig.from_target_config(text_cfg, draft_vocab_size=min(p.cfg.vocab.size, int(text_cfg.vocab_size)),
-                                          num_layers=t.draft_layers, fc_norm=t.fc_norm, norm_output=t.norm_output,
-                                          num_aux=n_aux)
+    dcfg = draft_config(p.cfg, text_cfg, min(p.cfg.vocab.size, int(text_cfg.vocab_size)), n_aux)
     with torch.device("meta"):
         p.draft = text_cfg, Eagle3Draft(dcfg)
     return p.draft

@@ -118,6 +118,8 @@ class DraftType(Protocol):
     #   continuation, whether each of the k proposals made there equals the target's token (what
     #   a greedy chain replays; eaglet/draft/agreement.py computes it from the type's steps);
     #   replay_tree(...) as EAGLE-3's (eaglet/draft/eagle3/replay.py).
+    # Optional: ATTENTIONS (tuple): the train.draft_attention values the type's layers take (eagle3:
+    #   dense, mla); without it dense only (the doctor's `draft type` check FAILs on another).
     # Optional: config_problems(cfg) -> [(what, fix)]: settings this type cannot honour (the doctor's
     #   `draft type` check FAILs on each, before any weight loads).
     # Optional: LAYER_KEYS (tuple): the keys of the type's own config section that choose its target

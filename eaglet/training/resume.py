@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Config, TrainSection
+from ..config import Config, TrainSection, default_quiet_keys
 from ..distributed import resolve_device
 from ..draft.step import extend_schedule, lr_lambda, peak_lr
 from ..errors import CorruptDataError, ResumeError
@@ -70,8 +70,11 @@ def run_fingerprint(model: nn.Module, store: StoreReader, d2t: torch.Tensor, cfg
     found["data.micro_batches_per_step"] = cfg.train.grad_accum * world_size
     found["vocab.d2t"] = _digest(d2t)
     found["run.seed"] = cfg.run.seed
+    # Keys added to eaglet with hashed=UNLESS_DEFAULT (train.algorithm, train.draft_attention, ...) count
+    # once set: at their defaults a checkpoint written before them resumes.
+    quiet = default_quiet_keys("train")
     for k, v in cfg.section("train").items():
-        if k not in RESUME_SAFE_KEYS and k != "grad_accum":
+        if k not in RESUME_SAFE_KEYS and k != "grad_accum" and not (k in quiet and v == quiet[k]):
             found[f"train.{k}"] = v
     for k, v in (cfg.type_section(cfg.train.algorithm) or {}).items():
         found[f"{cfg.train.algorithm}.{k}"] = v

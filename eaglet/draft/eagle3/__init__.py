@@ -16,6 +16,7 @@ NAME = "eagle3"
 TITLE = "EAGLE-3"
 SERVING_METHOD = "eagle3"
 SERVING_FORMATS = ("vllm", "sglang")  # the formats `serving` writes (serving.py)
+ATTENTIONS = ("dense", "mla")  # the train.draft_attention values its layers take (model.py, mla.py)
 # What its vLLM serving path needs of vLLM (eaglet/engines/vllm/contracts.py makes them contract
 # rows, checked by the doctor for a config that trains this type): (where, params, why).
 VLLM_SERVING_CONTRACTS = (
@@ -28,7 +29,8 @@ VLLM_SERVING_CONTRACTS = (
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
            "shard_units", "unroll_linears", "num_positions", "loss", "proposer", "serving", "from_serving",
-           "serving_format", "reload_logits", "chain_hits", "replay_tree", "SERVING_FORMATS", "VLLM_SERVING_CONTRACTS"]
+           "serving_format", "reload_logits", "chain_hits", "replay_tree", "SERVING_FORMATS", "ATTENTIONS",
+           "VLLM_SERVING_CONTRACTS"]
 
 
 def proposer(draft: Eagle3Draft) -> Eagle3Proposer:

@@ -168,7 +168,8 @@ def ttt_attention(
     rows: Tensor | None = None,
 ) -> Tensor:
     """Attention of step j = len(ks)-1: step-0 keys causally (per document) + own-row keys
-    of steps 1..j. ks/vs: [B, Hkv, T, D] per step. Returns [B, Hq, T, D].
+    of steps 1..j. ks/vs: [B, Hkv, T, D] and [B, Hkv, T, Dv] per step (Dv: the values' width,
+    D's unless the layer is MLA's). Returns [B, Hq, T, Dv].
 
     merge: None folds the diagonal keys in with `_merge_diagonal` (the reference); else a
     function with `merge_diagonal_stacked`'s signature (the compiled fast unroll's).
@@ -264,7 +265,7 @@ def _chunked_causal_attention(
     A chunk of rows [a, b) needs keys [0, b) only. With grad enabled each chunk is
     recomputed in backward, so at most one chunk's scores are alive at a time."""
     B, Hq, T, D = q_BHTD.shape
-    Hk = k_BKTD.shape[1]
+    Hk, Dv = k_BKTD.shape[1], v_BKTD.shape[-1]  # Dv: the values' width (MLA's differs from the keys')
     q = q_BHTD.reshape(B, Hk, Hq // Hk, T, D)
     rows = torch.arange(T, device=q.device)
     outs, lses = [], []
@@ -280,7 +281,7 @@ def _chunked_causal_attention(
             o, lse = _chunk_attention(*args)
         outs.append(o)
         lses.append(lse)
-    return torch.cat(outs, dim=3).reshape(B, Hq, T, D), torch.cat(lses, dim=3).reshape(B, Hq, T)
+    return torch.cat(outs, dim=3).reshape(B, Hq, T, Dv), torch.cat(lses, dim=3).reshape(B, Hq, T)
 
 
 def _merge_diagonal(
@@ -293,16 +294,16 @@ def _merge_diagonal(
     if rows is not None:
         out0_BHTD, lse0_BHT = _full_to_rows(out0_BHTD, rows), _full_to_rows(lse0_BHT, rows)
     B, Hq, T, D = q_BHTD.shape
-    Hk = ks[0].shape[1]
+    Hk, Dv = ks[0].shape[1], out0_BHTD.shape[-1]
     G = Hq // Hk
     q = acc(q_BHTD).reshape(B, Hk, G, T, D)
     scores = [(q * acc(k)[:, :, None]).sum(-1) * scale for k in ks]  # [B, Hk, G, T] each
     all_scores = torch.stack([acc(lse0_BHT).reshape(B, Hk, G, T), *scores], dim=0)
     weights = torch.softmax(all_scores, dim=0)  # over {all step-0 keys, each diagonal key}
-    out = weights[0, ..., None] * acc(out0_BHTD).reshape(B, Hk, G, T, D)
+    out = weights[0, ..., None] * acc(out0_BHTD).reshape(B, Hk, G, T, Dv)
     for w, v in zip(weights[1:], vs, strict=True):
         out = out + w[..., None] * acc(v)[:, :, None]
-    return out.reshape(B, Hq, T, D).to(q_BHTD.dtype)
+    return out.reshape(B, Hq, T, Dv).to(q_BHTD.dtype)
 
 
 def merge_diagonal_stacked(
@@ -315,15 +316,15 @@ def merge_diagonal_stacked(
     if rows is not None:
         out0_BHTD, lse0_BHT = _full_to_rows(out0_BHTD, rows), _full_to_rows(lse0_BHT, rows)
     B, Hq, T, D = q_BHTD.shape
-    Hk = k_JBKTD.shape[2]
+    Hk, Dv = k_JBKTD.shape[2], out0_BHTD.shape[-1]
     G = Hq // Hk
     q = acc(q_BHTD).reshape(B, Hk, G, T, D)
     scores = (q[None] * acc(k_JBKTD)[:, :, :, None]).sum(-1) * scale  # [J, B, Hk, G, T]
     all_scores = torch.cat([acc(lse0_BHT).reshape(1, B, Hk, G, T), scores], dim=0)
     weights = torch.softmax(all_scores, dim=0)
-    out = weights[0, ..., None] * acc(out0_BHTD).reshape(B, Hk, G, T, D)
+    out = weights[0, ..., None] * acc(out0_BHTD).reshape(B, Hk, G, T, Dv)
     out = out + (weights[1:, ..., None] * acc(v_JBKTD)[:, :, :, None]).sum(0)
-    return out.reshape(B, Hq, T, D).to(q_BHTD.dtype)
+    return out.reshape(B, Hq, T, Dv).to(q_BHTD.dtype)
 
 
 # ---- inference: new queries over a KV cache -----------------------------------------------------

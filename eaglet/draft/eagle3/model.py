@@ -38,11 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from .attention import KVCache, TTTAttend, cached_attention
+from .mla import MLAAttention, mla_sizes
 from ..layers import (MLP, RMSNorm, Rotary, add_vocabulary_maps, apply_rope, init_draft_weights, rope_type,
                      target_sizes)
 
 
-
+ATTENTIONS = ("dense", "mla")
+MLA_FIELDS = ("mla_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -70,6 +72,15 @@ class DraftConfig:
     norm_output: bool = False  # EAGLE-3.1: feed the post-norm state to the next step
     norm_before_residual: bool = False  # speculators/vLLM option: residual = hidden_norm(h)
     attention_bias: bool = False
+    # The decoder layers' attention: "dense" (Llama's, the fields above) or "mla" (multi-head
+    # latent attention, mla.py, sized by the fields below; head_dim and the KV heads unused).
+    attention: str = "dense"
+    mla_heads: int = 0
+    q_lora_rank: int = 0  # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -82,9 +93,28 @@ class DraftConfig:
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
         rope_type(self.rope_scaling)  # validates
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention {self.attention!r}: expected one of {ATTENTIONS}")
+        if self.attention == "mla":
+            sizes = {k: getattr(self, k) for k in MLA_FIELDS}
+            if min(sizes["mla_heads"], sizes["kv_lora_rank"], sizes["qk_nope_head_dim"], sizes["v_head_dim"]) < 1 \
+                    or sizes["q_lora_rank"] < 0 or sizes["qk_rope_head_dim"] < 2 or sizes["qk_rope_head_dim"] % 2:
+                raise ValueError(f"MLA sizes {sizes}: heads, kv_lora_rank, qk_nope_head_dim and v_head_dim must be "
+                                 ">= 1, qk_rope_head_dim even and >= 2, q_lora_rank >= 0")
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE turns: a dense head's, MLA's rope dims."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; a dense draft's without the MLA ones, so that it reads as the configs
+        written before MLA drafts (a checkpoint's fingerprint among them)."""
+        d = asdict(self)
+        if self.attention == "dense":
+            for k in ("attention", *MLA_FIELDS):
+                del d[k]
+        return d
 
     @classmethod
     def from_target_config(cls, hf_config: Any, draft_vocab_size: int, **overrides: Any) -> DraftConfig:
@@ -112,17 +142,28 @@ class DraftConfig:
           supported; override rope_scaling=None for others).
         - attention_bias stays False: the draft is a fresh Llama layer whatever the target's
           biases are (vLLM's Eagle3 Llama layer reads attention_bias from the draft config).
+        - attention "mla": the MLA sizes are the target's own for an MLA target, else DeepSeek-V3's
+          proportions at the target's head_dim (`mla.mla_sizes`); an override of None keeps the
+          default.
         """
         fields = target_sizes(hf_config, draft_vocab_size)
         unknown = set(overrides) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise TypeError(f"unknown DraftConfig fields: {sorted(unknown)}")
-        fields.update(overrides)
+        if overrides.get("attention") == "mla":
+            c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+            heads = int(c.num_attention_heads)
+            fields.update(mla_sizes(c, heads, int(getattr(c, "head_dim", None) or int(c.hidden_size) // heads)))
+        fields.update({k: v for k, v in overrides.items() if v is not None or k not in MLA_FIELDS})
         return cls(**fields)
 
 
 class SelfAttention(nn.Module):
-    """Projections only; which keys a query sees is decided by the `attend` callable."""
+    """Projections only; which keys a query sees is decided by the `attend` callable.
+    INPUT_LINEARS: the linears that read the layer's input, in the order `heads` takes their
+    products (MLA's layer, mla.py, has the same interface)."""
+
+    INPUT_LINEARS = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: DraftConfig, in_features: int):
         super().__init__()
@@ -133,10 +174,10 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, cfg.num_key_value_heads * hd, bias=b)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=b)
 
-    def heads(self, q_BTO: Tensor, k_BTO: Tensor, v_BTO: Tensor, cos_BTD: Tensor, sin_BTD: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor]:
+    def heads(self, q_BTO: Tensor, k_BTO: Tensor, v_BTO: Tensor, cos_BTD: Tensor, sin_BTD: Tensor,
+              project: Any = None) -> tuple[Tensor, Tensor, Tensor]:
         """The q, k, v products [B,T,out] as heads: rotated queries [B,Hq,T,D], rotated keys
-        and values [B,Hkv,T,D]."""
+        and values [B,Hkv,T,D]. project: unused (MLA's later products)."""
         B, T, _ = q_BTO.shape
         q = q_BTO.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k_BTO.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -165,7 +206,8 @@ class DecoderLayer(nn.Module):
         if first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, 2 * H if first else H)
+        attention = MLAAttention if cfg.attention == "mla" else SelfAttention
+        self.self_attn = attention(cfg, 2 * H if first else H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
@@ -217,7 +259,7 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         add_vocabulary_maps(self, cfg.vocab_size, cfg.draft_vocab_size)  # identity until the caller loads the run's
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rope = Rotary(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # A faster TTT unroll of this draft installed from outside (eaglet/draft/eagle3/unroll.py):
         # called with `reference_ttt_steps`' arguments, it yields the same logits.
         self.unroll: Callable[..., Iterator[Tensor]] | None = None

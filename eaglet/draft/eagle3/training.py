@@ -2,7 +2,8 @@
 what each micro-batch prepares on the host, the fast paths, and the loss.
 
 The trainer reaches these through `eaglet.draft.draft_type("eagle3")`; EAGLE-3 keeps its keys
-in train.* (draft_layers, fc_norm, norm_output, ttt_steps, gamma, accept_loss, state_noise).
+in train.* (draft_layers, draft_attention and mla_*, fc_norm, norm_output, ttt_steps, gamma,
+accept_loss, state_noise).
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ def layers(num_target_layers: int, cfg: Config) -> list[int] | None:
     return None
 
 
+def draft_config(cfg: Config, target_config: Any, draft_vocab_size: int, num_aux: int) -> DraftConfig:
+    """The draft's sizes: the target's (`DraftConfig.from_target_config`) with train.draft_layers,
+    train.fc_norm, train.norm_output and the attention (train.draft_attention; an MLA layer's
+    sizes from train.mla_*, each None the target's or the default rule's)."""
+    t = cfg.train
+    mla = dict(mla_heads=t.mla_heads, q_lora_rank=t.mla_q_lora_rank, kv_lora_rank=t.mla_kv_lora_rank,
+               qk_nope_head_dim=t.mla_qk_nope_head_dim, qk_rope_head_dim=t.mla_qk_rope_head_dim,
+               v_head_dim=t.mla_v_head_dim) if t.draft_attention == "mla" else {}
+    return DraftConfig.from_target_config(
+        target_config, draft_vocab_size=draft_vocab_size, num_layers=t.draft_layers, fc_norm=t.fc_norm,
+        norm_output=t.norm_output, num_aux=num_aux, attention=t.draft_attention, **mla)
+
+
 def build(cfg: Config, target_config: Any, draft_vocab_size: int, num_aux: int) -> Eagle3Draft:
-    """A fresh draft of the target's shape (`DraftConfig.from_target_config`) with train.draft_layers,
-    train.fc_norm and train.norm_output, its parameters initialised from torch's current seed."""
-    train_cfg = cfg.train
-    draft_cfg = DraftConfig.from_target_config(
-        target_config, draft_vocab_size=draft_vocab_size, num_layers=train_cfg.draft_layers,
-        fc_norm=train_cfg.fc_norm, norm_output=train_cfg.norm_output, num_aux=num_aux,
-    )
-    model = Eagle3Draft(draft_cfg)
+    """A fresh draft of `draft_config`'s sizes, its parameters initialised from torch's current seed."""
+    model = Eagle3Draft(draft_config(cfg, target_config, draft_vocab_size, num_aux))
     model.reset_parameters()
     return model
 

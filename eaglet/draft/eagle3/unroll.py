@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +45,14 @@ from torch import Tensor, nn
 from .attention import TTTAttend, merge_diagonal_stacked
 from ..casts import Weights, cast_linears, linear, sharded
 from ..compiling import compile_piece
+from .mla import MLAAttention
 from .model import MLP, DecoderLayer, Eagle3Draft, SelfAttention, shift_ids
 
 Casts = Literal["accumulate", "sum", "per_product"]
 CASTS = ("accumulate", "sum", "per_product")
-
-
-class QKV(NamedTuple):
-    q: Tensor
-    k: Tensor
-    v: Tensor
+Attention = SelfAttention | MLAAttention
+# The products of a layer's INPUT_LINEARS (q, k, v; MLA's q_a and kv_a), one tensor each.
+Products = tuple[Tensor, ...]
 
 
 # ---- the pieces of a step, over given weights --------------------------------------------------
@@ -62,35 +60,40 @@ class QKV(NamedTuple):
 # once-cast copies), None: the parameters themselves.
 
 
-def projections(attn: SelfAttention, x_BTI: Tensor, w: Weights | None = None, cols: tuple[int, int] | None = None,
-                bias: bool = True) -> QKV:
-    """The q, k and v products [B,T,out] (cols, bias: `casts.linear`'s)."""
-    return QKV(*(linear(mod, name, x_BTI, w, cols, bias)
-                 for mod, name in ((attn.q_proj, "q_proj"), (attn.k_proj, "k_proj"), (attn.v_proj, "v_proj"))))
+def projections(attn: Attention, x_BTI: Tensor, w: Weights | None = None, cols: tuple[int, int] | None = None,
+                bias: bool = True) -> Products:
+    """The products [B,T,out] of the attention's INPUT_LINEARS (cols, bias: `casts.linear`'s)."""
+    return tuple(linear(getattr(attn, name), name, x_BTI, w, cols, bias) for name in attn.INPUT_LINEARS)
 
 
-def qkv(attn: SelfAttention, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, w: Weights | None = None,
-        cols: tuple[int, int] | None = None, plus: QKV | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """`SelfAttention.qkv` over `w`. cols, plus: x is the weights' input columns `cols`, and
-    `plus` the products of the other columns, added (layer 0's embedding products)."""
-    q, k, v = projections(attn, x_BTI, w, cols)
+def qkv(attn: Attention, x_BTI: Tensor, cos_BTD: Tensor, sin_BTD: Tensor, w: Weights | None = None,
+        cols: tuple[int, int] | None = None, plus: Products | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`attn.qkv` over `w`. cols, plus: x is the weights' input columns `cols`, and `plus` the
+    products of the other columns, added (layer 0's embedding products)."""
+    products = projections(attn, x_BTI, w, cols)
     if plus is not None:
-        q, k, v = q + plus.q, k + plus.k, v + plus.v
-    return attn.heads(q, k, v, cos_BTD, sin_BTD)
+        products = tuple(p + e for p, e in zip(products, plus, strict=True))
+    project = None if w is None else partial(_project, attn, w)
+    return attn.heads(*products, cos_BTD, sin_BTD, project)
 
 
-def attn_inputs(layer: DecoderLayer, h_BTH: Tensor, embeds_BTH: Tensor | QKV, cos: Tensor, sin: Tensor,
+def _project(attn: Attention, w: Weights, name: str, x: Tensor) -> Tensor:
+    """The attention's linear `name` over `w` (MLA's q_b_proj and kv_b_proj)."""
+    return linear(getattr(attn, name), name, x, w)
+
+
+def attn_inputs(layer: DecoderLayer, h_BTH: Tensor, embeds_BTH: Tensor | Products, cos: Tensor, sin: Tensor,
                 w: Weights | None = None, embed_rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`DecoderLayer.attn_inputs` over `w`. Layer 0 takes the token embeddings, or their half
-    of the q/k/v products (`embed_projection`) ready made; embed_rows: of those products, h's
-    rows take these flat rows (shaped as h's rows)."""
+    of the input linears' products (`embed_projection`) ready made; embed_rows: of those
+    products, h's rows take these flat rows (shaped as h's rows)."""
     if layer.first:
         normed = layer.hidden_norm(h_BTH)
         residual = normed if layer.norm_before_residual else h_BTH
-        if isinstance(embeds_BTH, QKV):
+        if isinstance(embeds_BTH, tuple):
             H = normed.shape[-1]
             if embed_rows is not None:  # [B', T'] flat rows of the products, shaped as h's rows
-                embeds_BTH = QKV(*(take_rows(p, embed_rows) for p in embeds_BTH))
+                embeds_BTH = tuple(take_rows(p, embed_rows) for p in embeds_BTH)
             return *qkv(layer.self_attn, normed, cos, sin, w, cols=(H, 2 * H), plus=embeds_BTH), residual
         # Embedding first, hidden second: the order every EAGLE-3 loader expects.
         x = torch.cat([layer.input_layernorm(embeds_BTH), normed], dim=-1)
@@ -99,9 +102,9 @@ def attn_inputs(layer: DecoderLayer, h_BTH: Tensor, embeds_BTH: Tensor | QKV, co
     return *qkv(layer.self_attn, x, cos, sin, w), residual
 
 
-def embed_projection(layer: DecoderLayer, embeds_BTH: Tensor, w: Weights | None = None) -> QKV:
-    """Layer 0's q/k/v products of input_layernorm(embeddings) alone, without the biases:
-    their half of the weights' input columns (the first H)."""
+def embed_projection(layer: DecoderLayer, embeds_BTH: Tensor, w: Weights | None = None) -> Products:
+    """Layer 0's input-linear products of input_layernorm(embeddings) alone, without the
+    biases: their half of the weights' input columns (the first H)."""
     assert layer.first, "only layer 0 reads the token embeddings"
     return projections(layer.self_attn, layer.input_layernorm(embeds_BTH), w, (0, embeds_BTH.shape[-1]), bias=False)
 
@@ -226,7 +229,7 @@ class FastUnroll:
         lowp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
         weights = self.cast_weights(lowp) if lowp is not None and num_steps > 1 else None
         # Not under FSDP2, whose layer 0 is sharded outside its own forward.
-        layer_sharded = [sharded(layer.self_attn.q_proj.weight) for layer in model.layers]
+        layer_sharded = [sharded(layer.self_attn.o_proj.weight) for layer in model.layers]
         once = self.embeds_once and not layer_sharded[0]
         ids0 = shift_ids(input_ids_BT, 1)  # row t of step 0 reads token t + 1
         if once:
