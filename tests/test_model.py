@@ -225,8 +225,13 @@ def batch(m: Eagle3Draft, B=2, T=33, seed=1):
     return aux, ids, pos
 
 
+MLA = dict(attention="mla", mla_heads=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=6)  # the MLA layer (mla.py): values narrower than keys
+
+
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(fc_norm=True, norm_output=True, num_layers=2)], ids=["eagle3", "3.1+2layers"]
+    "variant", [dict(), dict(fc_norm=True, norm_output=True, num_layers=2), dict(MLA, num_layers=2)],
+    ids=["eagle3", "3.1+2layers", "mla+2layers"]
 )
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["one-doc", "packed"])
 def test_ttt_forward_impls_agree(variant, docs):
@@ -251,13 +256,14 @@ def test_ttt_forward_impls_agree(variant, docs):
     assert not m.embed_tokens.weight.requires_grad
 
 
-@pytest.mark.parametrize("num_layers,norm_output", [(1, False), (2, True)])
-def test_ttt_rows_equal_a_kv_cached_chain_and_the_uncached_forward(num_layers, norm_output):
+@pytest.mark.parametrize("num_layers,norm_output,attention", [(1, False, {}), (2, True, {}), (2, False, MLA)],
+                         ids=["1", "2+norm_output", "mla+2"])
+def test_ttt_rows_equal_a_kv_cached_chain_and_the_uncached_forward(num_layers, norm_output, attention):
     """Row t of TTT step j is what inference computes: prefill rows 0..t with the target's
     states and tokens shifted by one, then feed each step's hidden output and the next true
     token, one row at a time, through the KV cache. This pins token shift, positions
     (+1 per step) and the attention pattern to an independent causal implementation."""
-    m = tiny_draft(num_layers=num_layers, norm_output=norm_output)
+    m = tiny_draft(num_layers=num_layers, norm_output=norm_output, **attention)
     aux, ids, _ = batch(m, B=2, T=14)
     pos = torch.arange(14).expand(2, 14) + 3  # an offset start: positions are relative anyway
     steps, t = 4, 6

@@ -56,6 +56,12 @@ def device_head_rows(mask, docs, num_steps, device):
 
 CFG = DraftConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   intermediate_size=64, vocab_size=300, draft_vocab_size=100)
+# The MLA layer's draft (eaglet/draft/eagle3/mla.py): values narrower than keys, a YaRN softmax factor.
+MLA = dict(attention="mla", mla_heads=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=6, max_position_embeddings=512,
+           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+                         "mscale_all_dim": 1.0})
+MLA_CFG = DraftConfig(**{**CFG.to_dict(), **MLA})
 
 
 def _ce_inputs(dtype, L=70, N=50, seed=0):
@@ -422,7 +428,8 @@ def _linear_weight_shapes(model):
     return {tuple(m.weight.shape) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, torch.nn.Linear)}
 
 
-def test_unroll_casts_each_linear_weight_once(monkeypatch):
+@pytest.mark.parametrize("cfg", [CFG, MLA_CFG], ids=["dense", "mla"])
+def test_unroll_casts_each_linear_weight_once(monkeypatch, cfg):
     """Under autocast the TTT unroll casts each linear weight once (FastUnroll.cast_weights)
     and every step uses that copy. Eager, with autograd summing the steps' gradients
     (accumulate=False): exactly the loss and gradients of autocast's own cached casts. With
@@ -434,7 +441,7 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
     each step making its own layer-0 embedding products: autocast caches the cast of a whole
     weight, not of the column slice that the once-made products take.)"""
     torch.manual_seed(0)
-    model = Eagle3Draft(CFG)
+    model = Eagle3Draft(cfg)
     unroll = use_fast_unroll(model, embeds_once=False, casts="per_product")  # autocast casts inside each product
     want, want_g = _loss_and_grads(model, bf16=True)
     unroll.casts = "sum"
@@ -462,7 +469,7 @@ def test_unroll_casts_each_linear_weight_once(monkeypatch):
             seen.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
             return gm.forward
 
-        comp = Eagle3Draft(CFG)
+        comp = Eagle3Draft(cfg)
         comp.load_state_dict(model.state_dict())
         # static sizes: which weights the graphs take does not depend on them, and tracing is faster
         use_fast_unroll(comp, compile=True, backend=backend, dynamic=False,
@@ -618,7 +625,7 @@ def test_unroll_projects_the_embeddings_once(T, steps):
     assert all(a <= 1.5 * b + 2 ** -9 for a, b in zip(errors[True], errors[False], strict=True)), errors
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1", "mla", "mla-q_proj"])
 def test_fast_unroll_is_the_reference_unroll(variant):
     """The fast unroll (FastUnroll, installed by use_fast_unroll) against the model's plain
     `reference_ttt_steps`, which test_model.py holds to a KV-cached chain: every step's logits
@@ -627,10 +634,13 @@ def test_fast_unroll_is_the_reference_unroll(variant):
     active rows only (loss.active_rows); the embedding products made once or per step; chunked
     and naive attention. fp64, two layers with q/k/v biases, two samples of differently packed
     documents (positions restarting per document, offset), a loss mask with holes. A token,
-    position or row off by one anywhere in the fast unroll moves some step's logits."""
+    position or row off by one anywhere in the fast unroll moves some step's logits. The MLA
+    layer's draft too (its layer 0 shares its q_a / kv_a embedding products), with and
+    without the queries' LoRA."""
     from eaglet.draft.eagle3.loss import active_rows, head_rows
 
-    extra = dict(fc_norm=True, norm_output=True, norm_before_residual=True) if variant == "eagle3.1" else {}
+    extra = {"eagle3": {}, "eagle3.1": dict(fc_norm=True, norm_output=True, norm_before_residual=True), "mla": MLA,
+             "mla-q_proj": {**MLA, "q_lora_rank": 0}}[variant]
     cfg = DraftConfig(**{**CFG.to_dict(), "num_layers": 2, "attention_bias": True, **extra})
     torch.manual_seed(0)
     model = Eagle3Draft(cfg).double()
