@@ -91,8 +91,15 @@ def resume_settings(cfg: Config, world_size: int = 1) -> dict[str, Any]:
 
 
 def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (old, new)} of the keys whose values differ; a key only one side has is None on the other."""
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    """{key: (old, new)} of the keys whose values differ. A key only one side has is its default on
+    the other where it is a train key added with hashed=UNLESS_DEFAULT (`run_fingerprint` leaves
+    those out at their defaults), else None."""
+    quiet = {f"train.{k}": v for k, v in default_quiet_keys("train").items()}
+
+    def value(fingerprint: dict[str, Any], k: str) -> Any:
+        return fingerprint.get(k, quiet.get(k))
+
+    return {k: (value(old, k), value(new, k)) for k in sorted(set(old) | set(new)) if value(old, k) != value(new, k)}
 
 
 def _changes(diff: dict[str, tuple[Any, Any]]) -> str:
