@@ -29,7 +29,8 @@ VLLM_SERVING_CONTRACTS = (
 # An MLA draft (train.draft_attention: mla) is served by another class, from a flat config vLLM reads
 # as a DeepseekV3Config (serving_mla.py): these rows replace the ones above for such a config.
 VLLM_SERVING_CONTRACTS_BY_ATTENTION = {"mla": (
-    ("vllm.config.speculative:SpeculativeMethod", "+eagle3", "EAGLE-3: the speculative method the vLLM eval sets"),
+    ("vllm.config.speculative:SpeculativeMethod", "+eagle3",
+     "EAGLE-3: the speculative method the vLLM eval sets for an MLA draft"),
     ("vllm.model_executor.models.registry:_SPECULATIVE_DECODING_MODELS", "+Eagle3DeepseekV2ForCausalLM",
      "EAGLE-3: the class vLLM serves an MLA draft's export with (its architectures)"),
     ("vllm.transformers_utils.config:_CONFIG_REGISTRY", "+kimi_k2",
