@@ -12,6 +12,7 @@ the loader checks pass it whole and name each break of it.
 
 import json
 import math
+import shlex
 import shutil
 
 import pytest
@@ -252,6 +253,23 @@ def test_both_formats_write_the_same_files_which_sglang_loads_as_vllm_does(tmp_p
     assert torch.equal(torch.cat([gate_up[0], gate_up[1]]), vllm_weights.pop("model.layers.0.mlp.gate_up_proj.weight"))
     assert {k.replace("midlayer", "layers.0"): v[None] for k, v in sglang_weights.items()}.keys() == vllm_weights.keys()
     assert all(torch.equal(v[None], vllm_weights[k.replace("midlayer", "layers.0")]) for k, v in sglang_weights.items())
+
+
+def test_the_export_stage_writes_checks_and_serves_an_mla_draft(tmp_path, capsys):
+    from test_export import run_export_stage, tied_target
+
+    from eaglet.formats.draft import FINAL_DIR, save_final
+
+    tied_target(tmp_path)  # the target (a local folder) and the store; the trained draft an MLA one
+    draft = mla_draft(rope_scaling=YARN)
+    save_final(tmp_path / "train" / FINAL_DIR, draft.state_dict(), draft.config, IDS, "eagle3")
+    result = run_export_stage(tmp_path)
+    for fmt in ("vllm", "sglang"):
+        assert read_config(result[fmt]["path"])["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+        assert result[fmt]["reload_max_logit_error"] < 1e-6
+    assert json.loads(shlex.split(result["vllm"]["serve_command"])[-1])["method"] == "eagle3"
+    err = capsys.readouterr().err
+    assert "matches its engine's loader" in err and "export.verifier_name_or_path" not in err  # it names no verifier
 
 
 def edited(folder, tmp_path, weights=None, config=None):
