@@ -38,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The files that reach the draft's type only through eaglet.draft (the serving/eval side).
 SEAM_FILES = ["eaglet/engines/hf/decode.py", "eaglet/engines/hf/replay.py", "eaglet/formats/serving.py",
-              "eaglet/formats/draft.py", "eaglet/formats/loaders.py", "eaglet/stages/export.py",
+              "eaglet/formats/draft.py", "eaglet/formats/loaders.py", "eaglet/formats/loaders_common.py",
+              "eaglet/formats/loaders_mla.py", "eaglet/stages/export.py",
               "eaglet/engines/vllm/decode.py", "eaglet/engines/vllm/eval.py",
               *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "eaglet" / "evaluation").glob("*.py"))]
 

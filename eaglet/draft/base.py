@@ -130,3 +130,6 @@ class DraftType(Protocol):
     # Optional: VLLM_SERVING_CONTRACTS: ((where, params, why), ...), what serving it in vLLM needs of
     #   vLLM, in eaglet/checks/contracts.py's row syntax; eaglet/engines/vllm/contracts.py makes
     #   them rows of stage "eval-vllm" for a config whose train.algorithm is this type.
+    # Optional: VLLM_SERVING_CONTRACTS_BY_ATTENTION: {train.draft_attention value: rows}: the rows that
+    #   replace VLLM_SERVING_CONTRACTS for a config training the type with that attention (eagle3:
+    #   "mla", served by vLLM's Eagle3DeepseekV2ForCausalLM).

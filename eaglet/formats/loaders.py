@@ -3,6 +3,7 @@
 
     sglang_problems(folder) -> list[str]    # against SGLang's LlamaForCausalLMEagle3 (SGLANG_SOURCE)
     vllm_problems(folder) -> list[str]      # against vLLM's Eagle3LlamaForCausalLM (VLLM_SOURCE)
+    PROBLEMS["eagle3"][fmt](folder)         # either, or an MLA draft's loader (loaders_mla.py)
     serve_commands("eagle3", target, {"vllm": folder, ...}, k) -> {"vllm": "vllm serve ...", "sglang": "python -m ..."}
 
 Each loader's rows are keyed by the draft type they load (PROBLEMS, ENGINES, SERVE_COMMANDS:
@@ -32,9 +33,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
+from .loaders_common import (CONFIG_FILE, VLLM_VERSION, WEIGHTS_FILE, WEIGHTS_INDEX, ParamMap,  # noqa: F401
+                             Target, d2t_problem, fc_problem, match_weights, read_config, tensor_shapes)
+from .loaders_common import config_value as _get
+from .loaders_mla import is_mla_export, sglang_mla_problems, vllm_mla_problems
 
 SGLANG_VERSION = "0.5.23"
 SGLANG_SOURCE = (
@@ -42,7 +44,6 @@ SGLANG_SOURCE = (
     "wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl, sha256 "
     "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937 (its sglang/_version.py records no commit id)"
 )
-VLLM_VERSION = "0.25.0"
 VLLM_SOURCE = (
     "vLLM 0.25.0 vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights) after "
     "vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) turns the speculators config into its config"
@@ -69,47 +70,7 @@ VLLM_KEYS = ("speculators_model_type", "draft_vocab_size", "target_hidden_size",
 # vLLM's peagle path (update_peagle) reads these too: mask_token_id is required (its pard_token).
 PEAGLE_KEYS = ("mask_token_id",)
 
-ParamMap = dict[str, bool]  # a loader's parameter name -> whether a checkpoint tensor must fill it
-Target = tuple[str, Any] | str | None  # (parameter, shard or None); "d2t"; "ignored" (t2d); None: no parameter
-
-
-# ---- reading an export without loading its tensors ---------------------------------------------
-
-
-def read_config(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / CONFIG_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not readable as JSON ({e})") from e
-
-
-def tensor_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor of the export's safetensors (headers only)."""
-    folder = Path(folder)
-    if (folder / WEIGHTS_INDEX).is_file():
-        files = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].values()))
-    elif (folder / WEIGHTS_FILE).is_file():
-        files = [WEIGHTS_FILE]
-    else:
-        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX} in {folder}")
-    out: dict[str, tuple[int, ...]] = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
-            out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
-    return out
-
-
-def _get(config: dict[str, Any], dotted: str) -> Any:
-    value: Any = config
-    for part in dotted.split("."):
-        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        elif isinstance(value, dict) and part in value:
-            value = value[part]
-        else:
-            return None
-    return value
+# ---- what these loaders share ------------------------------------------------------------------
 
 
 def _missing_keys(config: dict[str, Any], keys: tuple[str, ...], engine: str) -> list[str]:
@@ -123,42 +84,10 @@ def _missing_keys(config: dict[str, Any], keys: tuple[str, ...], engine: str) ->
 
 def _match(shapes: dict[str, tuple[int, ...]], params: ParamMap, target: Callable[[str, ParamMap], Target],
            engine: str) -> tuple[list[str], set[str]]:
-    """(problems, the tensors that are d2t) of matching each tensor to `params` by `target`."""
-    filled: dict[str, set[Any]] = {}
-    problems, d2t = [], set()
-    for name in sorted(shapes):
-        t = target(name, params)
-        if t == "d2t":
-            d2t.add(name)
-        elif t is None:
-            problems.append(f"weight {name!r}: {engine}'s loader has no parameter for it and would not load it")
-        elif t != "ignored":
-            filled.setdefault(t[0], set()).add(t[1])
-    for param, needed in params.items():
-        if not needed:
-            continue
-        shards = next((s for suffix, s in SHARDS.items() if f"{suffix}." in param), (None,))
-        lacking = [s for s in shards if s not in filled.get(param, set())]
-        if lacking:
-            what = f" (shards {lacking})" if lacking != [None] else ""
-            problems.append(f"{engine}'s parameter {param!r}{what} is filled by no weight: it would stay as "
-                            "initialised")
+    """(problems, the tensors that are d2t) of matching each tensor to `params` by `target` (the
+    Llama loaders' fused parameters: q/k/v, gate/up)."""
+    problems, d2t, _ = match_weights(shapes, params, target, engine, SHARDS)
     return problems, d2t
-
-
-def _fc_problem(shapes: dict[str, tuple[int, ...]], num_aux: int, target_hidden: int, engine: str) -> list[str]:
-    fc = shapes.get("fc.weight")
-    if fc is None or len(fc) != 2 or fc[1] == num_aux * target_hidden:
-        return []
-    return [f"weight 'fc.weight' {fc} takes {fc[1]} inputs; {engine} builds fc for {num_aux} states x "
-            f"target_hidden_size {target_hidden} = {num_aux * target_hidden} from config.json"]
-
-
-def _d2t_problem(d2t: set[str], draft_vocab: Any, vocab: Any, engine: str) -> list[str]:
-    if d2t or draft_vocab is None or vocab is None or int(draft_vocab) == int(vocab):
-        return []
-    return [f"no 'd2t' while draft_vocab_size {draft_vocab} < vocab_size {vocab}: {engine} would read each draft "
-            "token id as the same target id"]
 
 
 def _stacked(name: str) -> tuple[str, Any]:
@@ -245,9 +174,9 @@ def sglang_problems(folder: str | Path) -> list[str]:
     params = sglang_parameters(config)
     matched, d2t = _match(shapes, params, sglang_target, engine)
     hidden = config.get("hidden_size")
-    problems += matched + _d2t_problem(d2t, config.get("draft_vocab_size"), config.get("vocab_size"), engine)
+    problems += matched + d2t_problem(d2t, config.get("draft_vocab_size"), config.get("vocab_size"), engine)
     if isinstance(hidden, int):
-        problems += _fc_problem(shapes, sglang_num_aux(config), int(config.get("target_hidden_size", hidden)), engine)
+        problems += fc_problem(shapes, sglang_num_aux(config), int(config.get("target_hidden_size", hidden)), engine)
     return problems
 
 
@@ -349,11 +278,11 @@ def vllm_problems(folder: str | Path, model_type: str = "eagle3") -> list[str]:
         problems.append(f"transformer_layer_config model_type {c['model_type']!r}: eaglet's drafts are "
                         "Eagle3LlamaForCausalLM")
     matched, d2t = _match(shapes, vllm_parameters(c), vllm_target, engine)
-    problems += matched + _d2t_problem(d2t, c.get("draft_vocab_size"), c.get("vocab_size"), engine)
+    problems += matched + d2t_problem(d2t, c.get("draft_vocab_size"), c.get("vocab_size"), engine)
     hidden = c.get("hidden_size")
     if isinstance(hidden, int):
         width = vllm_num_aux(c) * int(c.get("target_hidden_size", hidden))
-        problems += _fc_problem(shapes, vllm_num_aux(c), int(c.get("target_hidden_size", hidden)), engine)
+        problems += fc_problem(shapes, vllm_num_aux(c), int(c.get("target_hidden_size", hidden)), engine)
         mask = shapes.get("mask_hidden")
         if parallel and mask is not None and math.prod(mask) != width:
             problems.append(f"weight 'mask_hidden' {mask} holds {math.prod(mask)} values; {engine} copies it into a "
@@ -380,7 +309,7 @@ def dflash_vllm_parameters(c: dict[str, Any]) -> ParamMap:
     qkv_proj (stacked), o_proj, q_norm, k_norm, gate_up_proj (stacked), down_proj and both norms;
     fc, hidden_norm, norm, lm_head; embed_tokens and mask_embedding optional (the target's embedding
     is shared when the checkpoint has none). draft_id_to_target_id exists only for a reduced
-    vocabulary (`_d2t_problem` asks for d2t then)."""
+    vocabulary (`d2t_problem` asks for d2t then)."""
     p: ParamMap = {"model.embed_tokens.weight": False, "model.mask_embedding": False, "model.fc.weight": True,
                    "model.hidden_norm.weight": True, "model.norm.weight": True, "lm_head.weight": True}
     for i in range(int(c.get("num_hidden_layers") or 1)):
@@ -415,10 +344,10 @@ def dflash_vllm_problems(folder: str | Path) -> list[str]:
     if c.get("model_type", "qwen3") != "qwen3":
         problems.append(f"transformer_layer_config model_type {c['model_type']!r}: vLLM builds DFlash from a Qwen3Config")
     matched, d2t = _match(shapes, dflash_vllm_parameters(c), dflash_vllm_target, engine)
-    problems += matched + _d2t_problem(d2t, config.get("draft_vocab_size"), c.get("vocab_size"), engine)
+    problems += matched + d2t_problem(d2t, config.get("draft_vocab_size"), c.get("vocab_size"), engine)
     ids = config.get("aux_hidden_state_layer_ids") or []
     if isinstance(c.get("hidden_size"), int) and ids:
-        problems += _fc_problem(shapes, len(ids), int(config.get("target_hidden_size") or c["hidden_size"]), engine)
+        problems += fc_problem(shapes, len(ids), int(config.get("target_hidden_size") or c["hidden_size"]), engine)
     return problems
 
 
@@ -427,16 +356,26 @@ def peagle_vllm_problems(folder: str | Path) -> list[str]:
     return vllm_problems(folder, "peagle")
 
 
+def eagle3_vllm_problems(folder: str | Path) -> list[str]:
+    """`vllm_problems`, or `vllm_mla_problems` (loaders_mla.py) for an MLA draft's export."""
+    return (vllm_mla_problems if is_mla_export(read_config(folder)) else vllm_problems)(folder)
+
+
+def eagle3_sglang_problems(folder: str | Path) -> list[str]:
+    """`sglang_problems`, or `sglang_mla_problems` (loaders_mla.py) for an MLA draft's export."""
+    return (sglang_mla_problems if is_mla_export(read_config(folder)) else sglang_problems)(folder)
+
+
 # draft type (its train.algorithm name) -> serving format -> the check of its engine's loader / that loader.
 # A draft type adds its rows here with its loaders.
 PROBLEMS: dict[str, dict[str, Callable[[str | Path], list[str]]]] = {
-    "eagle3": {"vllm": vllm_problems, "sglang": sglang_problems},
+    "eagle3": {"vllm": eagle3_vllm_problems, "sglang": eagle3_sglang_problems},
     "dflash": {"vllm": dflash_vllm_problems},
     "peagle": {"vllm": peagle_vllm_problems},  # SGLang has no parallel-drafting EAGLE path
 }
 ENGINES: dict[str, dict[str, str]] = {
-    "eagle3": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM",
-               "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH}"},
+    "eagle3": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM (Eagle3DeepseekV2ForCausalLM for an MLA draft)",
+               "sglang": f"SGLang {SGLANG_VERSION}'s {SGLANG_ARCH} (SGLang's Eagle3DeepseekV2ForCausalLM for an MLA draft)"},
     "dflash": {"vllm": f"vLLM {VLLM_VERSION}'s DFlashQwen3ForCausalLM"},
     "peagle": {"vllm": f"vLLM {VLLM_VERSION}'s Eagle3LlamaForCausalLM with parallel drafting (PeagleLlamaForCausalLM)"},
 }

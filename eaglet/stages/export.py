@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..draft import draft_type, draft_type_of
 from ..formats.draft import FINAL_DIR, load_final
 from ..formats.serving import export_draft, load_draft
-from ..formats.loaders import ENGINES, PROBLEMS, serve_commands, speculators_verifier_problem
+from ..formats.loaders import ENGINES, PROBLEMS, read_config, serve_commands, speculators_verifier_problem
 from ..formats.store import StoreReader, read_target_config
 from ..targets.load import local_folder
 from ..utils import log
@@ -75,7 +75,8 @@ def run_export(cfg: Config, ctx: StageContext) -> dict[str, Any]:
                                + "; ".join(problems))
         out[fmt] = {"path": str(folder), "reload_max_logit_error": err, "dtype": meta.get("dtype")}
         log(f"[export] {fmt}: {folder} (reloaded, max logit error {err:.2e}; matches its engine's loader)")
-    _warn_about_the_verifier(cfg, verifier, "vllm" in out)
+    # Only the speculators format names the verifier (an MLA draft's export has no such field).
+    _warn_about_the_verifier(cfg, verifier, "vllm" in out and "speculators_model_type" in read_config(out["vllm"]["path"]))
     commands = serve_commands(draft_type_of(model).NAME, verifier, {fmt: v["path"] for fmt, v in out.items()},
                               cfg.export.speculative_tokens)
     for fmt, command in commands.items():
@@ -112,7 +113,7 @@ def target_architectures(cfg: Config, store: Path) -> list[str]:
 
 
 def _warn_about_the_verifier(cfg: Config, verifier: str, vllm: bool) -> None:
-    """A warning where the vLLM export would not load: a local verifier checkpoint that
+    """`vllm`: a speculators-format vLLM export was written. A warning where it would not load: a local verifier checkpoint that
     speculators cannot take the embedding from (the doctor warns too). A local verifier path,
     the default for a local target, serves on this machine: a note says how to serve elsewhere."""
     if not vllm:

@@ -26,11 +26,26 @@ VLLM_SERVING_CONTRACTS = (
     ("vllm.transformers_utils.configs.speculators.algos:SUPPORTED_SPECULATORS_TYPES", "+eagle3",
      "EAGLE-3: vLLM reads the export's speculators_model_type eagle3"),
 )
+# An MLA draft (train.draft_attention: mla) is served by another class, from a flat config vLLM reads
+# as a DeepseekV3Config (serving_mla.py): these rows replace the ones above for such a config.
+VLLM_SERVING_CONTRACTS_BY_ATTENTION = {"mla": (
+    ("vllm.config.speculative:SpeculativeMethod", "+eagle3",
+     "EAGLE-3: the speculative method the vLLM eval sets for an MLA draft"),
+    ("vllm.model_executor.models.registry:_SPECULATIVE_DECODING_MODELS", "+Eagle3DeepseekV2ForCausalLM",
+     "EAGLE-3: the class vLLM serves an MLA draft's export with (its architectures)"),
+    ("vllm.transformers_utils.config:_CONFIG_REGISTRY", "+kimi_k2",
+     "EAGLE-3: vLLM reads an MLA draft's model_type kimi_k2 as a DeepseekV3Config"),
+    ("vllm.model_executor.models.deepseek_eagle3:DeepseekV2Eagle3Model",
+     "$num_aux_hidden_states $target_hidden_size $fc_norm $norm_output",
+     "EAGLE-3: the MLA export's keys that size fc and choose its norms"),
+    ("vllm.model_executor.models.deepseek_eagle3:DeepseekV2Eagle3DecoderLayer", "$norm_before_residual",
+     "EAGLE-3: the MLA export's key that chooses the first layer's residual"),
+)}
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
            "shard_units", "unroll_linears", "num_positions", "loss", "proposer", "serving", "from_serving",
            "serving_format", "reload_logits", "chain_hits", "replay_tree", "SERVING_FORMATS", "ATTENTIONS",
-           "VLLM_SERVING_CONTRACTS"]
+           "VLLM_SERVING_CONTRACTS", "VLLM_SERVING_CONTRACTS_BY_ATTENTION"]
 
 
 def proposer(draft: Eagle3Draft) -> Eagle3Proposer:

@@ -1,7 +1,8 @@
 """An EAGLE-3 export read back (serving.py's formats, either one, and checkpoints from elsewhere
-in them: speculators', official EAGLE-3 / SGLang): its config.json and weights, which
-eaglet/formats/serving.py reads and checks as files, turned into a DraftConfig and a state dict
-under eaglet's names (`from_serving`), the format told by `serving_format`."""
+in them: speculators', official EAGLE-3 / SGLang, Eagle3DeepseekV2ForCausalLM's for an MLA
+draft): its config.json and weights, which eaglet/formats/serving.py reads and checks as files,
+turned into a DraftConfig and a state dict under eaglet's names (`from_serving`), the format told
+by `serving_format`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import Tensor
 from ..layers import target_rope
 from .model import DraftConfig
 from .serving import CHECKPOINT_NAME, FORMATS, draft_shapes
+from .serving_mla import is_mla_config, is_plain_rope
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -25,6 +27,8 @@ def serving_format(config: dict[str, Any], weights: dict[str, Tensor] | None = N
     architectures (or its `midlayer.` weights)."""
     if "speculators_model_type" in config:
         return "vllm" if config["speculators_model_type"] == "eagle3" else None
+    if is_mla_config(config):
+        return "vllm"  # an MLA draft's export is the same for both formats (serving_mla.py)
     if set(config.get("architectures") or []) & set(SGLANG_ARCHS) or any(k.startswith("midlayer.") for k in weights or {}):
         return "sglang"
     return None
@@ -39,7 +43,8 @@ def from_serving(config: dict[str, Any], weights: dict[str, Tensor], fmt: str, f
     output_hidden_states indices, or None: the engines' default [2, L//2, L-3]),
     verifier_name_or_path, verifier_architectures, num_speculative_tokens. A ValueError names
     what does not fit (tensors as `fmt` names them)."""
-    cfg, meta = (_from_speculators if fmt == "vllm" else _from_sglang)(config, weights)
+    read = _from_mla if is_mla_config(config) else _from_speculators if fmt == "vllm" else _from_sglang
+    cfg, meta = read(config, weights)
     state, missing = _map_back(cfg, weights, fmt, folder)
     return cfg, state, missing, meta
 
@@ -95,6 +100,38 @@ def _from_sglang(config: dict[str, Any], weights: dict[str, Tensor]) -> tuple[Dr
         target_hidden_size=target_hidden,
         num_layers=1,
         num_aux=_num_aux(weights, target_hidden, ids),
+    )
+    meta = {"aux_layer_ids": ids, "verifier_name_or_path": None, "verifier_architectures": [],
+            "num_speculative_tokens": None}
+    return cfg, meta
+
+
+def _from_mla(config: dict[str, Any], weights: dict[str, Tensor]) -> tuple[DraftConfig, dict[str, Any]]:
+    """An MLA draft's export (serving_mla.py; an Eagle3DeepseekV2ForCausalLM config from elsewhere
+    too). Its aux ids: the top-level key (vLLM's, HF indices) first, else eagle_config's + 1; its
+    RoPE: plain where the export wrote plain RoPE as YaRN with factor 1."""
+    if config.get("hidden_act", "silu") != "silu" or config.get("bias"):
+        raise ValueError("MLA draft config with a hidden_act other than silu or an fc bias: not an eaglet draft")
+    top_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    eagle_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [int(i) for i in top_ids] if top_ids else ([int(i) + 1 for i in eagle_ids] if eagle_ids else None)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    target_hidden = int(config.get("target_hidden_size") or hidden)
+    theta, scaling = target_rope(SimpleNamespace(**config))
+    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    cfg = DraftConfig(
+        hidden_size=hidden, target_hidden_size=target_hidden, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=nope + rope, intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+        draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6), rope_theta=theta,
+        rope_scaling=None if is_plain_rope(scaling) else scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+        num_layers=int(config.get("num_hidden_layers", 1)), num_aux=_num_aux(weights, target_hidden, ids),
+        fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)),
+        norm_before_residual=bool(config.get("norm_before_residual", False)),  # both engines' default here
+        attention="mla", mla_heads=heads, q_lora_rank=int(config.get("q_lora_rank") or 0),
+        kv_lora_rank=int(config["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=int(config["v_head_dim"]),
     )
     meta = {"aux_layer_ids": ids, "verifier_name_or_path": None, "verifier_architectures": [],
             "num_speculative_tokens": None}

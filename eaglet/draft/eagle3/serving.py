@@ -31,6 +31,8 @@ Formats
     attention_bias or num_aux != 3 are refused for this format (older SGLang releases skip the
     weights of these without a word; 0.5.23 reads fc_norm, norm_output and the state count,
     but names a later layer's input norm hidden_norm).
+"vllm" and "sglang" of a draft with MLA layers (config.attention "mla"): one flat config for both
+    engines' Eagle3DeepseekV2ForCausalLM, the weights under eaglet's names (serving_mla.py).
 Checked: eaglet/formats/loaders.py holds each engine's loader as data (pinned
     releases) and the checks the export stage runs on both formats.
 Both: d2t/t2d are left out when the draft vocabulary is the whole target vocabulary (the maps
@@ -67,6 +69,7 @@ from torch import Tensor, nn
 
 from ..layers import rope_type
 from .model import DraftConfig, Eagle3Draft
+from .serving_mla import mla_config, mla_export_problems
 
 FORMATS = ("vllm", "sglang")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this writer was checked against
@@ -103,7 +106,7 @@ def name_map(cfg: DraftConfig, fmt: str, include_embed: bool = True) -> dict[str
     skip = set() if include_embed else {"embed_tokens.weight"}
     if cfg.draft_vocab_size == cfg.vocab_size:
         skip |= {"d2t", "t2d"}
-    rename = CHECKPOINT_NAME[fmt]
+    rename = _speculators_name if cfg.attention == "mla" else CHECKPOINT_NAME[fmt]  # MLA: one naming for both
     return {n: rename(n) for n in draft_shapes(cfg) if n not in skip}
 
 
@@ -133,7 +136,9 @@ def serving(draft: nn.Module, meta: dict[str, Any]) -> tuple[dict[str, Any], dic
     if "d2t" not in names and bool(state["d2t"].any()):
         raise ValueError("draft_vocab_size == vocab_size but d2t is not the identity map")
     tensors = {ckpt: state[ours] for ours, ckpt in names.items()}
-    if fmt == "vllm":
+    if cfg.attention == "mla":
+        config = mla_config(cfg, ids, meta["dtype"])
+    elif fmt == "vllm":
         config = _speculators_config(cfg, ids, meta["verifier_name_or_path"], meta["verifier_architectures"],
                                      meta["num_speculative_tokens"], meta["dtype"])
     else:
@@ -149,6 +154,8 @@ def export_problems(cfg: DraftConfig, fmt: str, ids: list[int], k: int) -> list[
         p.append(f"aux layer ids {ids} must be distinct and >= 0")
     if k < 1:
         p.append(f"num_speculative_tokens {k} < 1")
+    if cfg.attention == "mla":
+        return p + mla_export_problems(cfg, fmt, ids)
     if fmt == "sglang":
         if any(i < 1 for i in ids):
             p.append(f"aux layer ids {ids}: SGLang writes id - 1 (a layer output); 0 has none")

@@ -69,16 +69,27 @@ CONTRACTS: list[Contract] = [
 ]
 
 
-def trains(kind: Any) -> Callable[[Config], bool]:
-    """The `when` of a draft type's rows: the config's train.algorithm is that type."""
-    return lambda cfg: draft_type(cfg.train.algorithm) is kind
+def trains(kind: Any, attentions: tuple[str, ...] | None = None) -> Callable[[Config], bool]:
+    """The `when` of a draft type's rows: the config's train.algorithm is that type (and, given
+    `attentions`, its train.draft_attention one of them)."""
+    return lambda cfg: draft_type(cfg.train.algorithm) is kind and (
+        attentions is None or cfg.train.draft_attention in attentions)
 
 
 def serving_contracts() -> list[Contract]:
     """Every registered draft type's VLLM_SERVING_CONTRACTS as rows of stage "eval-vllm", each on
-    the code path of a config that trains that type."""
-    return [Contract(where, params, why, fix=VLLM_FIX, stages=(EVAL_STAGE,), when=trains(kind))
-            for kind in DRAFT_TYPES.values() for where, params, why in getattr(kind, "VLLM_SERVING_CONTRACTS", ())]
+    the code path of a config that trains that type; where the type has its own rows for an
+    attention (VLLM_SERVING_CONTRACTS_BY_ATTENTION: EAGLE-3's MLA layers), those instead for a
+    config that trains it with that train.draft_attention."""
+    rows = []
+    for kind in DRAFT_TYPES.values():
+        variants: dict[str, tuple] = getattr(kind, "VLLM_SERVING_CONTRACTS_BY_ATTENTION", {})
+        others = tuple(a for a in getattr(kind, "ATTENTIONS", ("dense",)) if a not in variants) if variants else None
+        for attentions, table in [(others, getattr(kind, "VLLM_SERVING_CONTRACTS", ())),
+                                  *(((a,), table) for a, table in variants.items())]:
+            rows += [Contract(where, params, why, fix=VLLM_FIX, stages=(EVAL_STAGE,), when=trains(kind, attentions))
+                     for where, params, why in table]
+    return rows
 
 
 CONTRACTS += serving_contracts()
