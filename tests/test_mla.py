@@ -148,7 +148,7 @@ def test_a_later_mla_layer_is_transformers_deepseek_v3_attention(rope_scaling):
 
 def test_mla_sizes_follow_the_target():
     """An MLA target's own sizes and heads (Kimi-K2.5's: 64 heads, 1536/512, 128/64/128; a null
-    q_lora_rank is a plain q_proj); a dense target's DeepSeek-V3 proportions at its head_dim;
+    q_lora_rank is 3 x kv_lora_rank, which the engines serve); a dense target's DeepSeek-V3 proportions at its head_dim;
     train.mla_* over either; the dense fields of a dense draft's config stay as they were."""
     from transformers import DeepseekV3Config, LlamaConfig
 
@@ -158,7 +158,7 @@ def test_mla_sizes_follow_the_target():
     assert (cfg.mla_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
             cfg.v_head_dim) == (64, 1536, 512, 128, 64, 128)
     lite = DeepseekV3Config(hidden_size=2048, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512)
-    assert mla_sizes(lite, 16, 128)["q_lora_rank"] == 0
+    assert mla_sizes(lite, 16, 128)["q_lora_rank"] == 3 * 512  # served with the queries' LoRA only
     smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
     cfg = DraftConfig.from_target_config(smol, 32000, attention="mla", kv_lora_rank=None, v_head_dim=32)
     assert (cfg.mla_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -198,6 +198,7 @@ def test_train_settings_build_the_mla_draft_and_the_doctor_refuses_it_elsewhere(
     assert isinstance(attn, MLAAttention) and attn.kv_lora_rank == 40 and hasattr(attn, "q_proj")
     assert draft.config.qk_rope_head_dim == 8 and draft.config.mla_heads == 4
 
+    cfg.train.mla_q_lora_rank = None
     for algorithm, fails in (("eagle3", False), ("dflash", True), ("peagle", True)):
         cfg.train.algorithm = algorithm
         p = Probe(cfg, None)
@@ -225,3 +226,16 @@ def test_resume_fingerprint_leaves_out_keys_added_at_their_defaults():
     fp = run_fingerprint(Eagle3Draft(mla_config()), Store(), torch.zeros(4, dtype=torch.long), set_,
                          device=torch.device("cpu"))
     assert fp["train.draft_attention"] == "mla" and fp["model.attention"] == "mla"
+
+
+def test_the_doctor_fails_an_mla_layer_no_engine_serves():
+    """train.mla_q_lora_rank 0 (a plain q_proj) trains, but neither engine loads it: the doctor FAILs
+    it before anything runs; unset, the draft takes the queries' LoRA."""
+    from eaglet.checks.findings import Probe
+    from eaglet.doctor import check_draft_type
+
+    for q_lora, fails in ((0, True), (None, False), (64, False)):
+        p = Probe(Config(train=TrainSection(draft_attention="mla", mla_q_lora_rank=q_lora)), None)
+        check_draft_type(p)
+        assert any(f.status == "FAIL" and "mla_q_lora_rank 0" in f.found for f in p.findings) == fails, p.findings
+

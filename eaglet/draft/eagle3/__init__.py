@@ -4,6 +4,8 @@ the training entry points of eaglet/draft/base.py `DraftType`, loss.py the TTT l
 
 from __future__ import annotations
 
+from typing import Any
+
 from .model import Eagle3Draft
 from .propose import Eagle3Proposer
 from .read_export import from_serving, serving_format
@@ -44,8 +46,19 @@ VLLM_SERVING_CONTRACTS_BY_ATTENTION = {"mla": (
 
 __all__ = ["NAME", "TITLE", "SERVING_METHOD", "layers", "build", "from_config", "host_rows", "prepare_training",
            "shard_units", "unroll_linears", "num_positions", "loss", "proposer", "serving", "from_serving",
-           "serving_format", "reload_logits", "chain_hits", "replay_tree", "SERVING_FORMATS", "ATTENTIONS",
+           "serving_format", "reload_logits", "chain_hits", "replay_tree", "config_problems", "SERVING_FORMATS", "ATTENTIONS",
            "VLLM_SERVING_CONTRACTS", "VLLM_SERVING_CONTRACTS_BY_ATTENTION"]
+
+
+def config_problems(cfg: Any) -> list[tuple[str, str]]:
+    """(what, fix) for each setting an EAGLE-3 draft of this config cannot be served with: an MLA
+    layer without the queries' LoRA (no engine loads it: serving_mla.py says why)."""
+    t = cfg.train
+    if t.draft_attention == "mla" and t.mla_q_lora_rank == 0:
+        return [("train.mla_q_lora_rank 0: vLLM's and SGLang's EAGLE-3 MLA layers load the queries' LoRA "
+                 "(q_a_proj fused with kv_a_proj_with_mqa) only, so the draft could not be served",
+                 "leave train.mla_q_lora_rank unset (the target's, or 3 x kv_lora_rank) or set it above 0")]
+    return []
 
 
 def proposer(draft: Eagle3Draft) -> Eagle3Proposer:

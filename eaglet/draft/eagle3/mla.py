@@ -42,12 +42,15 @@ Project = Callable[[str, Tensor], Tensor] | None
 
 def mla_sizes(target_config: Any, heads: int, head_dim: int) -> dict[str, int]:
     """The MLA sizes of a draft for a target (text) config: the target's own when it is an MLA
-    model (kv_lora_rank set: DeepSeek-V2/V3, Kimi-K2; q_lora_rank None there is 0, a plain
-    q_proj), with its heads. Otherwise the DeepSeek-V3 proportions scaled to the target's
-    head_dim d: nope d, rope d/2, v d, kv_lora_rank 4d, q_lora_rank 12d, the target's heads."""
+    model (kv_lora_rank set: DeepSeek-V2/V3, Kimi-K2), with its heads; a target without the
+    queries' LoRA (q_lora_rank None: DeepSeek-V2-Lite) gets q_lora_rank 3 x kv_lora_rank, as
+    DeepSeek-V3 has, since the engines serve an EAGLE-3 MLA layer with it only (their loaders fuse
+    q_a_proj with kv_a_proj_with_mqa). Otherwise the DeepSeek-V3 proportions scaled to the
+    target's head_dim d: nope d, rope d/2, v d, kv_lora_rank 4d, q_lora_rank 12d, its heads."""
     if getattr(target_config, "kv_lora_rank", None):
         c = target_config
-        return dict(mla_heads=int(c.num_attention_heads), q_lora_rank=int(getattr(c, "q_lora_rank", None) or 0),
+        q_lora_rank = int(getattr(c, "q_lora_rank", None) or 3 * int(c.kv_lora_rank))
+        return dict(mla_heads=int(c.num_attention_heads), q_lora_rank=q_lora_rank,
                     kv_lora_rank=int(c.kv_lora_rank), qk_nope_head_dim=int(c.qk_nope_head_dim),
                     qk_rope_head_dim=int(c.qk_rope_head_dim), v_head_dim=int(c.v_head_dim))
     return dict(mla_heads=heads, q_lora_rank=12 * head_dim, kv_lora_rank=4 * head_dim, qk_nope_head_dim=head_dim,
