@@ -35,3 +35,24 @@ def test_the_shadow_runs_the_configs_type_and_each_further_type(tmp_path):
     (eagle3_export,) = [ln for ln in ran if "shadow: export (EAGLE-3):" in ln]
     assert "vllm reloaded" in eagle3_export and "sglang reloaded" in eagle3_export
     assert any("shadow: total" in ln for ln in ran)
+
+
+def test_the_shadow_takes_an_mla_draft_through_every_stage_on_a_deepseek_v3_target(tmp_path):
+    """train.draft_attention mla on a tiny DeepSeek-V3 target: the shadow runs every stage with the
+    MLA draft (its sizes the target's own), exports it as Eagle3DeepseekV2ForCausalLM in both
+    formats, reloads each (the engines' loaders as data checking it) and evaluates it in process,
+    the lossless check included (in float32 a mismatch fails the stage)."""
+    target = tiny.save_target(tmp_path / "ds", family="deepseek_v3", template="chatml")
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", tiny.make_conversations(16, seed=5))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={target}", "target.dtype=float32",
+                             f"prepare.data=[{data}]", "vocab.size=128", "export.verifier_name_or_path=org/tiny",
+                             "train.draft_attention=mla", "eval.chain_tokens=3"])
+    lines = []
+    assert run_doctor(cfg, out=lines.append, more=shadow_findings) == 0, "\n".join(lines)
+    ran = [ln for ln in lines if "shadow:" in ln]
+    for name in pipeline.STAGE_NAMES:
+        assert any(ln.startswith("ok") and f"shadow: {name}:" in ln for ln in ran), (name, ran)
+    (export_line,) = [ln for ln in ran if "shadow: export:" in ln]
+    assert "vllm reloaded" in export_line and "sglang reloaded" in export_line
+    (eval_line,) = [ln for ln in ran if "shadow: eval:" in ln]
+    assert eval_line.startswith("ok") and "tau=" in eval_line, eval_line  # float32: a lossless failure raises
