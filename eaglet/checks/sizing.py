@@ -1,7 +1,8 @@
 """The sizes the doctor's plans are made of, shared by eaglet/doctor.py and the engines' own
 checks (eaglet/engines/vllm/plan.py): bytes of the target's weights as it loads them, the draft
-training builds (its memory and the disk its checkpoints take), tokens per sample, and the
-reference rates a time estimate scales by FLOPs.
+training builds (its memory and the disk its checkpoints take, with either attention layer), the
+KV cache a token the target and the served draft take in vLLM, tokens per sample, and the
+reference rates a time estimate scales by FLOPs (the draft's counted from its own linears).
 
 Each function reads a `Probe` (eaglet/checks/findings.py) and adds no finding. Change a function
 here when what it sizes changes (the draft's shapes, the checkpoint format, a quantization
