@@ -4,6 +4,7 @@
     python bench/train_throughput.py --preset llama3-8b --tokens 2048 --breakdown --profile
     python bench/train_throughput.py --system speculators --preset kimi-k2 --tokens 4096
     python bench/train_throughput.py --preset tiny --device cpu --steps 2 --warmup 1       # CPU smoke test
+    python bench/train_throughput.py --preset kimi-k2 --tokens 4096 --draft-attention mla  # Kimi-K2.5's MLA draft
 
 eaglet: its own step (`eaglet.draft.step.micro_batch` = `forward_loss` + backward, then
 `optimizer_step`) on a draft built by `eaglet.draft.parallelize.parallelize` as the Trainer
@@ -45,6 +46,10 @@ they change (a second compile); `on`: dynamic=True, every size symbolic from the
 --check (eaglet with compile on): the first step's losses against an eager copy of the draft.
 --flops-only: the preset's FLOP figures alone, and every real preset's at 2048 and 4096 (nothing
 built, nothing run).
+--draft-attention mla (eaglet): the preset's draft with an MLA layer (train.draft_attention mla;
+eaglet.testing.synthetic.draft_shape: an MLA target's own sizes, Kimi-K2.5's for kimi-k2, else
+the default rule). Its FLOPs are `mla_flops_per_token` (the anchor formula's terms from the MLA
+draft's own linears and heads), not the anchor's, so its MFU compares with the dense draft's.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from eaglet.checks.sizing import draft_train_flops
 from eaglet.config import Config, TrainSection
 from eaglet.draft import compiling
 from eaglet.draft.eagle3.attention import compile_flex_attention, resolve_attn_impl
@@ -75,8 +81,8 @@ from eaglet.draft.step import (SkippedSteps, TeacherHead, build_optimizer, forwa
                                micro_batch, optimizer_step, resolve_compile)
 from eaglet.draft.eagle3.training import ACTIVE_ROWS, HEAD_ROWS
 from eaglet.draft.eagle3.unroll import unroll_linears, use_fast_unroll
-from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch,
-                                      synthetic_loss_mask)
+from eaglet.testing.synthetic import (IN_VOCAB, LOSS_SHARE, PRESETS, draft_shape, packed_doc_lens,
+                                      synthetic_batch, synthetic_loss_mask)
 
 H200_BF16_PEAK = 790e12
 
@@ -91,6 +97,18 @@ def train_flops_per_token(d: dict[str, int], seq: int, k: int) -> float:
     attn = seq / 2 * H * 2  # causal QK^T + AV MACs per token (diagonal extras ignored)
     teacher = H * Vd  # speculators' teacher covers draft-vocab rows only
     return 6 * fc + k * (6 * step + 6 * attn) + 2 * teacher
+
+
+def mla_flops_per_token(shape: dict[str, Any], seq: int, k: int) -> float:
+    """The anchor formula's terms for an MLA draft (`draft_shape(..., "mla")`): fc once and per
+    TTT step the layer's linears and the LM head, 6 x their weights (eaglet.checks.sizing
+    draft_train_flops over the draft built on the meta device), the causal attention within a
+    document over its heads (queries and keys nope + rope wide, values v), and the teacher over
+    the draft vocabulary, in multiply-accumulates x 2."""
+    with torch.device("meta"):
+        draft = Eagle3Draft(DraftConfig(target_hidden_size=shape["hidden_size"], **shape))
+    attn = seq / 2 * shape["mla_heads"] * (shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"] + shape["v_head_dim"])
+    return draft_train_flops(draft, k) + k * 6 * attn + 2 * shape["hidden_size"] * shape["draft_vocab_size"]
 
 
 def anchor_dims(shape: dict[str, int]) -> dict[str, int]:
@@ -128,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system", choices=["eaglet", "speculators"], default="eaglet")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="Draft shape (eaglet.testing.synthetic.PRESETS).")
+    ap.add_argument("--draft-attention", choices=["dense", "mla"], default="dense",
+                    help="eaglet's draft layer (train.draft_attention): dense, or MLA at the preset target's own MLA "
+                         "sizes (kimi-k2: Kimi-K2.5's) or the default rule's (eaglet.testing.synthetic.draft_shape).")
     ap.add_argument("--tokens", type=int, default=8192, help="Tokens per micro-batch (one packed sequence).")
     ap.add_argument("--doc-tokens", type=int, default=None, help="Tokens per document (default: --tokens, one document).")
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -392,7 +413,7 @@ def _host_profile(step: Callable[[], Any], n: int, device: torch.device, top: in
 # ---- eaglet -----------------------------------------------------------------------------------------
 
 def run_eaglet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    shape = PRESETS[args.preset]
+    shape = draft_shape(args.preset, args.draft_attention)
     cfg = DraftConfig(target_hidden_size=shape["hidden_size"], **shape)
     tc = TrainSection(max_tokens=args.tokens, ttt_steps=args.ttt_steps, attn_impl=args.attn_impl,
                       compile=args.compile, warmup_steps=1, min_lr_ratio=1.0,
@@ -588,21 +609,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.packed and args.system != "eaglet":
         raise SystemExit("--packed: eaglet only")
+    if args.draft_attention != "dense" and args.system != "eaglet":
+        raise SystemExit("--draft-attention mla: eaglet only (speculators' EAGLE-3 draft is a Llama layer)")
     if args.tokens % args.doc_tokens:
         raise SystemExit(f"--tokens {args.tokens} is not a multiple of --doc-tokens {args.doc_tokens}")
     d = anchor_dims(PRESETS[args.preset])
-    flops = train_flops_per_token(d, args.doc_tokens, args.ttt_steps)
+    if args.draft_attention == "mla":
+        shape = draft_shape(args.preset, "mla")
+        flops, formula = mla_flops_per_token(shape, args.doc_tokens, args.ttt_steps), "mla_flops_per_token"
+        d = {**d, **{k: shape[k] for k in ("mla_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                           "qk_rope_head_dim", "v_head_dim")}}
+    else:
+        flops, formula = train_flops_per_token(d, args.doc_tokens, args.ttt_steps), "anchor train_flops_per_token"
     extra = 2 * d["hidden"] * (d["vocab"] - d["draft_vocab"])
     figures = {"anchor_dims": d, "flop_per_token": flops, "gflop_per_token": flops / 1e9,
-               "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": "anchor train_flops_per_token"}
+               "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": formula,
+               "draft_attention": args.draft_attention}
     if args.flops_only:
         report = {"system": args.system, "preset": args.preset, "tokens": args.tokens, "doc_tokens": args.doc_tokens,
                   "ttt_steps": args.ttt_steps, **figures,
                   # every real preset's FLOPs per token at documents of 2048 and 4096 (one run for a table)
                   "presets": {name: {str(seq): train_flops_per_token(anchor_dims(shape), seq, args.ttt_steps)
                                      for seq in (2048, 4096)} for name, shape in PRESETS.items() if name != "tiny"}}
-        print(f"{args.preset} documents of {args.doc_tokens}, {args.ttt_steps} TTT steps: "
-              f"{report['gflop_per_token']:.2f} GFLOP/token (anchor formula), "
+        print(f"{args.preset} ({args.draft_attention}) documents of {args.doc_tokens}, {args.ttt_steps} TTT steps: "
+              f"{report['gflop_per_token']:.2f} GFLOP/token ({formula}), "
               f"{report['gflop_per_token_full_teacher']:.2f} with the full-vocabulary teacher", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
@@ -622,14 +652,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            for k in (f[2:].replace("-", "_") for f in EAGLET_SWITCHES)},
         "gflop_per_token": flops / 1e9, "mfu": tok_s * flops / args.peak, "peak_flops": args.peak,
         "gflop_per_token_full_teacher": (flops + extra) / 1e9, "flops_formula": figures["flops_formula"],
+        "draft_attention": args.draft_attention, "draft_dims": figures["anchor_dims"],
         **res, "steps": args.steps, "warmup": args.warmup, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,
     }
     mem = f", peak {report['peak_mem_gib']:.1f} GiB" if report["peak_mem_gib"] is not None else ""
-    print(f"{args.system} {args.preset} {args.tokens // args.doc_tokens}x{args.doc_tokens}: {tok_s:,.0f} tokens/s, "
-          f"{report['step_ms']:.1f} ms/step{mem}, MFU {report['mfu']:.1%} ({report['gflop_per_token']:.2f} GFLOP/token, "
-          f"anchor formula); warmup {report['warmup_s']:.1f} s; loss {report['last_loss']:.4f}"
+    print(f"{args.system} {args.preset} {args.draft_attention} {args.tokens // args.doc_tokens}x{args.doc_tokens}: "
+          f"{tok_s:,.0f} tokens/s, {report['step_ms']:.1f} ms/step{mem}, MFU {report['mfu']:.1%} "
+          f"({report['gflop_per_token']:.2f} GFLOP/token, {formula}); warmup {report['warmup_s']:.1f} s; "
+          f"loss {report['last_loss']:.4f}"
           + (f"; compile {report['compile']}, attention {report['attn_impl']}, in-vocabulary rows "
              f"{report['in_vocab_rows']:.0%}" if args.system == "eaglet" else ""),
           flush=True)

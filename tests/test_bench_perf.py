@@ -19,7 +19,7 @@ import torch
 from conftest import run_script
 
 from eaglet.draft.eagle3.model import DraftConfig
-from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, packed_doc_lens, synthetic_batch
+from eaglet.testing.synthetic import LOSS_SHARE, PRESETS, draft_shape, packed_doc_lens, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_BENCH = REPO / "bench" / "train_throughput.py"
@@ -302,6 +302,41 @@ def test_deepseek_v3_preset_is_the_draft_of_deepseek_v3():
     draft = DraftConfig.from_target_config(DeepseekV3Config(), draft_vocab_size=32000)
     assert {k: getattr(draft, k) for k in PRESETS["deepseek-v3"]} == PRESETS["deepseek-v3"]
     assert PRESETS["deepseek-v3"] != PRESETS["kimi-k2"]
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_mla_presets_are_the_mla_drafts_of_their_targets(preset):
+    """`draft_shape(preset, "mla")` is the MLA draft eaglet makes for the preset's target (its own
+    MLA sizes: DeepSeek-V3's 128 heads, Kimi-K2.5's 64, from examples/kimi-k25's config)."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    target = DeepseekV3Config() if preset == "deepseek-v3" else AutoConfig.from_pretrained(REPO / "examples" / "kimi-k25")
+    draft = DraftConfig.from_target_config(target, draft_vocab_size=32000, attention="mla")
+    shape = draft_shape(preset, "mla")
+    assert {k: getattr(draft, k) for k in shape} == shape
+    assert shape["mla_heads"] == (128 if preset == "deepseek-v3" else 64)
+
+
+def test_train_bench_times_an_mla_draft(tmp_path):
+    """--draft-attention mla: the MLA draft trained (its parameters, not the dense one's), and
+    its FLOPs from its own projections and heads: at Kimi-K2.5's dims, written out here."""
+    import torch
+
+    from eaglet.draft.eagle3.model import Eagle3Draft
+
+    got = run_bench(TRAIN_BENCH, [*TINY, "--draft-attention", "mla"], tmp_path / "mla.json")
+    with torch.device("meta"):
+        draft = Eagle3Draft(DraftConfig(target_hidden_size=64, **draft_shape("tiny", "mla")))
+    trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
+    assert got["draft_attention"] == "mla" and got["trainable_params_m"] == trainable / 1e6
+    assert got["flops_formula"] == "mla_flops_per_token" and got["peak_mem_gib"] is None  # a CPU: no peak
+    flops = run_bench(TRAIN_BENCH, ["--flops-only", "--preset", "kimi-k2", "--tokens", "4096", "--ttt-steps", "7",
+                                    "--draft-attention", "mla"], tmp_path / "flops.json")
+    H, inter, vocab, heads, q_rank, kv_rank, nope, rope, v = 7168, 18432, 32000, 64, 1536, 512, 128, 64, 128
+    step = (2 * H * q_rank + q_rank * heads * (nope + rope) + 2 * H * (kv_rank + rope) + kv_rank * heads * (nope + v)
+            + heads * v * H + 3 * H * inter + H * vocab)
+    attn = 4096 / 2 * heads * (nope + rope + v)
+    assert flops["flop_per_token"] == 6 * 3 * H * H + 7 * (6 * step + 6 * attn) + 2 * H * vocab
 
 
 def test_smollm2_preset_is_the_draft_of_smollm2_135m():

@@ -1,7 +1,8 @@
 """The sizes the doctor's plans are made of, shared by eaglet/doctor.py and the engines' own
 checks (eaglet/engines/vllm/plan.py): bytes of the target's weights as it loads them, the draft
-training builds (its memory and the disk its checkpoints take), tokens per sample, and the
-reference rates a time estimate scales by FLOPs.
+training builds (its memory and the disk its checkpoints take, with either attention layer), the
+KV cache a token the target and the served draft take in vLLM, tokens per sample, and the
+reference rates a time estimate scales by FLOPs (the draft's counted from its own linears).
 
 Each function reads a `Probe` (eaglet/checks/findings.py) and adds no finding. Change a function
 here when what it sizes changes (the draft's shapes, the checkpoint format, a quantization
@@ -104,6 +105,58 @@ def draft_skeleton(p: Probe) -> tuple[Any, Eagle3Draft] | None:
     return p.draft
 
 
+def attention_widths(dcfg: Any) -> int:
+    """Values per token that one TTT step's attention keeps for backward, as `draft_need` counts
+    them: a dense layer's q, k, v and output as four H-wide ones (the estimate's unit, whatever
+    its KV heads); an MLA layer's own (eaglet/draft/eagle3/mla.py): q_a (q_lora_rank, none
+    without one), kv_a (kv_lora_rank + rope), the normed latent (kv_lora_rank), q and k (heads x
+    (nope + rope) each) and v and the output (heads x v each). Change it with the layer."""
+    if dcfg.attention != "mla":
+        return 4 * dcfg.hidden_size
+    heads, qk = dcfg.mla_heads, dcfg.qk_nope_head_dim + dcfg.qk_rope_head_dim
+    return (dcfg.q_lora_rank + (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) + dcfg.kv_lora_rank
+            + 2 * heads * qk + 2 * heads * dcfg.v_head_dim)
+
+
+def activation_bytes(dcfg: Any, tokens: int, ttt_steps: int, n_aux: int, act_bytes: int) -> int:
+    """What training keeps for backward over a micro-batch of `tokens`: per token and TTT step,
+    ~12 H-wide activations besides the attention's (the 2H-wide q/k/v input, norms, residuals),
+    the attention's (`attention_widths`: 16 H-wide in all for a dense layer) and 4 I-wide ones
+    (SwiGLU), `act_bytes` each (the autocast dtype), and the draft logits with their fp32
+    softmax for the loss; per token the captured states in fp32."""
+    widths = 12 * dcfg.hidden_size + attention_widths(dcfg) + 4 * dcfg.intermediate_size
+    return tokens * (ttt_steps * (widths * act_bytes + 3 * dcfg.draft_vocab_size * 4)
+                     + n_aux * dcfg.target_hidden_size * 4)
+
+
+def served_kv_bytes(dcfg: Any, tensor_parallel: int = 1) -> tuple[int, int, str]:
+    """(bytes of KV cache a token takes for the EAGLE-3 draft served in vLLM, in bf16; those on
+    one GPU at `tensor_parallel` ranks; what they are). Dense (vLLM's Eagle3LlamaForCausalLM):
+    layers x 2 (K and V) x KV heads x head_dim, the heads split over the ranks (at least one
+    each). MLA (Eagle3DeepseekV2ForCausalLM on the MLA backend): layers x (kv_lora_rank +
+    qk_rope_head_dim), vLLM's latent cache, whole on every rank."""
+    L = dcfg.num_layers
+    if dcfg.attention == "mla":
+        one = L * (dcfg.kv_lora_rank + dcfg.qk_rope_head_dim) * 2
+        return one, one, f"MLA latent {dcfg.kv_lora_rank}+{dcfg.qk_rope_head_dim} x {L} layer(s), whole on every rank"
+    heads, hd = dcfg.num_key_value_heads, dcfg.head_dim
+    return (L * 2 * heads * hd * 2, L * 2 * max(heads // tensor_parallel, 1) * hd * 2,
+            f"K and V, {heads} KV heads x {hd} x {L} layer(s)")
+
+
+def target_kv_bytes(text_cfg: Any, L: int, tensor_parallel: int = 1) -> tuple[int, str]:
+    """(bytes of KV cache a token takes for the target's `L` decoder layers in vLLM on one GPU at
+    `tensor_parallel` ranks, in bf16; what they are): an MLA target's latent (whole on every
+    rank), else K and V of its KV heads split over the ranks."""
+    if getattr(text_cfg, "kv_lora_rank", None):
+        return (L * (text_cfg.kv_lora_rank + text_cfg.qk_rope_head_dim) * 2,
+                f"MLA latent {text_cfg.kv_lora_rank}+{text_cfg.qk_rope_head_dim} x {L} layers")
+    heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+    hd = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    per_rank = max(heads // tensor_parallel, 1)
+    return L * 2 * per_rank * hd * 2, f"K and V, {per_rank} heads x {hd} x {L} layers"
+
+
 def draft_need(p: Probe, target_beside: bool) -> tuple[int, str, Any, int] | None:
     """Training's memory on one device: (bytes, breakdown, the draft's DraftConfig, trainable
     parameters); None before the target's config is known. `target_beside`: the target runs in
@@ -120,15 +173,10 @@ def draft_need(p: Probe, target_beside: bool) -> tuple[int, str, Any, int] | Non
     _, n_aux = hidden_and_aux(p)
     trainable = sum(q.numel() for q in draft.parameters() if q.requires_grad)
     frozen = sum(q.numel() for q in draft.parameters() if not q.requires_grad)
-    H, I = dcfg.hidden_size, dcfg.intermediate_size
     states = trainable * 16 + frozen * 4  # fp32 weights + grads + AdamW moments; frozen embedding
     head = V * dcfg.target_hidden_size * 2  # the target's LM head (teacher), bf16
-    # Kept for backward per token and TTT step: ~16 H-wide and 4 I-wide activations (2H-wide
-    # q/k/v input, norms, attention, SwiGLU) in the autocast dtype, and the draft logits with
-    # their fp32 softmax for the loss.
     act_bytes = 4 if t.precision == "fp32" or (t.precision == "auto" and not torch.cuda.is_available()) else 2
-    acts = t.max_tokens * (t.ttt_steps * ((16 * H + 4 * I) * act_bytes + 3 * Vd * 4)
-                           + n_aux * dcfg.target_hidden_size * 4)
+    acts = activation_bytes(dcfg, t.max_tokens, t.ttt_steps, n_aux, act_bytes)
     teacher = min(t.teacher_chunk, t.max_tokens) * (V if t.mask_out_of_vocab else Vd) * 4 * 2  # chunks of a micro-batch
     online = 0
     if target_beside and p.model is not None:
@@ -199,16 +247,33 @@ def mean_tokens(p: Probe) -> tuple[float, str]:
 # Rates measured on one H200 (bench/results/README.md), which the plan scales by FLOPs:
 # the target's forward at Llama-3-8B's dims (8.03B parameters) in bf16, batches of 8 x 2048
 # (2026-12-01-h200-fp8, bench/extract_throughput.py), and the draft's training step at
-# Kimi-K2's dims (hidden 7168, intermediate 18432, draft vocabulary 32000, kv width 1024,
-# 7 TTT steps; 2026-11-30-h200-h c7, bench/train_throughput.py --preset kimi-k2 --tokens 4096).
+# Kimi-K2's dims (a dense draft: hidden 7168, intermediate 18432, draft vocabulary 32000, kv
+# width 1024, 7 TTT steps; 2026-11-30-h200-h c7, bench/train_throughput.py --preset kimi-k2
+# --tokens 4096).
 FORWARD_REF = {"tokens_per_s": 34.6e3, "active_params": 8.03e9}
 TRAIN_REF = {"tokens_per_s": 18.6e3, "hidden": 7168, "inter": 18432, "draft_vocab": 32000, "kv": 1024, "ttt": 7}
 H200_BYTES = 141e9  # the GPU the plan assumes where none is visible
 
 
-def draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
-    """Training FLOPs per token of an EAGLE-3 draft layer (attention over the sequence left out:
-    a ratio between drafts is what is used): fc over 3H, then per TTT step q/k/v from 2H, o,
-    the MLP and the LM head, forward and backward."""
+def dense_draft_flops(H: int, inter: int, vocab: int, kv: int, ttt: int) -> float:
+    """Training FLOPs per token of a one-layer dense EAGLE-3 draft of these dims (TRAIN_REF's):
+    fc over 3H, then per TTT step q/k/v from 2H, o, the MLP and the LM head, forward and
+    backward. It equals `draft_train_flops` of such a draft (H-wide queries, 3 captured states)."""
     step = 2 * H * H + 2 * 2 * H * kv + H * H + 3 * H * inter + H * vocab
     return 6.0 * 3 * H * H + ttt * 6.0 * step
+
+
+def linear_weights(module: Any) -> int:
+    """Multiply-accumulates per token of the linears in `module` (their weights' in x out)."""
+    from torch import nn
+
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def draft_train_flops(draft: Any, ttt: int) -> float:
+    """Training FLOPs per token of an EAGLE-3 draft from its own linears (the skeleton's shapes,
+    any attention): fc once, then per TTT step every layer's linears and the LM head, 6 x the
+    weights each (forward and backward). The attention over the sequence is left out: the plan
+    uses a ratio to the reference draft's (`dense_draft_flops`)."""
+    step = sum(linear_weights(layer) for layer in draft.layers) + linear_weights(draft.lm_head)
+    return 6.0 * linear_weights(draft.fc) + ttt * 6.0 * step

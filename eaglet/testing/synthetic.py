@@ -6,13 +6,18 @@ mask with the share of trained tokens real chat data has (`LOSS_SHARE`), and, gi
 teacher's LM head, final states whose teacher argmax is a draft token as often as on real data
 (`IN_VOCAB`). bench/train_throughput.py and bench/scaling.py time the training step on them.
 `SyntheticSamples` stands in for prepared data (random tokens of one length), for extraction.
+`draft_shape` gives a preset's draft with either attention layer (train.draft_attention).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 import torch
 
+from ..draft.eagle3.mla import mla_sizes
 from ..draft.eagle3.model import DraftConfig
 from ..draft.eagle3.training import step_rows
 from ..draft.step import Batch, HostRows, send_rows
@@ -45,6 +50,27 @@ PRESETS: dict[str, dict[str, int]] = {
     "deepseek-v3": dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
                         intermediate_size=18432, vocab_size=129280, draft_vocab_size=32000),
 }
+
+
+# The attention of the presets whose target is an MLA model (their configs' heads and ranks), which
+# an MLA draft of the preset takes as its own; the other presets' MLA drafts follow
+# eaglet/draft/eagle3/mla.py `mla_sizes`' rule from their heads and head_dim.
+MLA_TARGETS: dict[str, dict[str, int]] = {
+    "kimi-k2": dict(num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128),
+    "deepseek-v3": dict(num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128),
+}
+
+
+def draft_shape(preset: str, attention: str = "dense") -> dict[str, Any]:
+    """DraftConfig fields (target_hidden_size aside) of `preset`'s draft with a dense or an MLA
+    layer (`attention`), the MLA sizes as DraftConfig.from_target_config picks them."""
+    shape: dict[str, Any] = dict(PRESETS[preset])
+    if attention == "mla":
+        target = SimpleNamespace(**MLA_TARGETS.get(preset, {}))
+        shape.update(attention="mla", **mla_sizes(target, shape["num_attention_heads"], shape["head_dim"]))
+    return shape
 
 
 def synthetic_loss_mask(tokens: int, doc_tokens: int, share: float = LOSS_SHARE) -> torch.Tensor:

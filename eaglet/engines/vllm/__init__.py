@@ -6,10 +6,10 @@ Its entry points (eaglet/engines/base.py `Engine`), registered as "vllm" in
 eaglet/engines/__init__.py: `run_extract` fills the store through vLLM's hidden-state path
 (extract.py, capture.py); `state_source` streams an online store's states from the engine
 through a bounded buffer (stream.py); `doctor` checks the installed or served vLLM, its
-arguments and the vLLM eval (checks.py), and plans a run that streams from it (plan.py); the
-eval stage measures the exported draft (export format "vllm") in vLLM with `run_eval` (eval.py,
-decode.py). Its API contracts (`CONTRACTS`, contracts.py: stages "extract-vllm" and "eval-vllm")
-are checked only where vLLM is installed.
+arguments and the vLLM eval (checks.py), and plans a run that streams from it and the draft's
+KV cache once vLLM serves it (plan.py); the eval stage measures the exported draft (export
+format "vllm") in vLLM with `run_eval` (eval.py, decode.py). Its API contracts (`CONTRACTS`,
+contracts.py: stages "extract-vllm" and "eval-vllm") are checked only where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .checks import check_vllm, check_vllm_eval, check_vllm_memory
 from .contracts import CONTRACTS, EVAL_STAGE
 from .eval import check_agreement, run_vllm_eval, vllm_stats, want_vllm
 from .extract import run_extract_vllm
-from .plan import check_stream
+from .plan import check_draft_kv, check_stream
 from .stream import StreamedStates
 
 NAME = "vllm"
@@ -56,7 +56,9 @@ def doctor(probe: Probe) -> None:
     if probe.stage in (None, "eval"):
         check_vllm_eval(probe)
     if probe.stage in (None, "extract", "train"):
-        check_stream(probe)
+        check_stream(probe)  # with the served draft's KV cache next to the engine's
+    if probe.stage in (None, "eval") and probe.cfg.eval.vllm != "off":
+        check_draft_kv(probe, probe.cfg.eval.vllm_engine_args)  # the vLLM eval serves the draft
 
 
 def contract_stages(cfg: Config, stages: set[str]) -> set[str]:

@@ -4,8 +4,9 @@ target's states and streams them to training through a bounded buffer (stream.py
 Run by the engine's `doctor` (eaglet/engines/vllm/__init__.py) for `eaglet doctor` and the
 preflights of extract and train: the buffer against two micro-batches, then, once the target's
 skeleton is built, GPU memory per rank of the engine (weights, KV cache, the hidden-state cache)
-and what it leaves the draft on the same GPUs, the disk, and the hours per 100k conversations.
-The sizes come from eaglet/checks/sizing.py, which eaglet/doctor.py sizes its own plans with.
+with the trained draft's KV cache once served beside it (`check_draft_kv`, also the vLLM
+eval's), what the engine leaves the draft on the same GPUs, the disk, and the hours per 100k
+conversations (the draft's training FLOPs from its own linears, dense or MLA). The sizes come from eaglet/checks/sizing.py, which eaglet/doctor.py sizes its own plans with.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from ...checks.sizing import (
     FORWARD_REF,
     H200_BYTES,
     TRAIN_REF,
-    draft_flops,
+    dense_draft_flops,
     draft_need,
+    draft_skeleton,
+    draft_train_flops,
     gib,
     hidden_and_aux,
     mean_tokens,
     quant_bits,
+    served_kv_bytes,
     target_dtype_bytes,
+    target_kv_bytes,
     train_disk,
     weight_bytes,
 )
@@ -101,16 +106,8 @@ def check_stream(p: Probe) -> None:
     E, k = getattr(text_cfg, "n_routed_experts", None) or getattr(text_cfg, "num_experts", None), getattr(
         text_cfg, "num_experts_per_tok", None)
     active = params - (experts * (1 - k / E) if E and k else 0)
-    L = p.parts.num_layers
     tp = int(args.get("tensor_parallel_size", 1))
-    if getattr(text_cfg, "kv_lora_rank", None):  # MLA: the latent cache, whole on every tensor-parallel rank
-        kv = L * (text_cfg.kv_lora_rank + text_cfg.qk_rope_head_dim) * 2
-        kv_what = f"MLA latent {text_cfg.kv_lora_rank}+{text_cfg.qk_rope_head_dim} x {L} layers"
-    else:
-        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        hd = getattr(text_cfg, "head_dim", None) or H // text_cfg.num_attention_heads
-        kv = L * 2 * max(heads // tp, 1) * hd * 2
-        kv_what = f"K and V, {max(heads // tp, 1)} heads x {hd} x {L} layers"
+    kv, kv_what = target_kv_bytes(text_cfg, p.parts.num_layers, tp)  # MLA: the latent, whole on every rank
     hs = (n_aux + 1) * H * 2
     per_gpu_weights = weights / gpus
     cache = util * mem - per_gpu_weights - 0.05 * mem  # vLLM's activations and graphs: ~5%, rough
@@ -127,9 +124,10 @@ def check_stream(p: Probe) -> None:
           f"{kv / 1024:.1f} KiB a token ({kv_what}) and hidden-state cache {hs / 1024:.1f} KiB a token ({n_aux} + 1 "
           f"states of {H}) share the other {gib(cache)}: {tokens / 1e3:.0f}k tokens, {tokens / mean:.0f} requests of "
           f"{mean:.0f} tokens in flight (extract.vllm_requests {e.vllm_requests}); rough")
+    check_draft_kv(p, args)
     found = draft_need(p, target_beside=False)  # the target runs in vLLM's processes
     if found is not None:
-        need, breakdown, dcfg, _ = found
+        need, breakdown, _, _ = found
         left = (1 - util) * mem
         status = "ok" if need <= 0.9 * left else "warn" if need <= left else "FAIL"
         if not torch.cuda.is_available():
@@ -137,10 +135,9 @@ def check_stream(p: Probe) -> None:
         p.add(status, "draft beside the engine (per GPU)", f"~{gib(need)} ({breakdown})",
               f"{gib(left)} left by gpu_memory_utilization {util} of {gib(mem)}",
               "lower gpu_memory_utilization in extract.vllm_engine_args, or train.max_tokens")
-        ref = draft_flops(TRAIN_REF["hidden"], TRAIN_REF["inter"], TRAIN_REF["draft_vocab"], TRAIN_REF["kv"],
-                          TRAIN_REF["ttt"])
-        flops = draft_flops(dcfg.hidden_size, dcfg.intermediate_size, dcfg.draft_vocab_size,
-                            dcfg.num_key_value_heads * dcfg.head_dim, t.ttt_steps)
+        ref = dense_draft_flops(TRAIN_REF["hidden"], TRAIN_REF["inter"], TRAIN_REF["draft_vocab"], TRAIN_REF["kv"],
+                                TRAIN_REF["ttt"])
+        flops = draft_train_flops(draft_skeleton(p)[1], t.ttt_steps)  # the draft's own linears, dense or MLA
         train_rate = TRAIN_REF["tokens_per_s"] * ref / flops
         engine_rate = FORWARD_REF["tokens_per_s"] * FORWARD_REF["active_params"] / max(active, 1.0)
         tokens_100k = 1e5 * mean * t.epochs
@@ -158,3 +155,26 @@ def check_stream(p: Probe) -> None:
              "the disk (train) line checks them); " if d is not None else "")
           + "an offline store would be "
           f"{(n_aux + 1) * H * DTYPE_BYTES.get(e.store_dtype, 2) / 1e3:.1f} KB a token")
+
+
+DRAFT_KV = "draft KV cache (served)"
+
+
+def check_draft_kv(p: Probe, engine_args: dict) -> None:
+    """The KV cache a token takes for the EAGLE-3 draft once vLLM serves it beside the target
+    (`served_kv_bytes`: a dense draft's K and V, an MLA draft's latent), at the tensor
+    parallelism of `engine_args`, beside the target's own; once per doctor run (the engine-fed
+    plan gives it next to the engine's memory, the vLLM eval's check otherwise)."""
+    if p.parts is None or p.cfg.train.algorithm != "eagle3" or any(f.check == DRAFT_KV for f in p.findings):
+        return  # the architecture unresolved (a FAIL of its own), another draft type, or given already
+    found = draft_skeleton(p)
+    if found is None:
+        return
+    text_cfg, draft = found
+    tp = int(engine_args.get("tensor_parallel_size", 1))
+    total, per_gpu, what = served_kv_bytes(draft.config, tp)
+    target, target_what = target_kv_bytes(text_cfg, p.parts.num_layers, tp)
+    attention = f"train.draft_attention {draft.config.attention}"
+    p.add("info", DRAFT_KV, f"the draft's KV cache in vLLM, a token in bf16 ({attention})",
+          f"{total} B a token ({total / 1024:.2f} KiB: {what}); {per_gpu} B on each GPU at tensor_parallel_size "
+          f"{tp}, beside the target's {target / 1024:.1f} KiB ({target_what})")
