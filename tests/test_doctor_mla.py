@@ -100,9 +100,9 @@ def test_the_plan_s_checkpoint_and_final_bytes_are_what_training_wrote(trained):
 def served_kv_arithmetic(config: dict) -> int:
     """Bytes a token of the KV cache vLLM gives a draft of this config (bf16): an MLA layer's
     latent and rope key, else K and V of its KV heads; `config` a DraftConfig dict or an
-    exported config.json (its transformer_layer_config)."""
-    if "transformer_layer_config" in config:  # exported
-        layer = config["transformer_layer_config"]
+    exported config.json (a dense draft's transformer_layer_config; an MLA draft's is flat)."""
+    if "transformer_layer_config" in config or "num_hidden_layers" in config:  # exported
+        layer = config.get("transformer_layer_config", config)
         layers, mla = layer["num_hidden_layers"], "kv_lora_rank" in layer
     else:
         layer = config
@@ -121,8 +121,7 @@ def test_the_served_kv_line_is_the_final_draft_config_s_arithmetic(trained):
     assert f"train.draft_attention {attention}" in line.expected
 
 
-@pytest.mark.parametrize("attention", ["dense", pytest.param("mla", marks=pytest.mark.xfail(
-    strict=True, reason="the MLA draft's export (eaglet/draft/eagle3/serving.py) is not in this branch"))])
+@pytest.mark.parametrize("attention", ["dense", "mla"])
 def test_the_served_kv_line_is_the_exported_config_s_arithmetic(tmp_path, target, attention):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"target.path={target['target']}", "target.dtype=float32",
                              f"prepare.data=[{target['data']}]", "vocab.size=128", "extract.selfcheck_samples=0",
