@@ -169,6 +169,7 @@ COMPARES = [
 FORMAT_COMPARES = {
     "eaglet/draft/eagle3/serving.py": ('fmt == "vllm"', 'fmt == "sglang"'),
     "eaglet/draft/eagle3/read_export.py": ('fmt == "vllm"',),
+    "eaglet/draft/eagle3/serving_mla.py": ('fmt == "sglang"',),  # an export format
     "eaglet/stages/export.py": ("fmt == 'vllm'",),
 }
 
