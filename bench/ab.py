@@ -21,7 +21,10 @@ one call: its figures are
     train seconds and tokens/s;
   - per variant against base: the mean per-prompt difference of tau (averaged over the seeds)
     and its standard error over prompts, and the spread of tau between seeds.
-Results accumulate in W/results/ (a draft already measured is not trained again, and one whose
+Each draft's result records its resolved settings (`settings`: trainer, draft type and layer, peak
+lr as a number, steps run, loss terms, vocabulary size, data, seed), so that a result file says
+which draft it is without the command that made it; the report notes variants whose settings
+are the same. Results accumulate in W/results/ (a draft already measured is not trained again, and one whose
 measuring failed after it trained is measured without training again), so one A/B can span
 several calls; ab.json and ab.md hold the summary.
 
@@ -79,6 +82,7 @@ from safetensors.torch import load_file, save_file
 from eaglet import pipeline
 from eaglet.config import EvalSection, TargetSection, load_config
 from eaglet.distributed import resolve_device
+from eaglet.draft.step import peak_lr
 from eaglet.engines.hf.replay import TargetSide, replay_chain, replay_tree, target_side
 from eaglet.engines.hf.decode import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
@@ -220,6 +224,36 @@ def trained_before(run: Path, settings: list[str], trainer: str) -> float | None
     rec = json.loads(path.read_text())
     same = rec.get("settings") == settings and rec.get("trainer") == trainer
     return float(rec["train_s"]) if same else None
+
+
+def resolved_settings(cfg: Any, trainer: str, draft: Any, run: Path, steps: int | None) -> dict[str, Any]:
+    """What trained a draft, as it ran: the trainer, the draft type and its layer, the peak learning
+    rate as the optimizer took it (auto as its number), the steps run, the loss and its terms, the
+    draft vocabulary's size (the draft's own), the data and the seed; `cfg` the draft's resolved config."""
+    t = cfg.train
+    spec = run / "train" / SPEC_DIR
+    if spec.is_dir():  # bench/speculators_train.py: its own model, loss and mask; eaglet's resolved lr
+        lr = json.loads((spec / "bench.json").read_text()).get("lr")
+        loss = {"loss": "speculators 0.9.0's", "ttt_steps": t.ttt_steps, "mask": TRAINERS[trainer][0]}
+    else:
+        lr = peak_lr(t, draft.config.hidden_size)
+        loss = {"loss": "soft cross-entropy", "ttt_steps": t.ttt_steps, "gamma": t.gamma, "accept_loss": t.accept_loss,
+                "accept_weight": t.accept_weight, "state_noise": t.state_noise, "mask_out_of_vocab": t.mask_out_of_vocab}
+    return {"trainer": trainer, "algorithm": t.algorithm, "draft_attention": t.draft_attention,
+            "draft_layers": t.draft_layers, "lr": lr, "warmup_steps": t.warmup_steps, "steps": steps, **loss,
+            "vocab_size": int(draft.config.draft_vocab_size), "max_tokens": t.max_tokens,
+            "records": cfg.prepare.max_records, "max_length": cfg.prepare.max_length, "seed": t.seed}
+
+
+def same_settings(results: dict[str, dict[int, dict[str, Any]]]) -> list[list[str]]:
+    """Variants whose drafts trained with the same resolved settings, seed by seed (the check that
+    each variant is the draft its name says): groups of two or more names."""
+    groups: dict[str, list[str]] = {}
+    for name, by_seed in results.items():
+        if all("settings" in r for r in by_seed.values()):
+            key = json.dumps({s: r["settings"] for s, r in sorted(by_seed.items())}, sort_keys=True)
+            groups.setdefault(key, []).append(name)
+    return [sorted(g) for g in groups.values() if len(g) > 1]
 
 
 def load_trained(run: Path) -> tuple[Any, list[int]]:
@@ -577,6 +611,9 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                 ref = done[controls["time_of"]][seed]["train"]["train_s"]
                 log(f"[ab] {name} seed {seed}: trained in {train_s:.1f} s against {ref:.1f} s for {controls['time_of']}")
             draft, aux = load_trained(run)
+            summary = train_summary(run)
+            settings_run = resolved_settings(load_config(None, _sets(args, run, recorded)), controls["trainer"], draft,
+                                             run, summary["steps"])
             if target is None:
                 target = load_eval_target(args, dev, dtype)
                 eos = eos_ids(target, tok)
@@ -588,8 +625,8 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
                     if key not in sides:
                         sides[key] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)
                     evals[name_t] = measure(draft, sides[key], eos, args.k, dev, dtype)
-            res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"],
-                   "train": {**train_summary(run), "train_s": round(train_s, 1)},
+            res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"], "settings": settings_run,
+                   "train": {**summary, "train_s": round(train_s, 1)},
                    **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}
             atomic_write_json(out, res)
             done.setdefault(name, {})[seed] = res
@@ -636,11 +673,13 @@ def main() -> None:
     by_set = {s: summarize(results, s) for s in sets}
     decoded = [json.loads(p.read_text()) for p in sorted((args.work / "decode").glob("*.json"))]
     decodes = summarize_decodes(decoded)
+    alike = same_settings(results)
     atomic_write_json(args.work / "ab.json", {"args": {k: str(v) for k, v in vars(args).items()},
                                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                                              "summary": by_set.get(HELDOUT, {}), "by_set": by_set,
+                                              "summary": by_set.get(HELDOUT, {}), "by_set": by_set, "same_settings": alike,
                                               "results": results, "decoded": decoded, "decode_summary": decodes})
-    md = "\n\n".join(t for t in (table(by_set), decode_summary_table(decodes), decode_table(decoded)) if t)
+    notes = "\n".join(f"Note: variants {', '.join(g)} trained with the same resolved settings." for g in alike)
+    md = "\n\n".join(t for t in (table(by_set), notes, decode_summary_table(decodes), decode_table(decoded)) if t)
     (args.work / "ab.md").write_text(md + "\n")
     print(md)
 

@@ -370,7 +370,8 @@ def train_with_speculators(cfg: Config, run_dir: str | Path, out_dir: str | Path
     seconds = time.perf_counter() - t0
     model.save_pretrained(str(out_dir))
     result = {
-        "system": "speculators-0.9.0", "out": str(out_dir), "steps": total_steps, "micro_batches_per_step": tc.grad_accum,
+        "system": "speculators-0.9.0", "out": str(out_dir), "steps": total_steps, "lr": peak,
+        "micro_batches_per_step": tc.grad_accum,
         "tokens": tokens, "seconds": round(seconds, 3), "device": str(dev), "attention": attn_impl, "loss_impl": loss_impl,
         "mask": mask, "init": init, "final_state": states.meta.get("final_state", "post_norm"),
         "first": first, "last": last, "first_micro_batch": first_ids,

@@ -87,6 +87,14 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     want = sum(res["noise"][s]["tau"] - res["base"][s]["tau"] for s in ("0", "1")) / 2
     assert noise["diff"] == pytest.approx(want) and noise["se"] >= 0 and noise["paired_seeds"] == [0, 1]
     assert summary["base"]["seed_sd"] is not None and "diff" not in summary["base"]
+    # each result says which draft it is: its resolved settings (lr auto as its number), no two alike
+    settings = {name: by_seed["1"]["settings"] for name, by_seed in res.items()}
+    assert settings["noise"]["state_noise"] == 0.2 and settings["base"]["state_noise"] == 0.0
+    assert settings["v64"]["vocab_size"] == 64 and settings["base"]["vocab_size"] == 128
+    assert settings["base"]["lr"] == pytest.approx(0.6912 / 64) and settings["base"]["steps"] == 3
+    assert settings["base"]["trainer"] == "eaglet" and settings["base"]["seed"] == 1
+    assert settings["base"]["draft_attention"] == "dense" and settings["base"]["accept_loss"] == "log_accept"
+    assert out["same_settings"] == [] and "same resolved settings" not in (work / "ab.md").read_text()
 
     # the replay's per-prompt tau is what decoding the same prompts gives. Three training steps
     # accept nothing on the tiny target (tau 1 on every prompt), so the script's measure (its
@@ -220,6 +228,9 @@ def test_ab_against_speculators_in_equal_time_on_two_sets_and_decoded(tmp_path):
     out = json.loads((work / "ab.json").read_text())
     res = {name: by_seed["0"] for name, by_seed in out["results"].items()}
     assert res["spec"]["trainer"] == "speculators" and (work / "runs" / "spec-s0" / "train" / "speculators").is_dir()
+    spec_lr = json.loads((work / "runs" / "spec-s0" / "train" / "speculators" / "bench.json").read_text())["lr"]
+    assert res["spec"]["settings"]["lr"] == spec_lr > 0 and res["spec"]["settings"]["loss"] == "speculators 0.9.0's"
+    assert res["eq"]["settings"]["lr"] == 0.001 and res["eq"]["settings"]["steps"] == res["eq"]["train"]["steps"]
     assert res["spec"]["train"]["steps"] == 3 and res["base"]["train"]["steps"] == 3
     base_stats = json.loads((work / "runs" / "base-s0" / "train" / "manifest.json").read_text())["stats"]
     assert base_stats["online_ahead"]["consumed"] == base_stats["online_ahead"]["micro_batches"] > 3
@@ -296,3 +307,15 @@ def test_ab_measures_drafts_of_two_types_each_on_a_side_of_its_own_layers(tmp_pa
     assert set(res) == {"base", "dflash"} and all(len(r["0"]["per_prompt"]) == 3 for r in res.values())
     side = json.loads((work / "side" / "side.json").read_text())  # the last side made: DFlash's (it ran second)
     assert len(side["key"]["aux_layers"]) == 2
+
+
+def test_the_report_notes_variants_that_trained_alike():
+    """Two variants whose drafts trained with the same resolved settings, seed by seed, are named
+    together (a driver that set the same thing twice); a different value in one seed keeps them apart."""
+    same_settings = runpy.run_path(str(SCRIPT))["same_settings"]
+    a = {"lr": 0.001, "steps": 10, "seed": 0}
+    results = {"base": {0: {"settings": a}}, "twin": {0: {"settings": dict(a)}},
+               "other": {0: {"settings": {**a, "lr": 0.002}}}, "old": {0: {"tau": 1.0}}}
+    assert same_settings(results) == [["base", "twin"]]
+    results["twin"][1], results["base"][1] = {"settings": {**a, "seed": 1}}, {"settings": {**a, "seed": 1, "steps": 9}}
+    assert same_settings(results) == []
