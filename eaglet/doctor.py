@@ -160,8 +160,8 @@ def check_export_verifier(p: Probe) -> None:
     the export would be wrong to serve: a local verifier folder that speculators cannot load a
     draft against (no safetensors checkpoint, as a GGUF target's folder; no embedding table)."""
     e = p.cfg.export
-    if "vllm" not in e.formats:
-        return
+    if "vllm" not in e.formats or p.cfg.train.draft_attention == "mla":
+        return  # an MLA draft's export is a flat config that names no verifier (draft/eagle3/serving_mla.py)
     verifier = e.verifier_name_or_path or p.cfg.target.path
     folder = local_folder(verifier, p.cfg.target.revision) if verifier else None
     problem = speculators_verifier_problem(folder) if folder is not None and folder.is_dir() else None

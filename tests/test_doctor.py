@@ -127,6 +127,13 @@ def test_a_default_config_with_a_local_target_has_no_export_verifier_warn(tmp_pa
     assert [ln for ln in lines if ln.startswith(("warn", "FAIL"))] == []
     (line,) = [ln for ln in lines if " export verifier:" in ln]
     assert line.startswith("info") and str(assets["llama"]) in line and "export.verifier_name_or_path" in line
+    # an MLA draft's export names no verifier: no line about one
+    from eaglet.checks.findings import Probe
+    from eaglet.doctor import check_export_verifier
+
+    probe = Probe(load_config(None, [f"target.path={assets['llama']}", "train.draft_attention=mla"]), None)
+    check_export_verifier(probe)
+    assert probe.findings == []
 
 
 def test_tokenizer_larger_than_model_vocabulary(tmp_path, assets):
