@@ -91,7 +91,7 @@ def test_ab_trains_measures_by_replay_and_pairs_with_base(tmp_path):
     settings = {name: by_seed["1"]["settings"] for name, by_seed in res.items()}
     assert settings["noise"]["state_noise"] == 0.2 and settings["base"]["state_noise"] == 0.0
     assert settings["v64"]["vocab_size"] == 64 and settings["base"]["vocab_size"] == 128
-    assert settings["base"]["lr"] == pytest.approx(0.6912 / 64) and settings["base"]["steps"] == 3
+    assert settings["base"]["lr"] == 0.0003 and settings["base"]["steps"] == 3  # ab.py COMMON's train.lr
     assert settings["base"]["trainer"] == "eaglet" and settings["base"]["seed"] == 1
     assert settings["base"]["draft_attention"] == "dense" and settings["base"]["accept_loss"] == "log_accept"
     assert out["same_settings"] == [] and "same resolved settings" not in (work / "ab.md").read_text()
