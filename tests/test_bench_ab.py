@@ -383,3 +383,43 @@ def test_a_draft_measured_already_is_measured_on_the_sets_its_result_lacks(tmp_p
     assert measured == []
     before_sets = {k: v for k, v in old.items() if k != "eval"}
     assert ab["with_replays"](before_sets, {"gsm8k": held})["eval"] == {"heldout": held, "gsm8k": held}
+
+
+def test_replays_give_tau_by_context_length_and_the_report_averages_it_over_seeds():
+    """runs_stats on the made-up decode of test_context_length.py (each prompt's cycles in the
+    bucket of its prompt's length, not of its continuation's), summarize's mean over seeds per
+    bucket, the report's table; a result from before the buckets has none; and --sets
+    heldout_turns takes the later turns of the records after --records."""
+    from test_context_length import DECODE, EXPECTED
+
+    ab = runpy.run_path(str(SCRIPT))
+    prompts = [[0] * r["prompt_tokens"] for r in DECODE]
+    runs = [(r["accepted_per_forward"], [5] * 600) for r in DECODE]  # continuations of one length: 512-2k
+    got = ab["runs_stats"](runs, 3, prompts)["by_context_length"]
+    assert list(got) == list(EXPECTED)
+    for bucket, want in EXPECTED.items():
+        assert {k: got[bucket][k] for k in ("turns", "cycles")} == {k: want[k] for k in ("turns", "cycles")}
+        assert got[bucket]["tau"] == pytest.approx(want["tau"])
+        assert got[bucket]["acceptance_rate"] == pytest.approx(want["acceptance_rate"])
+
+    def result(seed, runs):
+        stats = ab["runs_stats"](runs, 3, prompts)
+        return {"variant": "base", "seed": seed, "train": {"sim_tau_heldout": None, "tokens_per_s": 1.0, "steps": 1,
+                                                         "train_s": 1.0}, **stats, "eval": {"heldout_turns": stats}}
+
+    # seed 1 accepts one token fewer in every <512 cycle that accepted any: (3 + 1 + 1) / 3 there
+    fewer = [([max(a - 1, 0) for a in acc] if len(p) < 512 else acc, t) for (acc, t), p in zip(runs, prompts)]
+    row = ab["summarize"]({"base": {0: result(0, runs), 1: result(1, fewer)}}, "heldout_turns")["base"]
+    assert row["by_context_length"]["<512"]["tau"] == pytest.approx((7 / 3 + 5 / 3) / 2)
+    assert row["by_context_length"][">=8k"] == {"prompts": 1, "cycles": 6, "tau": 4.0, "acceptance": [1.0, 1.0, 1.0]}
+    md = ab["context_length_table"]({"heldout_turns": {"base": row}})
+    assert "| heldout_turns | base | 512-2k | 2 | 4 | 2.500 | 0.75 1.00 0.00 |" in md.splitlines()
+    old = result(0, runs)
+    del old["eval"]["heldout_turns"]["by_context_length"]
+    assert "by_context_length" not in ab["summarize"]({"base": {0: old}}, "heldout_turns")["base"]
+
+    asked = []
+    ab["set_prompts"].__globals__["later_turn_prompts"] = lambda *a: asked.append(a[2:]) or [[1]]
+    args = argparse.Namespace(target=Path("unused"), data="d.jsonl", records=30, prompts=4, max_prompt_tokens=8192)
+    ab["set_prompts"].__globals__["resolve_chat_template"] = lambda tok, section: "template"
+    assert ab["set_prompts"](args, "heldout_turns", None) == [[1]] and asked == [(30, 4, 8192)]

@@ -494,6 +494,9 @@ def test_the_vllm_eval_path_with_a_stand_in_engine(tmp_path, monkeypatch):
     assert v["greedy_identity"]["draft_vs_plain_b1"] == {"identical": 3, "of": 3, "first_divergences": []}
     assert set(v["greedy_identity"]) == {"draft_vs_plain_b1", "draft_vs_plain_b16", "plain_b1_vs_plain_b16"}
     assert v["agreement"]["ok"] is False and (ctx.out_dir / "eval.png").is_file()
+    # vLLM counts acceptance per pass: no tau by context length, and the result says why
+    assert v["by_context_length"] is None and "no turn's own accepted counts" in v["by_context_length_note"]
+    assert json.loads((ctx.out_dir / "eval.json").read_text())["aggregate"]["by_context_length"]["<512"]["turns"] == 3
 
     cfg.eval.in_process = False  # the vLLM eval alone: no target loaded, no agreement to check
     monkeypatch.setattr(inputs, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
@@ -653,7 +656,7 @@ def test_the_plot_shows_trained_and_untrained_side_by_side_on_honest_axes():
     from eaglet.evaluation.plot import TRAINED, UNTRAINED, eval_figure
 
     fig = eval_figure(_plotted_result())
-    acc, tau = fig.axes
+    acc, tau, _ = fig.axes  # the third: tau by context length (test_context_length.py)
     assert acc.get_ylim() == (0.0, 1.0)
     assert [t.get_text() for t in tau.get_xticklabels()] == ["1", "2", "3", "4"]
 

@@ -28,6 +28,7 @@ from ..engines.hf.decode import (
 )
 from ..utils import first_difference
 from ..targets.load import eos_ids
+from .context_length import of_records
 from .progress import ProgressBar
 
 
@@ -158,7 +159,8 @@ class Decoding:
         return rec
 
     def aggregate(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """tau, acceptance per position, speeds and the lossless verdict over `records`."""
+        """tau, acceptance per position (also by context length: context_length.py), speeds and the
+        lossless verdict over `records`."""
         s = self.s
         total = acceptance_stats([a for r in records for a in r["accepted_per_forward"]], s.num_positions)
         taus = [r["tau"] for r in records if r["tau"] is not None]
@@ -173,6 +175,7 @@ class Decoding:
             "acceptance_rate": total["acceptance_rate"],
             "position_reached": total["position_reached"],
             "position_accepted": total["position_accepted"],
+            "by_context_length": of_records(records, s.num_positions),  # each turn's cycles by its prompt's length
             "seconds": round(spec_seconds, 4),
             "tokens_per_s": spec_tokens / spec_seconds if spec_seconds > 0 else None,
         }

@@ -168,4 +168,6 @@ def in_process(cfg: Config, ctx: StageContext, inp: EvalInputs, key: str) -> tup
         stats["trained_no_better_than_untrained"] = result["reference"]["trained_no_better"]
     if "by_category" in result:
         stats["tau_by_category"] = {c: a["tau"] for c, a in result["by_category"].items()}
+    stats["by_context_length"] = {b: {k: v[k] for k in ("turns", "cycles", "tau")}
+                                  for b, v in agg["by_context_length"].items()}
     return result, stats

@@ -1,5 +1,6 @@
-"""An evaluation's inputs: its prompts (the run's held-out samples, `heldout_selection`, or
-eval.prompts' items, eaglet/formats/eval_sets.py), the tokenizer's rendering of them, and the
+"""An evaluation's inputs: its prompts (the run's held-out samples, `heldout_selection`, their
+later turns, `heldout_conversations`, or eval.prompts' items, eaglet/formats/eval_sets.py), the
+tokenizer's rendering of them, and the
 draft and target it loads (`load_eval_models`; eval.draft read as its engine's loader reads it,
 `read_eval_draft`). The eval stage puts them together in an `EvalInputs`; change here which
 prompts an evaluation takes or how its models load."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,9 @@ from ..distributed import resolve_device
 from ..engines.states import split_source
 from ..errors import InputError
 from ..formats.draft import FINAL_DIR, load_final
-from ..formats.eval_sets import EvalItem, SkippedPrompts, named_items, no_heldout_error, prompt_count
+from ..formats.datasets import RecordError, iter_records, normalize_record
+from ..formats.eval_sets import (HELDOUT, HELDOUT_TURNS, EvalItem, Message, SkippedPrompts, later_turn, named_items,
+                                 no_heldout_error, prompt_count)
 from ..formats.loaders import ENGINES, PROBLEMS
 from ..formats.prepared import PreparedData
 from ..formats.serving import Loaded, draft_model, load_draft
@@ -94,6 +98,71 @@ def heldout_selection(data: PreparedData, split_sample_ids: np.ndarray, eval_fra
     return out, counts
 
 
+def heldout_conversations(data: PreparedData, split_sample_ids: np.ndarray, eval_fraction: float, seed: int,
+                          num_prompts: int, fmt: str = "auto", multimodal: str = "drop"
+                          ) -> tuple[list[tuple[int, list[Message]]], dict[str, int]]:
+    """(sample id, conversation) of the first `num_prompts` held-out samples (the split of
+    `heldout_selection`) whose conversation has two user turns or more (eval_sets.later_turn),
+    each read back in full from the record prepare made it of (its source file and row,
+    normalised as prepare normalised it: not cut at prepare.max_length), each conversation once.
+    With the held-out samples passed over, counted by why (`held_out`: the split's;
+    `one_user_turn`; `duplicates`; `missing`: not in the prepared data; `no_record`: its record
+    no longer there or readable). A source file that is gone is an InputError naming it."""
+    _, eval_ids = split_ids(split_sample_ids, eval_fraction, seed)
+    row_of = {int(sid): i for i, sid in enumerate(data.sample_ids.tolist())}
+    counts = {"held_out": len(eval_ids), "duplicates": 0, "one_user_turn": 0, "missing": 0, "no_record": 0}
+    where: list[tuple[int, int, int] | None] = []  # (sample id, source file, row) in the split's order
+    for sid in eval_ids.tolist():
+        sample = data[row_of[sid]] if sid in row_of else None
+        where.append(None if sample is None else (int(sid), sample.source_file, sample.source_row))
+    records = _source_records(data.files, {(w[1], w[2]) for w in where if w is not None})
+    out, seen = [], set()
+    for w in where:
+        if len(out) >= num_prompts:
+            break
+        if w is None:
+            counts["missing"] += 1
+            continue
+        try:
+            messages = normalize_record(records[w[1], w[2]], fmt, multimodal) if (w[1], w[2]) in records else None
+        except RecordError:
+            messages = None
+        if messages is None:
+            counts["no_record"] += 1
+            continue
+        if later_turn(messages) is None:
+            counts["one_user_turn"] += 1
+            continue
+        key = tuple((m["role"], m["content"]) for m in messages)
+        if key in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(key)
+        out.append((w[0], messages))
+    return out, counts
+
+
+def _source_records(files: list[str], wanted: set[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """The records at (file index, row) `wanted` of prepare's source `files`, each file read up to
+    the last row wanted from it."""
+    out: dict[tuple[int, int], Any] = {}
+    for f, path in enumerate(files):
+        rows = {r for g, r in wanted if g == f}
+        if not rows:
+            continue
+        last = max(rows)
+        if not Path(path).is_file():
+            raise InputError(f"eval.prompts heldout_turns reads the held-out conversations back from prepare's "
+                             f"source files, and {path} is gone",
+                             fix="put the file back where prepare read it, or set eval.prompts to heldout")
+        for row, rec in iter_records(path):
+            if row in rows and not isinstance(rec, RecordError):
+                out[(f, row)] = rec
+            if row >= last:
+                break
+    return out
+
+
 def eval_items(cfg: Config, upstream: dict[str, Any]) -> tuple[list[EvalItem], SkippedPrompts, dict[str, Any]]:
     """The prompt set of an evaluation over the run whose stage folders are `upstream`: its items
     (eval.prompts, else the run's held-out samples), the eval.prompts records passed over, and
@@ -101,19 +170,32 @@ def eval_items(cfg: Config, upstream: dict[str, Any]) -> tuple[list[EvalItem], S
     ecfg = cfg.eval
     held: dict[str, int] = {}  # the held-out samples passed over, by why (heldout_selection)
 
-    def heldout() -> list[tuple[int, list[int]]]:
+    def split() -> tuple[PreparedData, np.ndarray]:
         data = PreparedData(upstream["prepare"])
         # Split the ids that training split (the extract store's, which may lack set-aside
         # samples), so that the held-out prompts are exactly the ones training never saw.
-        split_ids_from = split_source(upstream) if "extract" in upstream else data.sample_ids
+        return data, split_source(upstream) if "extract" in upstream else data.sample_ids
+
+    def heldout() -> list[tuple[int, list[int]]]:
+        data, split_ids_from = split()
         named, counts = heldout_selection(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed,
                                           ecfg.num_prompts)
         held.update(counts)
         if not named:  # before the target loads
-            raise no_heldout_error(len(split_ids_from), counts["held_out"], cfg.train.eval_fraction)
+            raise no_heldout_error(len(split_ids_from), counts["held_out"], cfg.train.eval_fraction, HELDOUT)
         return named
 
-    items, skipped = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal)
+    def heldout_turns() -> list[tuple[int, list[Message]]]:
+        data, split_ids_from = split()
+        named, counts = heldout_conversations(data, split_ids_from, cfg.train.eval_fraction, cfg.run.seed,
+                                              ecfg.num_prompts, cfg.prepare.format, cfg.prepare.multimodal)
+        held.update(counts)
+        if not named:
+            raise no_heldout_error(len(split_ids_from), counts["held_out"], cfg.train.eval_fraction, HELDOUT_TURNS)
+        return named
+
+    items, skipped = named_items(ecfg.prompts, ecfg.num_prompts, heldout, cfg.prepare.format, cfg.prepare.multimodal,
+                                 heldout_turns)
     count = prompt_count(ecfg.prompts, ecfg.num_prompts, len(items), skipped, held or None)
     if warning := skipped.warning():  # before the target loads
         log(f"[eval] WARNING: {warning}")

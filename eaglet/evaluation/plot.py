@@ -1,6 +1,6 @@
 """eval.png: the trained draft beside the untrained one of its shape (and vLLM's figures when
-there): acceptance per draft position and tau per prompt or category (`eval_figure`), in the
-colours below. Change here what the figure shows."""
+there): acceptance per draft position, tau per prompt or category, and tau by context length
+(`eval_figure`), in the colours below. Change here what the figure shows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .context_length import CONTEXT_BUCKETS
 from .results import number_text
 
 
@@ -28,8 +29,10 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
     when reached; the axis is [0, 1]), grouped bars, with how often the trained draft reached each
     position. Right: tau per prompt (numbered from 1, as the messages number them) or per
     category, grouped bars from 0 with a line at 1 (plain decoding's one token per forward) and
-    each draft's overall tau. The title gives both taus; the line under it the speedup, what it
-    is, and the lossless verdict."""
+    each draft's overall tau. Third: tau by context length (the buckets of context_length.py the
+    turns fill; under each, the trained draft's turns and cycles in it; vLLM's counters have no
+    per-turn figure). The title gives both taus; the line under it the speedup, what it is, and
+    the lossless verdict."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -37,20 +40,21 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
 
     agg, recs, st = result["aggregate"], result["prompts"], result["settings"]
     ref = result.get("reference")
-    fig = Figure(figsize=(13, 5.4), dpi=110)
+    fig = Figure(figsize=(17, 5.4), dpi=110)
     FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
+    ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=(1.0, 1.3, 0.8))
     nan = float("nan")
     num = lambda xs: [nan if x is None else float(x) for x in xs]
     series = [("trained draft", TRAINED)] + ([("untrained draft", UNTRAINED)] if ref else []) + (
         [("vLLM, trained draft", VLLM)] if vllm else [])
 
     def grouped(ax: Any, xs: np.ndarray, columns: list[list[float]], labels: bool, top: float, base: float = 0.0,
-                missing: str = "") -> None:
-        """Side-by-side bars, one column of values per series (NaN: no bar, labelled `missing`),
-        labelled with their values."""
+                missing: str | list[str] = "") -> None:
+        """Side-by-side bars, one column of values per series (NaN: no bar, labelled `missing`, or
+        the column's own label when a list), labelled with their values."""
         width = 0.8 / len(columns)
         for j, (values, (_, colour)) in enumerate(zip(columns, series)):
+            absent = missing[j] if isinstance(missing, list) else missing
             x = xs + (j - (len(columns) - 1) / 2) * width
             # an edge in the bar's colour: a bar of height 0 still shows, as a line on the axis
             ax.bar(x, [0 if np.isnan(v) else v - base for v in values], width, bottom=base, color=colour,
@@ -59,8 +63,8 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
                 continue
             for xi, v in zip(x, values):
                 if np.isnan(v):
-                    if missing:
-                        ax.text(xi, base + 0.01 * (top - base), missing, ha="center", va="bottom", fontsize=6,
+                    if absent:
+                        ax.text(xi, base + 0.01 * (top - base), absent, ha="center", va="bottom", fontsize=6,
                                 rotation=90, color=colour)
                     continue
                 inside = v - base > 0.9 * (top - base)
@@ -132,6 +136,28 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
     ax2.set_ylabel(f"tau (tokens per verification forward; ceiling {ceiling})")
     ax2.set_title(f"tau per {what}")
 
+    # third: tau by context length
+    lengths = agg.get("by_context_length") or {}
+    ref_lengths = (ref or {}).get("by_context_length") or {}
+    buckets = [b for b in CONTEXT_BUCKETS if b in lengths or b in ref_lengths]
+    xs = np.arange(1, len(buckets) + 1)
+    columns = [num([(lengths.get(b) or {}).get("tau") for b in buckets])]
+    if ref:
+        columns.append(num([(ref_lengths.get(b) or {}).get("tau") for b in buckets]))
+    if vllm:
+        columns.append([nan] * len(buckets))  # vLLM's counters give no per-turn figure
+    values = [v for c in columns for v in c if not np.isnan(v)]
+    top = min(float(ceiling), max(values + [1.0]) * 1.2 + 0.1)
+    grouped(ax3, xs, columns, True, top, missing=[""] * (len(columns) - 1) + ["no per-turn counts"] if vllm else "")
+    ax3.axhline(1, color="0.3", linewidth=0.8, linestyle=":")
+    counted = [lengths.get(b) or {"turns": 0, "cycles": 0} for b in buckets]
+    ax3.set_xticks(xs, [f"{b}\n{c['turns']} turn{'s' if c['turns'] != 1 else ''}, {c['cycles']} cycles"
+                        for b, c in zip(buckets, counted)], fontsize=8)
+    ax3.set_xlim(0.4, len(buckets) + 0.6)
+    ax3.set_ylim(0, top)
+    ax3.set_xlabel("prompt tokens, earlier turns included\n(under each: the trained draft's turns, cycles)", fontsize=9)
+    ax3.set_title("tau by context length")
+
     drafting = f"chain of {st['chain_tokens']}" if st["method"] == "chain" else \
         f"tree {st['tree_top_k']}x{st['tree_depth']}, {st['tree_total_tokens']} tokens"
     temp = "greedy" if st["temperature"] <= 0 else f"T={st['temperature']:g}"
@@ -160,5 +186,5 @@ def eval_figure(result: dict[str, Any], vllm: dict[str, Any] | None = None) -> A
     patches = [Patch(color=c, label=n) for n, c in series]
     fig.legend(handles=patches + lines, loc="lower center", ncol=max(len(patches), (len(patches) + len(lines) + 1) // 2),
                fontsize=8, frameon=False)
-    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.23, top=0.86 - 0.04 * len(notes), wspace=0.2)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.23, top=0.86 - 0.04 * len(notes), wspace=0.2)
     return fig

@@ -9,6 +9,7 @@ from typing import Any
 from ..config import EvalSection
 from ..engines.hf.decode import acceptance_stats
 from ..formats.eval_sets import set_name
+from .context_length import context_length_text
 
 
 def number_text(x: float | None, digits: int = 2) -> str:
@@ -17,7 +18,8 @@ def number_text(x: float | None, digits: int = 2) -> str:
 
 
 def summary_line(agg: dict[str, Any]) -> str:
-    """One line for a finished evaluation: tau, the speeds and the lossless verdict."""
+    """One line for a finished evaluation: tau, the speeds, the lossless verdict and tau by context
+    length (the buckets the prompts fill)."""
     line = (f"[eval] {agg['num_prompts']} prompt(s), {agg['new_tokens']} new tokens: tau {number_text(agg['tau'])} "
             f"(ceiling {agg['tau_ceiling']})")
     if agg.get("tokens_per_s"):
@@ -28,6 +30,8 @@ def summary_line(agg: dict[str, Any]) -> str:
         bad = len(agg["mismatches"])
         line += (f"; lossless on all {agg['num_prompts']}" if not bad else
                  f"; NOT lossless: {bad} of {agg['num_prompts']} differ from the target's own output")
+    if agg.get("by_context_length"):
+        line += f"; tau by context length (prompt tokens): {context_length_text(agg['by_context_length'])}"
     return line
 
 

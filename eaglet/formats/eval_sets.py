@@ -2,6 +2,13 @@
 
     heldout    the training run's held-out samples, each cut where its first assistant turn
                starts (the default; the prompts training never saw)
+    heldout_turns
+               the later turns of the held-out samples: each conversation of two user turns or
+               more, read back in full from the record prepare made it of (not cut at
+               prepare.max_length), asks its last user turn with the messages before it as its
+               context (`later_turn`); the long prompts that tau by context length
+               (eaglet/evaluation/context_length.py) needs. bench/ab.py's set of that name takes
+               the same cut of the records after its --records (`later_turn_prompts`)
     mt_bench   the 80 MT-bench questions (writing, roleplay, reasoning, math, coding,
                extraction, stem, humanities: 10 each), two user turns each; the second is
                asked after the target's own answer to the first
@@ -13,7 +20,8 @@
                prompt, the messages before it (as the file has them) its context. A record that
                cannot be one (any reason prepare skips a record for, or no user turn) is skipped
                and counted by reason (`SkippedPrompts`), as prepare counts its bad records; a
-               file without one usable record is an InputError giving those counts
+               file without one usable record is an InputError giving those counts. A ShareGPT
+               file is thus a set of later turns already, its one-turn records included
 
 Each prompt is an `EvalItem`. `run_rounds` decodes every item's first turn, then every second
 turn with the answers of the first in the conversation, and so on, with any decoder: the
@@ -33,8 +41,8 @@ from ..errors import ConfigError, InputError
 from .datasets import RecordError, iter_records, normalize_record, row_label
 from .eval_data import MT_BENCH, PIP_SETS, questions
 
-HELDOUT = "heldout"
-NAMED_SETS = (HELDOUT, *PIP_SETS)  # the words of eval.prompts (any other value is a file)
+HELDOUT, HELDOUT_TURNS = "heldout", "heldout_turns"
+NAMED_SETS = (HELDOUT, HELDOUT_TURNS, *PIP_SETS)  # the words of eval.prompts (any other value is a file)
 Message = dict[str, str]
 NO_USER_TURN = "no_user_turn"  # a skip reason of eval.prompts only: a conversation with nothing to ask
 SKIPPED_EXAMPLES = 5  # skipped records of eval.prompts kept (file, row, reason, detail) in the result
@@ -76,6 +84,25 @@ def pip_set_items(name: str, limit: int | None = None, cache: Path | None = None
     "<name> <id>"."""
     return [EvalItem(key=f"{name} {q['id']}", category=q["category"], asks=tuple(q["turns"]))
             for q in questions(name, cache)[:limit]]
+
+
+def later_turn(messages: Sequence[Message]) -> tuple[tuple[Message, ...], str] | None:
+    """A conversation cut before its last user turn's answer: (the messages before that turn, its
+    text), when it has two user turns or more; else None (a first turn is no later turn)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if len(users) < 2:
+        return None
+    return tuple(messages[: users[-1]]), messages[users[-1]]["content"]
+
+
+def heldout_turn_items(named: Sequence[tuple[int, Sequence[Message]]]) -> list[EvalItem]:
+    """heldout_turns' items: each held-out (sample id, conversation) of two user turns or more, as
+    `later_turn` cuts it."""
+    out = []
+    for sid, messages in named:
+        if (cut := later_turn(messages)) is not None:
+            out.append(EvalItem(key=f"sample {sid}", context=cut[0], asks=(cut[1],)))
+    return out
 
 
 def mt_bench_items(limit: int | None = None, cache: Path | None = None) -> list[EvalItem]:
@@ -163,29 +190,39 @@ def file_items(path: str | Path, limit: int | None = None, fmt: str = "auto",
     return out, skipped
 
 
-def no_heldout_error(samples: int, held: int, eval_fraction: float) -> InputError:
-    """Why eval.prompts heldout has no prompt: of `samples` in the training split, `held` held
-    out by train.eval_fraction (the split of eaglet/training/data.py `split_ids`, which holds
-    one out from two samples on), none with a prompt before its first assistant turn."""
+def no_heldout_error(samples: int, held: int, eval_fraction: float, spec: str = HELDOUT) -> InputError:
+    """Why eval.prompts `spec` (heldout or heldout_turns) has no prompt: of `samples` in the
+    training split, `held` held out by train.eval_fraction (the split of eaglet/training/data.py
+    `split_ids`, which holds one out from two samples on), none with a prompt before its first
+    assistant turn (heldout) or none a conversation of two user turns or more (heldout_turns)."""
     other = "or set eval.prompts to mt_bench or a file of conversations"
     if eval_fraction <= 0:
-        return InputError("eval.prompts heldout: no held-out sample, as train.eval_fraction is 0",
+        return InputError(f"eval.prompts {spec}: no held-out sample, as train.eval_fraction is 0",
                           fix=f"set train.eval_fraction above 0, e.g. 0.05 (training then runs again), {other}")
     if held == 0:
-        return InputError(f"eval.prompts heldout: no held-out sample: the run has {samples} sample(s), and "
+        return InputError(f"eval.prompts {spec}: no held-out sample: the run has {samples} sample(s), and "
                           f"train.eval_fraction holds one out only from 2 on",
                           fix=f"add records to prepare.data, {other}")
-    return InputError(f"eval.prompts heldout: none of the {held} held-out sample(s) (train.eval_fraction "
-                      f"{eval_fraction:g} of {samples}) has a prompt before its first assistant turn",
+    lacks = ("is a conversation of two user turns or more" if spec == HELDOUT_TURNS
+             else "has a prompt before its first assistant turn")
+    return InputError(f"eval.prompts {spec}: none of the {held} held-out sample(s) (train.eval_fraction "
+                      f"{eval_fraction:g} of {samples}) {lacks}",
                       fix=f"raise train.eval_fraction (training then runs again), {other}")
 
 
 def named_items(spec: str, limit: int, heldout: Callable[[], Sequence[tuple[int, Sequence[int]]]],
-                fmt: str = "auto", multimodal: str = "drop") -> tuple[list[EvalItem], SkippedPrompts]:
+                fmt: str = "auto", multimodal: str = "drop",
+                heldout_turns: Callable[[], Sequence[tuple[int, Sequence[Message]]]] | None = None
+                ) -> tuple[list[EvalItem], SkippedPrompts]:
     """The items eval.prompts names and the records of a file skipped (`file_items`; none for
-    a named set); `heldout` gives the held-out (sample id, tokens) on demand."""
+    a named set); `heldout` gives the held-out (sample id, tokens) on demand, `heldout_turns`
+    the held-out (sample id, conversation) of two user turns or more."""
     if spec == HELDOUT:
         return heldout_items(heldout()), SkippedPrompts()
+    if spec == HELDOUT_TURNS:
+        if heldout_turns is None:
+            raise ValueError("named_items: eval.prompts heldout_turns needs the held-out conversations (heldout_turns)")
+        return heldout_turn_items(heldout_turns()), SkippedPrompts()
     if spec in PIP_SETS:
         return pip_set_items(spec, limit), SkippedPrompts()
     if not Path(spec).is_file():
@@ -202,16 +239,19 @@ def prompt_count(spec: str, asked: int, used: int, skipped: SkippedPrompts,
                  heldout: dict[str, int] | None = None) -> dict[str, Any]:
     """How many prompts eval.num_prompts asked for (`asked`) and the set gave (`used`), with why
     fewer in one phrase for the summaries (`note`; None when every one asked is there) and, for
-    heldout, the held-out samples passed over by why (evaluate.heldout_selection's counts)."""
+    heldout and heldout_turns, the held-out samples passed over by why (the counts of
+    eaglet/evaluation/inputs.py heldout_selection and heldout_conversations)."""
     out: dict[str, Any] = {"asked": asked, "used": used, **(heldout or {}), "note": None}
     if used >= asked:
         return out
-    if spec == HELDOUT and heldout is not None:
-        why = [_were(heldout.get("duplicates", 0), "a duplicate of another", "duplicates of others"),
-               _were(heldout.get("no_prompt", 0), "without a prompt before its first assistant turn",
-                     "without a prompt before their first assistant turn"),
-               _were(heldout.get("missing", 0), "not in the prepared data", "not in the prepared data")]
-        why = [w for w, n in zip(why, (heldout.get(k, 0) for k in ("duplicates", "no_prompt", "missing"))) if n]
+    if spec in (HELDOUT, HELDOUT_TURNS) and heldout is not None:
+        reasons = {"duplicates": ("a duplicate of another", "duplicates of others"),
+                   "no_prompt": ("without a prompt before its first assistant turn",
+                                 "without a prompt before their first assistant turn"),
+                   "one_user_turn": ("a conversation of one user turn", "conversations of one user turn"),
+                   "missing": ("not in the prepared data", "not in the prepared data"),
+                   "no_record": ("without its source record", "without their source records")}
+        why = [_were(heldout[k], *words) for k, words in reasons.items() if heldout.get(k, 0)]
         out["note"] = f"{asked} asked; train.eval_fraction holds out {heldout['held_out']} samples" + (
             ": " + ", ".join(why) if why else "")
     elif spec in PIP_SETS:
@@ -225,12 +265,27 @@ def prompt_count(spec: str, asked: int, used: int, skipped: SkippedPrompts,
 Decoder = Callable[[list[list[int]], list[EvalItem]], list[tuple[list[int], dict[str, Any]]]]
 
 
-def opening_prompts(data: str | Path, render: Callable[[list[Message]], list[int]], skip: int, n: int,
-                    max_tokens: int) -> list[list[int]]:
-    """The rendered token ids of the first `n` distinct opening user turns (with any system
-    message before them) of the records of `data` after the first `skip`: prompts no run trained
-    on its first `skip` records has seen. A record opening with the assistant's turn has no
-    question to answer and is passed over, as is a prompt over `max_tokens` or seen before."""
+def _opening(messages: list[Message]) -> list[Message] | None:
+    """The messages before a conversation's first assistant turn, when a user turn is among them."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append(m)
+    return head if any(m["role"] == "user" and m["content"].strip() for m in head) else None
+
+
+def _later(messages: list[Message]) -> list[Message] | None:
+    """`later_turn`'s cut as the conversation that asks it, or None."""
+    cut = later_turn(messages)
+    return None if cut is None else [*cut[0], {"role": "user", "content": cut[1]}]
+
+
+def _record_prompts(data: str | Path, render: Callable[[list[Message]], list[int]], skip: int, n: int,
+                    max_tokens: int, cut: Callable[[list[Message]], list[Message] | None]) -> list[list[int]]:
+    """The rendered token ids of the first `n` distinct prompts `cut` makes of the records of
+    `data` after the first `skip` (a record it gives None for, or whose prompt is over
+    `max_tokens` or seen before, is passed over)."""
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for i, (_, rec) in enumerate(iter_records(data)):  # counted as prepare.max_records counts (rows of a
@@ -240,14 +295,9 @@ def opening_prompts(data: str | Path, render: Callable[[list[Message]], list[int
             messages = normalize_record(rec)
         except RecordError:
             continue
-        head = []
-        for m in messages:
-            if m["role"] == "assistant":
-                break
-            head.append(m)
-        if not any(m["role"] == "user" and m["content"].strip() for m in head):
+        if (asked := cut(messages)) is None:
             continue
-        ids = render(head)
+        ids = render(asked)
         if len(ids) > max_tokens or tuple(ids) in seen:
             continue
         seen.add(tuple(ids))
@@ -255,6 +305,23 @@ def opening_prompts(data: str | Path, render: Callable[[list[Message]], list[int
         if len(out) == n:
             break
     return out
+
+
+def opening_prompts(data: str | Path, render: Callable[[list[Message]], list[int]], skip: int, n: int,
+                    max_tokens: int) -> list[list[int]]:
+    """The rendered token ids of the first `n` distinct opening user turns (with any system
+    message before them) of the records of `data` after the first `skip`: prompts no run trained
+    on its first `skip` records has seen. A record opening with the assistant's turn has no
+    question to answer and is passed over, as is a prompt over `max_tokens` or seen before."""
+    return _record_prompts(data, render, skip, n, max_tokens, _opening)
+
+
+def later_turn_prompts(data: str | Path, render: Callable[[list[Message]], list[int]], skip: int, n: int,
+                       max_tokens: int) -> list[list[int]]:
+    """As `opening_prompts`, the later turns instead: each record of two user turns or more asks
+    its last one after the messages before it (`later_turn`); the prompt, context included, is
+    passed over when over `max_tokens`. bench/ab.py's heldout_turns set."""
+    return _record_prompts(data, render, skip, n, max_tokens, _later)
 
 
 def run_rounds(items: Sequence[EvalItem], render: Callable[[list[Message]], list[int]],

@@ -5,18 +5,20 @@
 Prompts: the training run's held-out samples (`training.data.split_ids` with train.eval_fraction and
 run.seed, over the same sample ids training split), the first `eval.num_prompts` of them,
 each cut where its first assistant turn starts (the first loss-masked token), so a prompt
-ends with the chat template's generation prompt.
+ends with the chat template's generation prompt; eval.prompts picks another set (their later
+turns, MT-bench, a file: eaglet/formats/eval_sets.py).
 
 For each prompt the target decodes speculatively with the draft (eaglet.engines.hf.decode: a chain or
 the EAGLE-2 tree, greedy or sampled) and, for the baseline, plainly with the same KV cache.
 Reported per prompt and overall: tau (tokens per target verification forward), acceptance
-rate per draft position, tokens/s of both decoders and the speedup, and at T=0 the lossless
+rate per draft position (overall also by the prompt's context length: eaglet/evaluation/
+context_length.py), tokens/s of both decoders and the speedup, and at T=0 the lossless
 check (the speculative output must equal the target's own greedy output token for token).
 
 Outputs in the stage folder: `eval.json` (settings, per prompt, aggregate, the untrained
 reference's tau per prompt, and `prompt_count`: the prompts eval.num_prompts asked for, the ones
 the set gave and why fewer) and `eval.png` (the trained draft beside the untrained one:
-acceptance per draft position and tau per prompt or category).
+acceptance per draft position, tau per prompt or category, tau by context length).
 
 Progress: each phase that decodes (the trained draft's speculative and plain decoding, the
 untrained reference's replay) feeds a tqdm bar over its new tokens as they are committed, with

@@ -19,7 +19,9 @@ the type's VLLM_SPECULATIVE keys: P-EAGLE's parallel_drafting) and k = eval.chai
    difference over eval.vllm_tolerance fails the stage (after the result is written) with the
    figures per draft position and the likely cause.
 
-The result goes to `<eval>/<setting>-vllm.json` next to the in-process one. A bar counts the
+The result goes to `<eval>/<setting>-vllm.json` next to the in-process one. It has no tau by
+context length (`by_context_length` None, with the note why): vLLM counts acceptance per pass,
+not per turn. A bar counts the
 prompts decoded over all these passes, naming the pass in its postfix.
 """
 
@@ -44,6 +46,8 @@ from ...formats.eval_sets import run_rounds
 from ...formats.serving import export_type
 
 MAX_DIVERGENCES = 10  # first divergences listed per comparison
+NO_TURN_COUNTS = ("vLLM's counters sum a whole pass over many prompts: no turn's own accepted counts, so no tau "
+                  "by context length here (the in-process result has it)")
 
 
 class EngineAgreementError(VerificationError):
@@ -140,6 +144,7 @@ def run_vllm_eval(cfg: Config, ctx: StageContext, inp: Any, eaglet_result: dict[
         "acceptance": acc, "acceptance_batch": sizes[0],
         "acceptance_by_batch": {f"batch_{b}": runs[f"draft_b{b}"][2].summary() for b in sizes},
         "speed": speed, "greedy_identity": identity,
+        "by_context_length": None, "by_context_length_note": NO_TURN_COUNTS,
         "agreement": None if eaglet_result is None else agreement(
             eaglet_result["aggregate"], acc, ecfg.vllm_tolerance, eaglet_dtype=eaglet_result["settings"]["dtype"],
             vllm_dtype=engine["dtype"]),
