@@ -41,7 +41,7 @@ def rms(x, w, eps):
     return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
 
 
-def written_out_attention(attn, x_TI, positions, inv_freq, cos_scale, eps):
+def written_out_attention(attn, x_TI, positions, inv_freq, cos_scale, eps, rope_scaling):
     """DeepSeek-V3's attention for one sequence, written out head by head and pair by pair:
     RoPE turns only the last `rope` dims of each query and of the one shared rope key, pair
     (2i, 2i+1) by angle position x inv_freq[i] (times the YaRN cos/sin scale); the scores are
@@ -66,7 +66,7 @@ def written_out_attention(attn, x_TI, positions, inv_freq, cos_scale, eps):
         return out
 
     keys_rope = [turn(k_rope[s], positions[s]) for s in range(T)]
-    scale = (nope + rope) ** -0.5 * mscale_squared(attn)
+    scale = (nope + rope) ** -0.5 * mscale_squared(rope_scaling)
     heads = []
     for h in range(H):
         q_h = q_all[:, h * (nope + rope):(h + 1) * (nope + rope)]
@@ -80,8 +80,11 @@ def written_out_attention(attn, x_TI, positions, inv_freq, cos_scale, eps):
     return torch.cat(heads, dim=-1) @ attn.o_proj.weight.T
 
 
-def mscale_squared(attn):
-    return attn.q_factor
+def mscale_squared(rope_scaling):
+    """DeepSeek's YaRN softmax factor, written out: (0.1 x mscale_all_dim x ln(factor) + 1)^2."""
+    if not rope_scaling:
+        return 1.0
+    return (0.1 * rope_scaling["mscale_all_dim"] * math.log(rope_scaling["factor"]) + 1) ** 2
 
 
 @pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["default-rope", "yarn"])
@@ -102,7 +105,7 @@ def test_mla_attention_is_the_written_out_reference(rope_scaling, q_lora_rank, l
     with torch.no_grad():
         q, k, v = attn.qkv(x, cos, sin)
         got = attn.out(cached_attention(q, k, v))[0]
-        want = written_out_attention(attn, x[0], pos[0], m.rope.inv_freq, m.rope.scale, c.rms_norm_eps)
+        want = written_out_attention(attn, x[0], pos[0], m.rope.inv_freq, m.rope.scale, c.rms_norm_eps, rope_scaling)
     # RoPE's tables are fp32 (as transformers makes them): ~1e-7 of each angle's cos and sin
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     assert q.shape == (1, 3, T, 14) and k.shape == (1, 3, T, 14) and v.shape == (1, 3, T, 5)
