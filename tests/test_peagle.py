@@ -21,7 +21,7 @@ from eaglet.draft.eagle3.loss import step_mask
 from eaglet.draft.peagle.loss import depth_loss, depth_ratio, host_rows, sample_depth_rows
 from eaglet.draft.peagle.model import PeagleConfig, PeagleDraft, auto_mask_token_id
 from eaglet.engines.hf.decode import TargetRunner, keep_cache_rows, new_cache, plain_generate
-from eaglet.formats.loaders import VLLM_KEYS, _get, _match, vllm_parameters, vllm_target
+from eaglet.formats.loaders import VLLM_KEYS, _match, config_value, vllm_parameters, vllm_target
 from eaglet.testing.tiny import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -333,7 +333,7 @@ def test_export_is_what_vllm_reads():
     m = tiny_draft(norm_before_residual=True)
     config, weights = peagle.serving(m, {**META, "dtype": "float32"})
     # the keys validate_speculators_config and the draft's builder read (eaglet/formats/loaders.py)
-    assert [k for k in VLLM_KEYS if _get(config, k) is None] == []
+    assert [k for k in VLLM_KEYS if config_value(config, k) is None] == []
     assert config["speculators_model_type"] == "peagle" and config["speculators_config"]["algorithm"] == "peagle"
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == m.config.num_depths
     assert config["mask_token_id"] == 7 and config["norm_before_residual"] is True

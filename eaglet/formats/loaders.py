@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from .loaders_common import (CONFIG_FILE, VLLM_VERSION, WEIGHTS_FILE, WEIGHTS_INDEX, ParamMap,  # noqa: F401
                              Target, d2t_problem, fc_problem, match_weights, read_config, tensor_shapes)
-from .loaders_common import config_value as _get
+from .loaders_common import config_value
 from .loaders_mla import is_mla_export, sglang_mla_problems, vllm_mla_problems
 
 SGLANG_VERSION = "0.5.23"
@@ -74,9 +74,9 @@ PEAGLE_KEYS = ("mask_token_id",)
 
 
 def _missing_keys(config: dict[str, Any], keys: tuple[str, ...], engine: str) -> list[str]:
-    out = [f"config.json has no {k!r}, which {engine} reads" for k in keys if _get(config, k) is None]
+    out = [f"config.json has no {k!r}, which {engine} reads" for k in keys if config_value(config, k) is None]
     tl = config.get("transformer_layer_config") if "speculators_model_type" in config else config
-    if isinstance(tl, dict) and tl.get("rope_theta") is None and _get(tl, "rope_parameters.rope_theta") is None:
+    if isinstance(tl, dict) and tl.get("rope_theta") is None and config_value(tl, "rope_parameters.rope_theta") is None:
         where = "transformer_layer_config." if tl is not config else ""
         out.append(f"config.json has neither {where}'rope_theta' nor {where}'rope_parameters', which {engine} reads")
     return out
